@@ -37,6 +37,12 @@ class ModelArch:
     # all experts, then take the top-k probabilities unnormalised (Qwen3-MoE without norm_topk_prob).
     moe_renormalize_topk: bool = True
     moe_layer_pattern: tuple[int, ...] = ()  # per layer, 1 = MoE, 0 = dense; empty = all MoE
+    # Router score function over the expert logits: "softmax" (Mixtral, Qwen-MoE) or "sigmoid".
+    moe_router_score_function: str = "softmax"
+    # Shared experts (an always-on dense MLP beside the routed ones); 0 = none. The gate is Qwen2-MoE's
+    # sigmoid gate on the shared-expert output.
+    moe_shared_expert_ffn_hidden_size: int = 0
+    moe_shared_expert_gate: bool = False
 
     @property
     def is_moe(self) -> bool:

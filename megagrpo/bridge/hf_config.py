@@ -1,0 +1,210 @@
+"""Hugging Face `config.json` <-> `ModelArch`.
+
+Only what the parameter maps and the learner can reproduce exactly is accepted. Anything else (rope
+scaling, sliding windows, biases megatron's local spec has no slot for, unknown model types) raises a
+`MegagrpoError` naming the field, because silently ignoring it would give a model that computes
+something other than the checkpoint it came from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megagrpo.config.model import FAMILIES, ModelArch
+from megagrpo.errors import MegagrpoError
+
+# HF architectures class written into an exported config.json, per family.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+def load_hf_config(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any], str]:
+    """Return (config dict, where it came from) for a dict, a model directory or a config.json path."""
+    if isinstance(config, dict):
+        return dict(config), "config"
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise MegagrpoError(f"{path}: no such file; pass a Hugging Face model directory containing config.json")
+    try:
+        return json.loads(path.read_text()), str(path)
+    except json.JSONDecodeError as e:
+        raise MegagrpoError(f"{path}: not valid JSON ({e}); restore the model's config.json") from e
+
+
+def _rope_theta(cfg: dict[str, Any], where: str) -> float:
+    # transformers >= 5 writes `rope_parameters`; older configs carry `rope_theta` + `rope_scaling`.
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise MegagrpoError(f"{where}: rope_parameters must be a mapping, got {params!r}")
+        if "rope_type" in params and not isinstance(params.get("rope_theta"), (int, float)):
+            # per-layer-type mappings ({"full_attention": {...}}) are not used by these families
+            raise MegagrpoError(f"{where}: rope_parameters without a numeric rope_theta: {params!r}")
+        rope_type = params.get("rope_type", "default")
+        if rope_type != "default":
+            raise MegagrpoError(
+                f"{where}: rope_parameters.rope_type={rope_type!r} is not supported (only 'default' rope; "
+                "rope scaling would be silently dropped by the learner); use a model without rope scaling"
+            )
+        extra = sorted(set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"})
+        if extra:
+            raise MegagrpoError(f"{where}: rope_parameters has unsupported keys {extra}; only default rope")
+        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise MegagrpoError(f"{where}: rope_parameters.partial_rotary_factor != 1 is not supported")
+        return float(params["rope_theta"])
+    scaling = cfg.get("rope_scaling")
+    if scaling not in (None, {}) and (not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type"))
+                                      not in (None, "default")):
+        raise MegagrpoError(f"{where}: rope_scaling={scaling!r} is not supported; only default rope")
+    return float(cfg.get("rope_theta", 10000.0))
+
+
+def _require(cfg: dict[str, Any], key: str, where: str) -> Any:
+    if cfg.get(key) is None:
+        raise MegagrpoError(f"{where}: required field {key!r} is missing")
+    return cfg[key]
+
+
+def _reject(cond: bool, where: str, field: str, value: Any, why: str) -> None:
+    if cond:
+        raise MegagrpoError(f"{where}: {field}={value!r} is not supported ({why})")
+
+
+def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
+    """Derive the framework-free `ModelArch` from a HF config (dict, model dir or config.json path)."""
+    cfg, where = load_hf_config(config)
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise MegagrpoError(
+            f"{where}: model_type={family!r} is not supported; supported model types: {', '.join(FAMILIES)}"
+        )
+    hidden = int(_require(cfg, "hidden_size", where))
+    heads = int(_require(cfg, "num_attention_heads", where))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    layers = int(_require(cfg, "num_hidden_layers", where))
+
+    act = cfg.get("hidden_act", "silu")
+    _reject(act != "silu", where, "hidden_act", act, "the maps fuse gate/up for SwiGLU only")
+    _reject(bool(cfg.get("mlp_bias")), where, "mlp_bias", cfg.get("mlp_bias"), "no MLP bias in the maps")
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
+        sw = cfg.get("use_sliding_window")
+        _reject(bool(sw), where, "use_sliding_window", sw, "sliding-window attention is not implemented")
+    if family == "mixtral":
+        sw = cfg.get("sliding_window")
+        _reject(sw is not None, where, "sliding_window", sw, "sliding-window attention is not implemented")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        _reject(True, where, "layer_types", layer_types, "only full attention is implemented")
+    attn_bias = bool(cfg.get("attention_bias", False))
+    if family == "qwen2":
+        qkv_bias = True  # Qwen2 always has q/k/v biases and no o_proj bias
+    else:
+        # llama's attention_bias also adds an o_proj bias, which megatron's local spec cannot hold
+        _reject(attn_bias, where, "attention_bias", attn_bias, "no o_proj bias slot in megatron's local spec")
+        qkv_bias = False
+
+    fields: dict[str, Any] = dict(
+        family=family,
+        vocab_size=int(_require(cfg, "vocab_size", where)),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden_size=int(_require(cfg, "intermediate_size", where)),
+        max_position_embeddings=int(_require(cfg, "max_position_embeddings", where)),
+        rope_theta=_rope_theta(cfg, where),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qkv_bias=qkv_bias,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    if heads % kv_heads:
+        raise MegagrpoError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+
+    if family in ("qwen3_moe", "mixtral"):
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        if experts is None:
+            raise MegagrpoError(f"{where}: required field 'num_local_experts' (or 'num_experts') is missing")
+        fields.update(num_experts=int(experts), moe_topk=int(_require(cfg, "num_experts_per_tok", where)))
+        if family == "mixtral":
+            fields.update(moe_ffn_hidden_size=fields["ffn_hidden_size"], moe_renormalize_topk=True)
+        else:
+            fields.update(
+                moe_ffn_hidden_size=int(_require(cfg, "moe_intermediate_size", where)),
+                moe_renormalize_topk=bool(cfg.get("norm_topk_prob", True)),
+            )
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            dense = set(cfg.get("mlp_only_layers") or [])
+            pattern = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
+            if not all(pattern):
+                fields["moe_layer_pattern"] = pattern
+            if not any(pattern):
+                raise MegagrpoError(f"{where}: mlp_only_layers/decoder_sparse_step leave no MoE layer")
+        if fields["moe_topk"] > fields["num_experts"]:
+            raise MegagrpoError(f"{where}: num_experts_per_tok > number of experts")
+    return ModelArch(**fields)
+
+
+def hf_config_from_arch(
+    arch: ModelArch, *, base: dict[str, Any] | None = None, dtype: str | None = None
+) -> dict[str, Any]:
+    """The HF config dict for `arch`, for export.
+
+    With `base` (the original config.json kept next to the checkpoint) its extra fields (token ids,
+    initializer range, ...) are preserved; the architecture fields always come from `arch`, and the
+    result must map back to `arch`. Fields not written take transformers' defaults on load. (Built as a
+    plain dict: importing transformers' config classes after `apply_cpu_compat()` fails, see the report.)
+    """
+    f = arch.family
+    kw: dict[str, Any] = dict(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        intermediate_size=arch.ffn_hidden_size,
+        max_position_embeddings=arch.max_position_embeddings,
+        rms_norm_eps=arch.norm_eps,
+        tie_word_embeddings=arch.tie_embeddings,
+        hidden_act="silu",
+    )
+    if f in ("qwen2", "qwen3", "qwen3_moe"):
+        kw["use_sliding_window"] = False
+    if f == "qwen3_moe":
+        pattern = arch.moe_layer_pattern or (1,) * arch.num_layers
+        kw.update(
+            num_experts=arch.num_experts,
+            num_experts_per_tok=arch.moe_topk,
+            moe_intermediate_size=arch.moe_ffn_hidden_size,
+            norm_topk_prob=arch.moe_renormalize_topk,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i, m in enumerate(pattern) if not m],
+        )
+    if f == "mixtral":
+        kw.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk)
+    cfg = dict(base or {})
+    for k in ("rope_theta", "rope_scaling", "num_experts", "num_local_experts", "architectures"):
+        cfg.pop(k, None)
+    cfg.update(kw)
+    cfg["rope_parameters"] = {"rope_theta": arch.rope_theta, "rope_type": "default"}
+    cfg["model_type"] = f
+    if dtype is not None:
+        cfg["dtype"] = dtype
+    cfg["architectures"] = [ARCHITECTURES[f]]
+    out = dict(sorted(cfg.items()))
+    back = arch_from_hf(out)
+    if back != arch:
+        raise MegagrpoError(f"exported config does not map back to the architecture: {back} != {arch}")
+    return out

@@ -1,0 +1,223 @@
+"""Reading and writing Hugging Face safetensors checkpoints, one tensor at a time.
+
+`HFCheckpoint` opens a model directory (single `model.safetensors` or a sharded index), checks that every
+tensor the map needs exists with the shape the config implies *before* anything is converted, and then
+reads tensors lazily. `write_hf_checkpoint` writes buckets of `(hf_name, tensor)` as they arrive into
+sharded safetensors plus an index, inside a temporary directory that is renamed into place only when
+everything succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megagrpo.bridge.hf_config import arch_from_hf
+from megagrpo.bridge.maps import ParamMap, param_maps
+from megagrpo.bridge.transforms import check_hf_shapes, to_megatron
+from megagrpo.config.model import ModelArch
+from megagrpo.errors import MegagrpoError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Buffers some exporters write that carry no learned weights.
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+# Files copied next to a converted checkpoint and back into an exported HF directory.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+)
+
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+
+
+class HFCheckpoint:
+    """A HF model directory opened for lazy, validated tensor reads."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise MegagrpoError(f"{self.dir}: not a directory; pass a Hugging Face model directory")
+        self.config = json.loads((self.dir / "config.json").read_text()) if (self.dir / "config.json").is_file() else None
+        self.arch: ModelArch = arch_from_hf(self.dir)
+        self.maps: list[ParamMap] = param_maps(self.arch)
+        self.file_of: dict[str, str] = self._index()
+        self._handles: dict[str, object] = {}
+        self._validate()
+
+    def _index(self) -> dict[str, str]:
+        idx = self.dir / INDEX
+        if idx.is_file():
+            try:
+                weight_map = json.loads(idx.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise MegagrpoError(f"{idx}: not a safetensors index (needs a 'weight_map'): {e}") from e
+            for fname in sorted(set(weight_map.values())):
+                if not (self.dir / fname).is_file():
+                    raise MegagrpoError(
+                        f"{self.dir / fname}: shard file listed in {INDEX} is missing; re-download the model"
+                    )
+            return dict(weight_map)
+        single = self.dir / SINGLE
+        if not single.is_file():
+            raise MegagrpoError(f"{self.dir}: neither {SINGLE} nor {INDEX} found; only safetensors are supported")
+        with safe_open(str(single), "pt") as f:
+            return {k: SINGLE for k in f.keys()}
+
+    def _handle(self, fname: str):
+        if fname not in self._handles:
+            try:
+                self._handles[fname] = safe_open(str(self.dir / fname), "pt")
+            except Exception as e:  # safetensors raises its own error types for truncated headers
+                raise MegagrpoError(f"{self.dir / fname}: cannot open as safetensors ({e})") from e
+        return self._handles[fname]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._handle(self.file_of[name]).get_slice(name).get_dtype()
+        if code not in _DTYPES:
+            raise MegagrpoError(f"tensor {name!r}: dtype {code} is not supported (float tensors only)")
+        return _DTYPES[code]
+
+    def _validate(self) -> None:
+        wanted = [n for m in self.maps for n in m.hf]
+        missing = [n for n in wanted if n not in self.file_of]
+        if missing:
+            raise MegagrpoError(
+                f"{self.dir}: tensor {missing[0]!r} (and {len(missing) - 1} more) missing from the checkpoint "
+                f"but required by config.json (model_type={self.arch.family})"
+            )
+        extra = sorted(set(self.file_of) - set(wanted))
+        extra = [n for n in extra if not n.endswith(_IGNORABLE_SUFFIXES)]
+        # tied checkpoints sometimes still store lm_head; it must then equal the embedding (checked on read)
+        if self.arch.tie_embeddings and "lm_head.weight" in extra:
+            extra.remove("lm_head.weight")
+        if extra:
+            raise MegagrpoError(
+                f"{self.dir}: tensor {extra[0]!r} (and {len(extra) - 1} more) is not part of a "
+                f"{self.arch.family} model with this config.json; the checkpoint and config disagree"
+            )
+        for m in self.maps:
+            for name, want in zip(m.hf, m.hf_shapes, strict=True):
+                got = self.shape(name)
+                if got != want:
+                    raise MegagrpoError(
+                        f"{self.dir / self.file_of[name]}: tensor {name!r} has shape {got} but config.json "
+                        f"implies {want}; the checkpoint and its config.json disagree"
+                    )
+                self.dtype(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(self.file_of[name]).get_tensor(name)
+
+    def tensors(self, pm: ParamMap) -> list[torch.Tensor]:
+        ts = [self.get(n) for n in pm.hf]
+        check_hf_shapes(pm, ts)
+        return ts
+
+    def megatron_tensor(self, pm: ParamMap, padded_vocab: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full megatron tensor for `pm` (reads only its HF sources)."""
+        full = to_megatron(pm, self.tensors(pm), self.arch, padded_vocab)
+        return full if dtype is None or full.dtype == dtype else full.to(dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def total_bytes(self) -> int:
+        return sum(os.path.getsize(self.dir / f) for f in set(self.file_of.values()))
+
+
+@contextmanager
+def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
+    """Yield a temp dir beside `out_dir`; on success rename it to `out_dir`, on failure delete it.
+
+    An existing non-empty `out_dir` is refused, so a failed run never destroys previous output.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MegagrpoError(f"{out}: output directory exists and is not empty; remove it or choose another path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_side_files(src: Path, dst: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
+    """Copy tokenizer / generation-config files that exist in `src`; return the names copied."""
+    copied = []
+    for n in names:
+        if (src / n).is_file():
+            shutil.copy2(src / n, dst / n)
+            copied.append(n)
+    return copied
+
+
+def write_hf_checkpoint(
+    out_dir: Path,
+    buckets: Iterable[list[tuple[str, torch.Tensor]]],
+    *,
+    expected_names: list[str] | None = None,
+    on_bucket: Callable[[int], None] | None = None,
+) -> dict[str, str]:
+    """Write each bucket as one safetensors shard in `out_dir` (an already-created temp dir) + the index.
+
+    Returns the weight map {hf_name: file}. With `expected_names`, the written key set must equal it.
+    """
+    files: list[list[str]] = []
+    total = 0
+    for i, bucket in enumerate(buckets):
+        if not bucket:
+            continue
+        tmp_name = f"part-{i:05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in bucket}, str(out_dir / tmp_name), metadata={"format": "pt"})
+        files.append([n for n, _ in bucket])
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
+        if on_bucket is not None:
+            on_bucket(sum(t.numel() * t.element_size() for _, t in bucket))
+    weight_map: dict[str, str] = {}
+    parts = sorted(p.name for p in out_dir.glob("part-*.safetensors"))
+    for j, (part, names) in enumerate(zip(parts, files, strict=True)):
+        final = SINGLE if len(files) == 1 else f"model-{j + 1:05d}-of-{len(files):05d}.safetensors"
+        (out_dir / part).rename(out_dir / final)
+        for n in names:
+            if n in weight_map:
+                raise RuntimeError(f"exporter produced {n!r} twice")
+            weight_map[n] = final
+    if expected_names is not None and set(weight_map) != set(expected_names):
+        missing = sorted(set(expected_names) - set(weight_map))
+        extra = sorted(set(weight_map) - set(expected_names))
+        raise RuntimeError(f"exported key set differs from the map: missing {missing[:3]}, extra {extra[:3]}")
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map

@@ -1,0 +1,233 @@
+"""Declarative HF <-> Megatron parameter maps, one table per architecture family.
+
+A `ParamMap` describes one megatron-core parameter in its *full* layout (TP=1, EP=1, PP=1; layers and
+experts numbered globally; local-spec names) and the Hugging Face tensors it is built from. Names for a
+particular rank (pipeline layer offset, expert-parallel rank, grouped experts, TE spec) come from
+`megatron_name`; tensor transforms live in `megagrpo.bridge.transforms`.
+
+Megatron layouts that the transforms reproduce (megatron-core 0.19, verified by instantiating the modules):
+- `linear_qkv.weight` [(nq + 2 nkv) * hd, H]: per query group g, the group's q heads, then k_g, then v_g
+  (`SelfAttention.get_query_key_value_tensors` views it as [ng, (nq/ng + 2) * hd]); TP splits whole groups.
+- `linear_fc1.weight` (SwiGLU) [2F, H] = cat(gate, up); each TP rank holds cat(gate_r, up_r).
+- `word_embeddings` / `output_layer` [padded_vocab, H]: rows beyond the HF vocab are zero padding.
+- experts: SequentialMLP `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` (local index i), TE grouped
+  `mlp.experts.linear_fc{1,2}.weight{i}`; both save under the same dist-checkpoint keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megagrpo.config.model import ModelArch
+from megagrpo.errors import MegagrpoError
+
+KINDS = ("copy", "qkv", "gate_up", "vocab")
+LAYER_PREFIX = "decoder.layers."
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """One megatron parameter (full layout) and the HF tensors it is made of.
+
+    mcore: global megatron name, e.g. `decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight`.
+    hf: HF names in the order the transform consumes them (q, k, v for "qkv"; gate, up for "gate_up").
+    kind: one of KINDS. tp_axis: the axis TP splits (None = replicated on every TP rank).
+    layer / expert: global indices (None outside decoder layers / for non-expert params).
+    hf_shapes: expected shape of each HF tensor, from the config. expert_tp: split over the expert-TP group.
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    kind: str
+    tp_axis: int | None
+    hf_shapes: tuple[tuple[int, ...], ...]
+    layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert is not None
+
+
+# Per-layer attention block: megatron suffix -> (kind, HF suffixes, tp_axis). Optional rows are keyed by the
+# ModelArch flag that enables them.
+_ATTN = {
+    "input_layernorm.weight": ("copy", ("input_layernorm.weight",), None),
+    "self_attention.linear_qkv.weight": (
+        "qkv",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        0,
+    ),
+    "self_attention.linear_proj.weight": ("copy", ("self_attn.o_proj.weight",), 1),
+    "pre_mlp_layernorm.weight": ("copy", ("post_attention_layernorm.weight",), None),
+}
+_QKV_BIAS = {
+    "self_attention.linear_qkv.bias": (
+        "qkv",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        0,
+    ),
+}
+_QK_NORM = {
+    "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_norm.weight",), None),
+    "self_attention.k_layernorm.weight": ("copy", ("self_attn.k_norm.weight",), None),
+}
+_DENSE_MLP = {
+    "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0),
+    "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",), 1),
+}
+
+# MoE block per family: router rows, then per-expert rows ({e} = global expert index).
+_MOE = {
+    "qwen3_moe": {
+        "router": {"mlp.router.weight": ("copy", ("mlp.gate.weight",), None)},
+        "expert": {
+            "linear_fc1.weight": ("gate_up", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), 0),
+            "linear_fc2.weight": ("copy", ("mlp.experts.{e}.down_proj.weight",), 1),
+        },
+    },
+    "mixtral": {
+        "router": {"mlp.router.weight": ("copy", ("block_sparse_moe.gate.weight",), None)},
+        "expert": {
+            "linear_fc1.weight": (
+                "gate_up",
+                ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+                0,
+            ),
+            "linear_fc2.weight": ("copy", ("block_sparse_moe.experts.{e}.w2.weight",), 1),
+        },
+    },
+}
+
+# TE spec fuses the pre-attention norm into linear_qkv and (dense layers only) the pre-MLP norm into fc1;
+# the local spec's `sharded_state_dict_keys_map` aliases its names to these in dist checkpoints.
+TE_NORM_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def _hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
+    """Shape of an HF tensor implied by the config (HF Linear weights are [out, in])."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_kv_heads * hd
+    leaf = hf_name.rsplit(".", 2)[-2:]
+    mod, kind = leaf[0], leaf[1]
+    expert = ".experts." in hf_name
+    f = arch.moe_ffn_hidden_size if expert else arch.ffn_hidden_size
+    table = {
+        "embed_tokens": (arch.vocab_size, h),
+        "lm_head": (arch.vocab_size, h),
+        "norm": (h,),
+        "input_layernorm": (h,),
+        "post_attention_layernorm": (h,),
+        "q_norm": (hd,),
+        "k_norm": (hd,),
+        "q_proj": (q, h) if kind == "weight" else (q,),
+        "k_proj": (kv, h) if kind == "weight" else (kv,),
+        "v_proj": (kv, h) if kind == "weight" else (kv,),
+        "o_proj": (h, q),
+        "gate_proj": (f, h),
+        "up_proj": (f, h),
+        "w1": (f, h),
+        "w3": (f, h),
+        "down_proj": (h, f),
+        "w2": (h, f),
+        "gate": (arch.num_experts, h),
+    }
+    return table[mod]
+
+
+def _rows(arch: ModelArch, table: dict, mcore_prefix: str, hf_prefix: str, layer: int, expert: int | None = None):
+    out = []
+    for suffix, (kind, hf_suffixes, tp_axis) in table.items():
+        hf = tuple(hf_prefix + s.format(e=expert) for s in hf_suffixes)
+        out.append(
+            ParamMap(
+                mcore=mcore_prefix + suffix,
+                hf=hf,
+                kind=kind,
+                tp_axis=tp_axis,
+                hf_shapes=tuple(_hf_shape(arch, n) for n in hf),
+                layer=layer,
+                expert=expert,
+            )
+        )
+    return out
+
+
+def param_maps(arch: ModelArch) -> list[ParamMap]:
+    """Every megatron parameter of `arch` in HF checkpoint order: embedding, layers, final norm, output."""
+    if arch.family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
+        raise MegagrpoError(f"model family {arch.family!r} has no parameter map")
+    if arch.is_moe and arch.family not in _MOE:
+        raise MegagrpoError(f"model family {arch.family!r} has no MoE parameter map")
+    emb = ("model.embed_tokens.weight",)
+    maps = [ParamMap("embedding.word_embeddings.weight", emb, "vocab", 0, (_hf_shape(arch, emb[0]),))]
+    moe_layers = set(arch.moe_layers())
+    for layer in range(arch.num_layers):
+        mp, hp = f"{LAYER_PREFIX}{layer}.", f"model.layers.{layer}."
+        maps += _rows(arch, _ATTN, mp, hp, layer)
+        if arch.qkv_bias:
+            maps += _rows(arch, _QKV_BIAS, mp, hp, layer)
+        if arch.qk_norm:
+            maps += _rows(arch, _QK_NORM, mp, hp, layer)
+        if layer in moe_layers:
+            moe = _MOE[arch.family]
+            maps += _rows(arch, moe["router"], mp, hp, layer)
+            for e in range(arch.num_experts):
+                maps += _rows(arch, moe["expert"], f"{mp}mlp.experts.local_experts.{e}.", hp, layer, e)
+        else:
+            maps += _rows(arch, _DENSE_MLP, mp, hp, layer)
+    maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None, ((arch.hidden_size,),)))
+    if not arch.tie_embeddings:
+        head = ("lm_head.weight",)
+        maps.append(ParamMap("output_layer.weight", head, "vocab", 0, (_hf_shape(arch, head[0]),)))
+    return maps
+
+
+def hf_names(arch: ModelArch) -> list[str]:
+    """All HF tensor names of `arch` (the key set of its safetensors checkpoint)."""
+    return [n for m in param_maps(arch) for n in m.hf]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank's model chunk sits in the full model, for naming its parameters.
+
+    layer_offset: global index of this chunk's first decoder layer (megatron numbers layers locally).
+    ep_rank / ep_size: expert-parallel rank and size (experts are split contiguously).
+    grouped_experts: TEGroupedMLP names (`experts.linear_fc1.weight{i}`) instead of SequentialMLP.
+    te_norms: TE-spec fused layernorm names.
+    """
+
+    layer_offset: int = 0
+    ep_rank: int = 0
+    ep_size: int = 1
+    grouped_experts: bool = False
+    te_norms: bool = False
+
+
+def megatron_name(pm: ParamMap, arch: ModelArch, place: Placement = Placement()) -> str | None:
+    """The name `pm` has inside one rank's model chunk, or None if its expert lives on another EP rank."""
+    name = pm.mcore
+    if pm.layer is None:
+        return name
+    rest = name[len(f"{LAYER_PREFIX}{pm.layer}.") :]
+    if pm.is_expert:
+        if arch.num_experts % place.ep_size:
+            raise MegagrpoError(f"num_experts={arch.num_experts} is not divisible by EP size {place.ep_size}")
+        n_local = arch.num_experts // place.ep_size
+        if pm.expert // n_local != place.ep_rank:
+            return None
+        local = pm.expert % n_local
+        leaf = rest.split(f"local_experts.{pm.expert}.", 1)[1]  # e.g. linear_fc1.weight
+        if place.grouped_experts:
+            rest = f"mlp.experts.{leaf}{local}"
+        else:
+            rest = f"mlp.experts.local_experts.{local}.{leaf}"
+    elif place.te_norms and rest in TE_NORM_NAMES:
+        dense = pm.layer not in set(arch.moe_layers())
+        if rest == "input_layernorm.weight" or dense:
+            rest = TE_NORM_NAMES[rest]
+    return f"{LAYER_PREFIX}{pm.layer - place.layer_offset}.{rest}"

@@ -1,0 +1,276 @@
+"""CPU compatibility for SGLang 0.5.23: an in-process `sglang.Engine` on a machine without CUDA.
+
+What is patched, and why (each through `megagrpo.compat.patching.replace`, which records the reason):
+
+* `SGLANG_USE_CPU_ENGINE=1` is exported. It selects SGLang's CPU platform, and `sglang.srt.utils.is_cpu()`
+  reads it once (`lru_cache`) and many modules freeze it at import (`_is_cpu = is_cpu()`), so it must be
+  set before any `sglang.srt` module is imported. `apply()` raises if that already happened with the
+  variable unset.
+* `sgl_kernel`: in CPU mode SGLang imports `assign_req_to_token_pool_cpu`, `copy_all_layer_kv_cache_cpu`,
+  `build_tree_kernel_efficient_cpu`, ... from `sgl_kernel` at module import. The CPU build of sgl-kernel is
+  not on PyPI (the wheels there are CUDA-only), so a stand-in module is put into `sys.modules`:
+  `assign_req_to_token_pool_cpu` is written in pure torch (it is the only kernel plain generation needs),
+  every other name resolves to a function that raises a `RuntimeError` naming the missing kernel when
+  called. `torch.ops.sgl_kernel` stays empty, so SGLang's AMX paths (`cpu_has_amx_support()`) stay off.
+* `sglang.srt.mem_cache.pool_host.common.alloc_with_host_register`: the routed-experts host buffer
+  (`enable_return_routed_experts`) is allocated through `ALLOC_MEMORY_FUNCS["cpu"]`, whose default calls
+  `cudaHostRegister` even on the CPU platform; without a driver that raises. Replaced by a plain allocation.
+* `torch.get_device_module`: with the CUDA build of torch on a machine with no GPU, the "current
+  accelerator" is still `cuda`, so `get_device_module()` returns `torch.cuda` and the scheduler's
+  `release_memory_occupation` crashes on `torch.get_device_module().synchronize()`. Without an argument it
+  now returns `torch.cpu` when no accelerator is available (what torch's own docstring promises).
+
+Subprocesses. `sglang.Engine` starts its scheduler (one per TP rank) with `multiprocessing` in `spawn` mode,
+so the child is a fresh interpreter: patches made in the parent are gone there. Two things make them
+active in the child without sitecustomize or an installed entry point:
+
+1. `Engine.run_scheduler_process_func` is SGLang's documented override point (a class attribute, passed
+   to `mp.Process(target=...)`). It is replaced by `scheduler_process_entry` below; spawn pickles the
+   target by reference, so the child imports this module, calls `apply()`, and only then imports and runs
+   SGLang's `run_scheduler_process`.
+2. Because the pickled process arguments (`ServerArgs`, ...) are unpickled in the child too, this module
+   also re-applies itself at import when the parent exported `MEGAGRPO_SGLANG_CPU_COMPAT=1`, so even an
+   import triggered while unpickling sees the stand-ins.
+
+The detokenizer subprocess is wrapped the same way (`Engine.run_detokenizer_process_func`): its imports reach
+`sglang.kernels.ops.kvcache.cache_move`, which imports `sgl_kernel` at module level.
+
+Hits in the child. `patching.HITS` counts in the process that ran the patched code; a scheduler's counts are
+invisible to the parent. If `MEGAGRPO_COMPAT_HITS_DIR` is set when the engine starts, each child appends the
+name of every patch the first time it is hit to `<dir>/<pid>.hits`; `read_child_hits(dir)` collects them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megagrpo.compat import patching
+from megagrpo.compat.patching import replace
+
+CHILD_ENV = "MEGAGRPO_SGLANG_CPU_COMPAT"
+HITS_DIR_ENV = "MEGAGRPO_COMPAT_HITS_DIR"
+
+# sgl_kernel names that have a real (pure torch) implementation here; all others raise when called.
+_IMPLEMENTED = ("assign_req_to_token_pool_cpu",)
+
+_applied = False
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
+    """Pure-torch `sgl_kernel.assign_req_to_token_pool_cpu`.
+
+    For request i (in batch order) write the KV-cache slots `out_cache_loc[o_i : o_i + n_i]` into
+    `req_to_token[req_pool_indices[i], start_offset[i] : end_offset[i]]`, where `n_i = end - start` and
+    `o_i` is the sum of the earlier `n_j` (the slots are packed request after request).
+    Shapes: req_pool_indices, start_offset, end_offset `[batch]`; req_to_token `[pool_size, pool_len]`;
+    out_cache_loc `[>= sum n_i]`.
+    """
+    del pool_len  # the row length of req_to_token; implicit in its shape
+    starts = start_offset.to(torch.int64)
+    lens = end_offset.to(torch.int64) - starts
+    total = int(lens.sum())
+    if total == 0:
+        return
+    rows = req_pool_indices.to(torch.int64).repeat_interleave(lens)
+    first = torch.cumsum(lens, 0) - lens  # packed offset of each request's first slot
+    cols = starts.repeat_interleave(lens) + torch.arange(total) - first.repeat_interleave(lens)
+    req_to_token[rows, cols] = out_cache_loc[:total].to(req_to_token.dtype)
+
+
+def _missing_kernel(name: str):
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"sgl_kernel.{name} is not available on this CPU: the CPU build of sgl-kernel is not on PyPI and "
+            "megagrpo's stand-in only implements "
+            f"{', '.join(_IMPLEMENTED)}. Use attention_backend='torch_native', disable_cuda_graph=True and "
+            "no speculative decoding / quantization / hicache on the CPU engine."
+        )
+
+    missing.__name__ = name
+    return missing
+
+
+def _install_sgl_kernel_stub() -> None:
+    existing = sys.modules.get("sgl_kernel")
+    if existing is not None and not getattr(existing, "__megagrpo_stub__", False):
+        return  # a real sgl_kernel is installed: leave it alone
+    if existing is None:
+        stub = types.ModuleType("sgl_kernel", "megagrpo stand-in for the CPU build of sgl-kernel")
+        stub.__megagrpo_stub__ = True
+
+        def __getattr__(name: str) -> Any:  # noqa: N807 (module-level __getattr__, PEP 562)
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _missing_kernel(name)
+
+        stub.__getattr__ = __getattr__
+        sys.modules["sgl_kernel"] = stub
+    replace(
+        sys.modules["sgl_kernel"],
+        "assign_req_to_token_pool_cpu",
+        assign_req_to_token_pool_cpu,
+        reason="sgl_kernel.assign_req_to_token_pool_cpu: the CPU sgl-kernel build is not on PyPI; "
+        "pure-torch scatter of new KV slots into req_to_token",
+    )
+
+
+def alloc_without_host_register(
+    dims: tuple,
+    dtype: torch.dtype,
+    device: str,
+    pin_memory: bool,
+    allocator: Any,
+    registration_granularity_bytes: int | None = None,
+) -> torch.Tensor:
+    """Plain host allocation: `cudaHostRegister` needs a CUDA driver, and pinning buys nothing on a CPU."""
+    del pin_memory, registration_granularity_bytes
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+_upstream_get_device_module = torch.get_device_module
+
+
+def get_device_module(device: Any = None) -> types.ModuleType:
+    """`torch.get_device_module`, but `None` means `torch.cpu` when no accelerator is actually available."""
+    if device is None and not torch.accelerator.is_available():
+        return torch.cpu
+    return _upstream_get_device_module(device)
+
+
+def _check_not_imported_too_early() -> None:
+    common = sys.modules.get("sglang.srt.utils.common")
+    if common is not None and not common.is_cpu():
+        raise RuntimeError(
+            "sglang.srt was imported before megagrpo.compat.apply_cpu_compat(sglang=True) set "
+            "SGLANG_USE_CPU_ENGINE=1, so SGLang froze the non-CPU platform. Call apply_cpu_compat at process "
+            "start, before importing sglang.srt (importing the top-level `sglang` package is fine)."
+        )
+
+
+def apply() -> None:
+    """Make `sglang.Engine` run here (CPU only; the caller checks CUDA). Idempotent; see the module doc."""
+    global _applied
+    if _applied:
+        return
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    os.environ[CHILD_ENV] = "1"  # inherited by spawned schedulers; re-applies this module at import there
+    _check_not_imported_too_early()
+    _install_sgl_kernel_stub()
+    replace(
+        torch,
+        "get_device_module",
+        get_device_module,
+        reason="torch.get_device_module: the CUDA build reports 'cuda' as the accelerator without a GPU, so "
+        "SchedulerWeightUpdater.release_memory_occupation crashed on torch.cuda.synchronize()",
+    )
+
+    from sglang.srt.mem_cache.pool_host import common as pool_host_common
+
+    replace(
+        pool_host_common,
+        "alloc_with_host_register",
+        alloc_without_host_register,
+        reason="pool_host.common.alloc_with_host_register (ALLOC_MEMORY_FUNCS default, used for the "
+        "routed-experts host buffer): cudaHostRegister needs a CUDA driver; plain allocation instead",
+    )
+    # ALLOC_MEMORY_FUNCS is a defaultdict whose factory looks the function up at call time; an entry
+    # already materialised for "cpu" would keep the old function.
+    if pool_host_common.ALLOC_MEMORY_FUNCS.get("cpu") is not None:
+        pool_host_common.ALLOC_MEMORY_FUNCS["cpu"] = pool_host_common.alloc_with_host_register
+
+    from sglang.srt.entrypoints.engine import Engine
+
+    replace(
+        Engine,
+        "run_scheduler_process_func",
+        staticmethod(scheduler_process_entry),
+        reason="Engine.run_scheduler_process_func (sglang.srt.managers.scheduler.run_scheduler_process): "
+        "spawned schedulers start without the parent's patches; this entry re-applies them first",
+        count_hits=False,
+    )
+    replace(
+        Engine,
+        "run_detokenizer_process_func",
+        staticmethod(detokenizer_process_entry),
+        reason="Engine.run_detokenizer_process_func (sglang.srt.managers.detokenizer_manager."
+        "run_detokenizer_process): its imports reach sgl_kernel, absent in the spawned child; re-apply first",
+        count_hits=False,
+    )
+    _applied = True
+
+
+def scheduler_process_entry(*args: Any, **kwargs: Any) -> Any:
+    """Target of every scheduler subprocess: apply the CPU patches, then run SGLang's scheduler."""
+    apply()
+    _report_hits_from_child()
+    patching.hit("Engine.run_scheduler_process_func")
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    return run_scheduler_process(*args, **kwargs)
+
+
+def detokenizer_process_entry(*args: Any, **kwargs: Any) -> Any:
+    """Target of the detokenizer subprocess: apply the CPU patches, then run SGLang's detokenizer."""
+    apply()
+    _report_hits_from_child()
+    patching.hit("Engine.run_detokenizer_process_func")
+    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+
+    return run_detokenizer_process(*args, **kwargs)
+
+
+class _FirstHitReporter(Counter):
+    """A `Counter` that appends a patch's name to `path` the first time it is counted."""
+
+    def __init__(self, path: Path, initial: Counter) -> None:
+        super().__init__(initial)
+        self._path = path
+
+    def __setitem__(self, key: str, value: int) -> None:
+        first = key not in self
+        super().__setitem__(key, value)
+        if first:
+            with open(self._path, "a") as f:  # one short O_APPEND write per name: safe across processes
+                f.write(key + "\n")
+
+
+def _report_hits_from_child() -> None:
+    hits_dir = os.environ.get(HITS_DIR_ENV)
+    if not hits_dir or isinstance(patching.HITS, _FirstHitReporter):
+        return
+    path = Path(hits_dir) / f"{os.getpid()}.hits"
+    reporter = _FirstHitReporter(path, patching.HITS)
+    for name in reporter:
+        with open(path, "a") as f:
+            f.write(name + "\n")
+    patching.HITS = reporter  # `replace`'s wrappers look HITS up in patching's globals at call time
+
+
+def read_child_hits(hits_dir: str | Path) -> dict[str, set[int]]:
+    """{patch name: pids of the subprocesses that hit it} from the files written under `hits_dir`."""
+    out: dict[str, set[int]] = {}
+    for path in Path(hits_dir).glob("*.hits"):
+        pid = int(path.stem)
+        for line in path.read_text().splitlines():
+            if line:
+                out.setdefault(line, set()).add(pid)
+    return out
+
+
+if os.environ.get(CHILD_ENV) == "1" and not torch.cuda.is_available():
+    # Imported in a spawned SGLang subprocess (the parent applied the patches): apply them here too.
+    apply()

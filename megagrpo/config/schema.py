@@ -1,0 +1,889 @@
+"""The one validated megagrpo config schema (pydantic v2, strict types, unknown keys rejected).
+
+Every field carries its default and a description; `tools/gen_config_docs.py` turns this module into
+`docs/config.md`, so the description is the field's documentation and must say why the field exists.
+Cross-field rules that need no runtime facts live in validators here; the rule that needs the world
+size lives in `check_mesh`. Validators raise `invalid(field, message)` so that the loader can name the
+full dotted path of the offending field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from megagrpo.errors import MegagrpoError
+
+Variant = Literal["grpo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "reinforce"]
+AdvantageMethod = Literal["grpo", "dr_grpo", "rloo", "batch_std", "rank", "gdpo"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KlEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+# (clip_low, clip_high) used when the YAML leaves them null. Ratio-clipped variants need very different
+# scales: a sequence ratio (GSPO) is a geometric mean and moves ~1000x less than a token ratio.
+VARIANT_CLIP_DEFAULTS: dict[str, tuple[float | None, float]] = {
+    "grpo": (0.2, 0.28),  # PPO clip 0.2 with DAPO clip-higher 0.28 (DAPO, arXiv 2503.14476, Sec. 3.1)
+    "gspo": (3e-4, 4e-4),  # GSPO paper (arXiv 2507.18071, Sec. 5.1)
+    "gspo_token": (3e-4, 4e-4),  # same value as gspo; only the gradient routing differs
+    "gmpo": (0.4, 0.4),  # GMPO clips token LOG-ratios to (-0.4, 0.4) (arXiv 2507.20673, Sec. 4)
+    "cispo": (None, 0.28),  # CISPO caps the IS weight at 1+clip_high and has no lower bound (MiniMax-M1)
+    "sapo": (0.2, 0.28),  # SAPO replaces clipping with soft gates; clips are unused
+    "reinforce": (0.2, 0.28),  # no ratio; clips are unused
+}
+
+# Fields left null in YAML that validators fill from other fields; docs show them as null (their YAML default).
+RESOLVED_FIELDS = frozenset(
+    {"algo.clip_low", "algo.clip_high", "algo.agg_constant", "algo.soft_overlong.max_len"}
+)
+
+# Every advantage estimator in megagrpo.algo is group-relative, so a group of one has no baseline.
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "batch_std", "rank", "gdpo")
+
+
+def invalid(field: str, message: str) -> PydanticCustomError:
+    """A validation error whose `field` (relative to the validated model) the loader joins to the path."""
+    return PydanticCustomError("megagrpo_invalid", "{message}", {"field": field, "message": message})
+
+
+class Section(BaseModel):
+    """Base of every section: strict types (no "8" -> 8 coercion) and no unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class ModelConfig(Section):
+    hf_path: str = Field(
+        description="Hugging Face model directory (config.json, safetensors, tokenizer) the run starts "
+        "from; the learner and the SGLang engine both load it. Required: there is no sensible default."
+    )
+    tokenizer_path: str | None = Field(
+        default=None,
+        description="Tokenizer directory when it differs from hf_path; null uses hf_path. Lets a "
+        "checkpoint reuse the base model's tokenizer and chat template.",
+    )
+    dtype: DType = Field(
+        default="auto",
+        description="Learner parameter/compute dtype. auto = bfloat16 on GPU, float32 on CPU (CPU kernels "
+        "are fp32-only, and the distributed tests compare to fp32 tolerance).",
+    )
+    fp8: Literal["none", "hybrid", "e4m3"] | None = Field(
+        default=None,
+        description="Learner FP8 training via megatron-core fp8 (GPU + Transformer Engine only); "
+        "null/none disables. hybrid = e4m3 forward, e5m2 backward.",
+    )
+    fp8_recipe: Literal["delayed", "blockwise"] = Field(
+        default="delayed",
+        description="FP8 scaling recipe when fp8 is on: delayed (amax history) or blockwise (per-block "
+        "scales, needed by recent FP8 MoE checkpoints).",
+    )
+    layer_spec: Literal["auto", "local", "transformer_engine"] = Field(
+        default="auto",
+        description="megatron-core layer implementation. auto = transformer_engine on GPU, local on CPU "
+        "(Transformer Engine has no CPU build).",
+    )
+    recompute_activations: bool = Field(
+        default=False,
+        description="Full activation recompute in the learner: trades compute for memory on long "
+        "responses. With replay R2 the recorded routes are replayed in the recompute too.",
+    )
+    ref_offload: bool = Field(
+        default=False,
+        description="Keep the frozen KL reference model's weights on CPU between uses (GPU memory saver). "
+        "Only used when algo.kl.coef > 0.",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- mesh
+
+
+class MeshConfig(Section):
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel size (attention + dense MLP + vocab).")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel size (layers split into stages).")
+    ep: int = Field(default=1, ge=1, description="Expert-parallel size (experts split across ranks).")
+    etp: int = Field(
+        default=1,
+        ge=1,
+        description="Expert tensor-parallel size (each expert's MLP split); 1 keeps experts whole, which "
+        "is what small experts want.",
+    )
+    cp: int = Field(default=1, ge=1, description="Context-parallel size (sequence split for long inputs).")
+    sequence_parallel: bool = Field(
+        default=False,
+        description="Megatron sequence parallelism within the TP group: shards layer-norm/dropout "
+        "activations. Needs tp > 1; megatron-core requires it when both tp > 1 and ep > 1.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MeshConfig:
+        if self.sequence_parallel and self.tp == 1:
+            raise invalid(
+                "sequence_parallel", "true needs tp > 1; set mesh.sequence_parallel=false or tp >= 2"
+            )
+        if self.tp > 1 and self.ep > 1 and not self.sequence_parallel:
+            raise invalid(
+                "sequence_parallel",
+                f"false with tp={self.tp} and ep={self.ep}; megatron-core requires sequence parallelism "
+                "when expert and tensor parallelism are combined: set mesh.sequence_parallel=true",
+            )
+        return self
+
+
+# ------------------------------------------------------------------------------------------- rollout
+
+
+class RolloutConfig(Section):
+    engine_tp: int = Field(
+        default=1,
+        ge=1,
+        description="Tensor-parallel size of each colocated SGLang engine; world_size / engine_tp engines "
+        "run. Independent of the learner mesh: inference usually wants less sharding.",
+    )
+    mem_fraction_static: float = Field(
+        default=0.5,
+        gt=0.0,
+        lt=1.0,
+        description="SGLang's share of device memory for weights + KV cache. The learner shares the GPU, "
+        "so this is lower than SGLang's standalone default.",
+    )
+    dtype: DType = Field(
+        default="auto",
+        description="Sampler dtype. auto = bfloat16 on GPU, float32 on CPU. A dtype differing from the "
+        "learner's is a mismatch source that TIS/MIS corrects.",
+    )
+    fp8: bool = Field(
+        default=False,
+        description="FP8 rollout (SGLang quantization='fp8', GPU only): faster sampling at the cost of "
+        "a larger train/inference mismatch.",
+    )
+    group_size: int = Field(
+        default=8,
+        ge=1,
+        description="G, completions sampled per prompt. Group-relative advantages need G >= 2; larger G "
+        "gives lower-variance baselines and fewer all-equal groups.",
+    )
+    prompts_per_step: int = Field(
+        default=32,
+        ge=1,
+        description="Prompts per training step (the global batch is prompts_per_step * group_size "
+        "completions after dynamic sampling refills it).",
+    )
+    temperature: float = Field(
+        default=1.0,
+        gt=0.0,
+        description="Sampling temperature for training rollouts. 1.0 samples the policy being optimised; "
+        "other values make the rollout off-policy.",
+    )
+    top_p: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling for training rollouts. 1.0 keeps them on-policy (truncation makes "
+        "sampler and learner distributions differ).",
+    )
+    max_new_tokens: int = Field(default=1024, ge=1, description="Maximum response length in tokens.")
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Extra stop strings (the tokenizer's EOS always stops). E.g. ['</answer>'] ends a "
+        "response at its strict answer tag.",
+    )
+    oversample: float = Field(
+        default=1.25,
+        ge=1.0,
+        description="Dynamic sampling: each refill round requests ceil(missing_prompts * oversample) "
+        "prompts, anticipating that some groups are dropped for zero reward variance.",
+    )
+    max_rounds: int = Field(
+        default=3,
+        ge=1,
+        description="Dynamic sampling: cap on sampling rounds per step; after it the step trains on the "
+        "groups it has (logged as rollout/rounds and rollout/dropped_frac) instead of looping forever.",
+    )
+    eval_temperature: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Temperature for held-out evaluation; 0 = greedy so accuracy is comparable across steps.",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- algo
+
+
+class KlConfig(Section):
+    coef: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Weight of the KL penalty to the frozen reference model. 0 disables it and skips "
+        "the reference model entirely (DAPO and Dr. GRPO drop KL for verifiable rewards).",
+    )
+    estimator: KlEstimator = Field(
+        default="low_var_kl",
+        description="Per-token KL estimator: k1 (log-ratio), k2 (squared), k3 (unbiased, non-negative), "
+        "low_var_kl (k3 clamped to [-10, 10], robust to rare huge ratios).",
+    )
+    placement: Literal["loss", "reward"] = Field(
+        default="loss",
+        description="loss: add coef*KL to the objective (GRPO paper); reward: subtract it from the "
+        "reward before advantages (classic RLHF shaping).",
+    )
+
+
+class SoftOverlongConfig(Section):
+    enabled: bool = Field(
+        default=False,
+        description="DAPO soft overlong punishment: a length penalty ramping linearly over the last "
+        "cache_len tokens before max_len, so truncation is discouraged smoothly.",
+    )
+    max_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Length at which the full penalty applies; null = rollout.max_new_tokens.",
+    )
+    cache_len: int = Field(
+        default=256,
+        ge=1,
+        description="Width of the penalty ramp in tokens (DAPO's L_cache); must be below max_len.",
+    )
+    factor: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="Penalty at max_len (the ramp goes from 0 to -factor).",
+    )
+
+
+class AutoCapConfig(Section):
+    quantile: float = Field(
+        default=0.999,
+        gt=0.5,
+        lt=1.0,
+        description="cap 'auto': the cap is this quantile of measured token ratios over the window "
+        "(p99.9 leaves the bulk untouched and cuts only the tail).",
+    )
+    window: int = Field(
+        default=10,
+        ge=1,
+        description="cap 'auto': number of recent steps whose ratios feed the quantile; smooths the cap.",
+    )
+    clamp: list[float] = Field(
+        default_factory=lambda: [1.5, 10.0],
+        description="cap 'auto': [low, high] bounds on the computed cap, so a calm or wild step cannot "
+        "set an absurd cap. Needs 1 <= low <= high.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoCapConfig:
+        if len(self.clamp) != 2 or not 1.0 <= self.clamp[0] <= self.clamp[1]:
+            raise invalid("clamp", f"{self.clamp} must be [low, high] with 1 <= low <= high")
+        return self
+
+
+class ImportanceConfig(Section):
+    """Train/inference importance correction (TIS truncates, MIS masks); both may be on at once."""
+
+    enabled: bool = Field(default=False, description="Apply this correction to the policy loss.")
+    level: Literal["token", "sequence", "geometric"] = Field(
+        default="token",
+        description="Ratio level: token ratio, sequence product, or geometric mean of token ratios "
+        "(length-independent sequence ratio).",
+    )
+    mode: Literal["truncate", "mask", "icepop"] = Field(
+        default="truncate",
+        description="truncate: w=min(ratio, cap) (TIS); mask: zero weight outside [cap_low, cap] (MIS); "
+        "icepop: two-sided token mask.",
+    )
+    cap: float | Literal["auto"] = Field(
+        default=2.0,
+        description="Upper ratio bound (> 1), or 'auto' to set it every step from measured mismatch "
+        "(see auto; logged as mismatch/tis_cap).",
+    )
+    cap_low: float | None = Field(
+        default=None,
+        description="Lower ratio bound in (0, 1) for mask/icepop; null = 1/cap (symmetric in log space).",
+    )
+    veto_low: float | None = Field(
+        default=None,
+        description="Sequence veto: drop a whole sequence when any of its token ratios is below this "
+        "(catches a catastrophic token that a mean would hide); null disables.",
+    )
+    auto: AutoCapConfig = Field(
+        default_factory=AutoCapConfig, description="Rule that sets the cap when cap is 'auto'."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ImportanceConfig:
+        if self.cap != "auto" and self.cap <= 1.0:
+            raise invalid(
+                "cap", f"{self.cap} must be > 1 (a ratio cap at or below 1 rejects on-policy tokens)"
+            )
+        if self.cap_low is not None and not 0.0 < self.cap_low < 1.0:
+            raise invalid("cap_low", f"{self.cap_low} must be in (0, 1)")
+        if self.veto_low is not None and not 0.0 < self.veto_low < 1.0:
+            raise invalid("veto_low", f"{self.veto_low} must be in (0, 1)")
+        return self
+
+
+class AlgoConfig(Section):
+    variant: Variant = Field(
+        default="grpo",
+        description="Policy objective: grpo (PPO token clip), gspo (sequence ratio), gspo_token, gmpo "
+        "(geometric mean), cispo (clipped IS weight, no token dropped), sapo (soft gates), reinforce.",
+    )
+    clip_low: float | None = Field(
+        default=None,
+        description="Lower clip epsilon (ratio >= 1-clip_low; for gmpo a log-ratio bound). null = the "
+        "variant's published default: grpo 0.2, gspo 3e-4, gmpo 0.4, cispo none (no lower bound).",
+    )
+    clip_high: float | None = Field(
+        default=None,
+        description="Upper clip epsilon (ratio <= 1+clip_high); above clip_low = DAPO clip-higher. "
+        "null = variant default: grpo/cispo 0.28, gspo 4e-4, gmpo 0.4 (log-ratio).",
+    )
+    clip_ratio_c: float | None = Field(
+        default=None,
+        description="Dual-clip bound c > 1 for negative advantages (ratio capped at c); null disables.",
+    )
+    sapo_tau_pos: float = Field(
+        default=1.0, gt=0.0, description="SAPO gate temperature for positive advantages."
+    )
+    sapo_tau_neg: float = Field(
+        default=1.05,
+        gt=0.0,
+        description="SAPO gate temperature for negative advantages (slightly larger: negative updates "
+        "spread to many tokens and are damped faster).",
+    )
+    agg: AggMode = Field(
+        default="token-mean",
+        description="Loss aggregation. token-mean (DAPO) weighs every token equally so long responses "
+        "are not under-weighted; seq-mean-token-sum-norm divides by agg_constant (Dr. GRPO).",
+    )
+    agg_constant: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Fixed denominator for seq-mean-token-sum-norm; null = rollout.max_new_tokens.",
+    )
+    advantages: AdvantageMethod = Field(
+        default="grpo",
+        description="Advantage estimator: grpo (group z-score), dr_grpo (mean-centred, no std), rloo "
+        "(leave-one-out), batch_std (batch std), rank (GOPO ranks), gdpo (per-reward group "
+        "normalisation; needs rewards.combine=gdpo).",
+    )
+    adv_eps: float = Field(
+        default=1e-6, gt=0.0, description="Added to the group std so all-equal groups do not divide by 0."
+    )
+    kl: KlConfig = Field(default_factory=KlConfig, description="KL to a frozen reference model.")
+    entropy_coef: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Entropy bonus weight; 0 off. Usually unnecessary with clip-higher and can blow up.",
+    )
+    dynamic_sampling: bool = Field(
+        default=True,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage, "
+        "no gradient) and refill the batch (see rollout.oversample, max_rounds).",
+    )
+    overlong_filter: bool = Field(
+        default=False,
+        description="DAPO overlong filtering: exclude truncated (finish_reason=length) responses from the "
+        "loss, since their reward judges an unfinished answer.",
+    )
+    soft_overlong: SoftOverlongConfig = Field(
+        default_factory=SoftOverlongConfig, description="DAPO soft overlong length penalty on the reward."
+    )
+    tis: ImportanceConfig = Field(
+        default_factory=ImportanceConfig,
+        description="Truncated importance sampling between sampler and learner probabilities.",
+    )
+    mis: ImportanceConfig = Field(
+        default_factory=lambda: ImportanceConfig(mode="mask"),
+        description="Masked importance sampling: drops tokens/sequences whose sampler/learner ratio is "
+        "out of range (default mode mask).",
+    )
+    router_shift: bool = Field(
+        default=False,
+        description="RSPO: multiply each token's objective by the stop-gradient router-shift weight "
+        "gamma (MoE only), down-weighting tokens whose routing moved since the old policy.",
+    )
+    router_shift_gamma_min: float = Field(
+        default=0.8,
+        ge=0.0,
+        lt=1.0,
+        description="RSPO lower-bound floor: gamma = max(gamma, gamma_min), so a token whose routing moved "
+        "a lot is down-weighted but never silenced (RSPO, arXiv 2510.23027, Sec. 3).",
+    )
+    old_logp: Literal["recompute", "rollout"] = Field(
+        default="recompute",
+        description="recompute: old-policy logprobs from a learner forward (ratios exclude sampler "
+        "mismatch); rollout: use the sampler's logprobs (saves a forward; the ratio carries the mismatch).",
+    )
+    ppo_mini_batches: int = Field(
+        default=1,
+        ge=1,
+        description="Optimizer steps per rollout batch (the batch is split into this many mini-batches). "
+        "1 = strictly on-policy.",
+    )
+    ppo_epochs: int = Field(
+        default=1, ge=1, description="Passes over the rollout batch; >1 reuses samples (more off-policy)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        low, high = VARIANT_CLIP_DEFAULTS[self.variant]
+        if self.clip_low is None:
+            self.clip_low = low  # stays None for cispo: no lower bound
+        if self.clip_high is None:
+            self.clip_high = high
+        if self.variant == "gmpo" and self.clip_low <= 0.0:
+            raise invalid(
+                "clip_low", f"{self.clip_low} must be > 0: gmpo bounds the token log-ratio by -clip_low"
+            )
+        if self.variant != "gmpo" and self.clip_low is not None and not 0.0 < self.clip_low < 1.0:
+            raise invalid(
+                "clip_low", f"{self.clip_low} must be in (0, 1): the lower ratio bound is 1-clip_low"
+            )
+        if self.clip_high <= 0.0:
+            raise invalid("clip_high", f"{self.clip_high} must be > 0: the upper ratio bound is 1+clip_high")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0 + self.clip_high:
+            raise invalid(
+                "clip_ratio_c",
+                f"{self.clip_ratio_c} must exceed 1+clip_high={1 + self.clip_high:g} (dual clip is a "
+                "bound beyond the normal clip; 3.0 is the usual value) or be null",
+            )
+        return self
+
+
+# -------------------------------------------------------------------------------------- data, rewards
+
+
+class SyntheticConfig(Section):
+    task: Literal["addition", "countdown"] = Field(
+        description="Synthetic verifiable task: addition (a + b, strict <answer>N</answer>) or countdown "
+        "(reach a target with + - * and given numbers)."
+    )
+    min_digits: int = Field(default=2, ge=1, description="addition: fewest digits per operand.")
+    max_digits: int = Field(default=3, ge=1, description="addition: most digits per operand.")
+    num_numbers: int = Field(default=3, ge=2, description="countdown: how many numbers are given.")
+    max_number: int = Field(default=20, ge=2, description="countdown: numbers are drawn from 1..max_number.")
+    num_train: int = Field(default=2000, ge=1, description="Number of generated training problems.")
+    num_eval: int = Field(
+        default=200, ge=0, description="Number of generated held-out problems (disjoint from training)."
+    )
+    seed: int = Field(
+        default=1234,
+        description="Generator seed; the same seed always gives the same problems (independent of "
+        "schedule.seed so the data stay fixed while the training seed varies).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> SyntheticConfig:
+        if self.min_digits > self.max_digits:
+            raise invalid("min_digits", f"{self.min_digits} exceeds max_digits={self.max_digits}")
+        return self
+
+
+class DataConfig(Section):
+    train_path: str | None = Field(
+        default=None,
+        description="Training prompts: a local .jsonl or .parquet file (read offline). Exactly one of "
+        "train_path and synthetic must be set.",
+    )
+    synthetic: SyntheticConfig | None = Field(
+        default=None, description="Generate a synthetic task instead of reading train_path."
+    )
+    eval_path: str | None = Field(
+        default=None,
+        description="Held-out prompts file; null splits heldout_fraction off train_path instead.",
+    )
+    heldout_fraction: float = Field(
+        default=0.05,
+        ge=0.0,
+        lt=1.0,
+        description="Share of train_path held out for evaluation when eval_path is null (seeded split).",
+    )
+    max_eval_prompts: int = Field(
+        default=256, ge=0, description="Cap on held-out prompts evaluated, to bound evaluation time."
+    )
+    prompt_key: str = Field(
+        default="prompt",
+        description="Row field with the prompt: a string, or a list of {role, content} chat messages.",
+    )
+    answer_key: str = Field(
+        default="answer", description="Row field with the reference answer the verifiers compare against."
+    )
+    completion_key: str = Field(
+        default="completion", description="Row field with the target response (SFT data only)."
+    )
+    prompt_template: str = Field(
+        default="{prompt}",
+        description="Python format string applied to a string prompt with the row's fields, e.g. "
+        "'{prompt}\\nAnswer in <answer></answer> tags.'",
+    )
+    system_prompt: str | None = Field(
+        default=None, description="System message prepended when the chat template is used; null = none."
+    )
+    use_chat_template: bool = Field(
+        default=True,
+        description="Wrap prompts with the tokenizer's chat template (with the generation prompt), as "
+        "the model saw in instruction tuning. false sends the raw template text.",
+    )
+    max_prompt_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="Prompts longer than this (after templating) are malformed rows (see malformed).",
+    )
+    malformed: Literal["skip", "fatal"] = Field(
+        default="skip",
+        description="A malformed row (bad JSON, missing/empty field, too long) is reported with "
+        "file:line, then skipped and counted (skip) or stops loading with an error (fatal).",
+    )
+    shuffle: bool = Field(
+        default=True, description="Reshuffle the training prompts every epoch (seeded by schedule.seed)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if (self.train_path is None) == (self.synthetic is None):
+            which = "both are set" if self.train_path else "neither is set"
+            raise invalid(
+                "train_path", f"set exactly one of train_path and synthetic in this data section ({which})"
+            )
+        return self
+
+
+class RewardFnConfig(Section):
+    name: str = Field(
+        description="Built-in verifier (math, exact_match, format, arithmetic, countdown) or a dotted "
+        "import path 'package.module:function' (or 'package.module.function') of a user reward."
+    )
+    weight: float = Field(default=1.0, description="Weight in the combined reward (and in GDPO's sum).")
+    timeout_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="Per-completion time limit; a call that exceeds it scores 0 and counts in "
+        "reward/timeouts instead of stalling the step.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options for the reward: passed to a built-in's factory, or, when non-empty, the user "
+        "callable is treated as a factory and called with them to get the reward function.",
+    )
+    label: str | None = Field(
+        default=None,
+        description="Name in metrics (reward/<label>/mean); null = the built-in name or the function name.",
+    )
+
+
+class RewardsConfig(Section):
+    functions: list[RewardFnConfig] = Field(
+        default_factory=lambda: [RewardFnConfig(name="math")],
+        description="Reward functions scored on every completion.",
+    )
+    combine: Literal["weighted", "gdpo"] = Field(
+        default="weighted",
+        description="weighted: reward = sum of weight * score; gdpo: keep the [n, G, K] scores and let "
+        "GDPO normalise each reward within its group before weighting (needs algo.advantages=gdpo).",
+    )
+    num_workers: int = Field(
+        default=2,
+        ge=1,
+        description="Reward worker threads. Verifiers are short Python calls; threads let a deadline "
+        "abandon a stuck one without pickling user functions into processes.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardsConfig:
+        if not self.functions:
+            raise invalid("functions", "is empty; give at least one reward function")
+        labels = [f.label or f.name for f in self.functions]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise invalid("functions", f"duplicate reward names {dup}; give each a distinct label")
+        return self
+
+
+# ---------------------------------------------------------------------------------- optimisation, run
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(
+        default=1e-6, gt=0.0, description="Peak learning rate (RL fine-tuning uses ~1e-6 on large models)."
+    )
+    min_lr: float = Field(default=0.0, ge=0.0, description="Floor the decay schedule ends at.")
+    weight_decay: float = Field(default=0.01, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999], description="AdamW (beta1, beta2).")
+    eps: float = Field(
+        default=1e-8, gt=0.0, description="AdamW epsilon added to the second-moment root (numerical safety)."
+    )
+    clip_grad: float = Field(
+        default=1.0, ge=0.0, description="Global grad-norm clip; 0 disables. Guards against rare huge ratios."
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="Linear LR warmup steps.")
+    decay: Literal["constant", "linear", "cosine"] = Field(
+        default="constant",
+        description="LR decay after warmup. constant is the RL norm (the data distribution moves).",
+    )
+    distributed: bool = Field(
+        default=True,
+        description="megatron DistributedOptimizer: shard optimizer state across data-parallel ranks.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise invalid("betas", f"{self.betas} must be two numbers in [0, 1)")
+        if self.min_lr > self.lr:
+            raise invalid("min_lr", f"{self.min_lr} exceeds lr={self.lr}")
+        return self
+
+
+class ScheduleConfig(Section):
+    steps: int = Field(default=100, ge=1, description="Training steps (one rollout batch each).")
+    micro_batch_size: int = Field(
+        default=1, ge=1, description="Sequences per learner micro-batch per rank (memory knob only)."
+    )
+    seed: int = Field(default=0, description="Seed for sampling, shuffling and init; a seeded run repeats.")
+    eval_every: int = Field(
+        default=10, ge=0, description="Held-out evaluation every N steps (and at start and end); 0 = never."
+    )
+    save_every: int = Field(
+        default=50, ge=0, description="Checkpoint every N steps (and at the end); 0 = end only."
+    )
+
+
+class CheckpointConfig(Section):
+    dir: str = Field(default="outputs/checkpoints", description="Checkpoint directory (step_N subfolders).")
+    keep_last: int = Field(
+        default=2, ge=1, description="Checkpoints kept; older ones are deleted after a successful save."
+    )
+    resume: str = Field(
+        default="auto",
+        description="auto: continue from the latest checkpoint in dir if any; none: start fresh; or a "
+        "checkpoint path.",
+    )
+
+
+class HealthThresholds(Section):
+    window: int = Field(
+        default=5, ge=1, description="Steps per window; the last window is compared to the one before."
+    )
+    entropy_drop: float = Field(
+        default=0.5,
+        gt=0.0,
+        lt=1.0,
+        description="Warn 'entropy collapsing' when entropy falls below this fraction.",
+    )
+    length_growth: float = Field(
+        default=2.0,
+        gt=1.0,
+        description="Warn 'length exploding' when mean response length grows by this factor.",
+    )
+    reward_flat_tol: float = Field(
+        default=0.01, ge=0.0, description="Reward change below this counts as flat."
+    )
+    clip_rise: float = Field(
+        default=0.05,
+        ge=0.0,
+        description="Warn when the clip fraction rises by this much while reward is flat.",
+    )
+
+
+class LoggingConfig(Section):
+    out_dir: str = Field(default="outputs/run", description="Run directory: metrics, TensorBoard, report.")
+    jsonl: bool = Field(default=True, description="Write metrics.jsonl (one JSON object per step).")
+    tensorboard: bool = Field(default=True, description="Write TensorBoard event files.")
+    console: bool = Field(default=True, description="One-line console summary per step and a progress bar.")
+    health: HealthThresholds = Field(
+        default_factory=HealthThresholds, description="Training-health warning thresholds."
+    )
+
+
+class DiagnosticsConfig(Section):
+    mismatch: bool = Field(
+        default=True, description="Compute mismatch/ metrics (sampler vs learner) every step; cheap."
+    )
+    shadow_routing: bool = Field(
+        default=False,
+        description="Extra learner pass without R3 to attribute mismatch to routing (mismatch/routing_share).",
+    )
+    shadow_precision: bool = Field(
+        default=False,
+        description="Extra fp32 learner pass to attribute mismatch to precision (mismatch/numeric_share).",
+    )
+
+
+class SyncConfig(Section):
+    bucket_mb: int = Field(
+        default=512,
+        ge=1,
+        description="Weight-sync bucket size in MiB: bigger buckets mean fewer calls, smaller bound the "
+        "extra memory held during sync.",
+    )
+    checksum: bool = Field(
+        default=False, description="Verify after every sync that the engine holds what the learner sent."
+    )
+
+
+class SftConfig(Section):
+    base_path: str | None = Field(
+        default=None,
+        description="HF model directory the SFT stage starts from; null = model.hf_path. Lets one config "
+        "describe both stages: SFT base_path -> output_dir, then RL from model.hf_path = output_dir.",
+    )
+    steps: int = Field(
+        default=0, ge=0, description="Cold-start SFT steps for `megagrpo sft`; 0 = no SFT stage."
+    )
+    lr: float = Field(
+        default=1e-4, gt=0.0, description="SFT learning rate (higher than RL: dense supervised signal)."
+    )
+    batch_size: int = Field(default=32, ge=1, description="SFT sequences per step.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear LR warmup for SFT.")
+    data: DataConfig | None = Field(
+        default=None,
+        description="SFT data (rows need data.completion_key); null = the main data section. Cold start "
+        "uses easier problems than RL so RL has room to improve.",
+    )
+    output_dir: str = Field(
+        default="outputs/sft", description="Where the SFT stage writes its HF model for the RL stage to load."
+    )
+
+
+# ------------------------------------------------------------------------------------------- the root
+
+
+class Config(Section):
+    """The whole run. Sections are independent except for the rules checked in `_cross_checks`."""
+
+    model: ModelConfig = Field(description="Policy model to train.")
+    mesh: MeshConfig = Field(
+        default_factory=MeshConfig, description="Learner parallel layout; DP is inferred."
+    )
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="SGLang sampling.")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="Objective, advantages and corrections.")
+    replay: Literal["none", "R2", "R3"] = Field(
+        default="none",
+        description="MoE routing replay: none; R2 replays the learner's old-pass routes in training; R3 "
+        "replays the sampler's routes (removes routing mismatch). MoE configs use R3.",
+    )
+    data: DataConfig = Field(
+        default_factory=lambda: DataConfig(synthetic=SyntheticConfig(task="addition")),
+        description="Prompt set, held-out split and templating.",
+    )
+    rewards: RewardsConfig = Field(
+        default_factory=RewardsConfig, description="Verifiers and how they combine."
+    )
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW and LR schedule.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Steps, seeds and cadence.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints and resume."
+    )
+    logging: LoggingConfig = Field(
+        default_factory=LoggingConfig, description="Metric sinks and health warnings."
+    )
+    diagnostics: DiagnosticsConfig = Field(
+        default_factory=DiagnosticsConfig, description="Train/inference mismatch measurement."
+    )
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Learner -> SGLang weight sync.")
+    sft: SftConfig = Field(default_factory=SftConfig, description="Cold-start SFT stage.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        algo, rollout = self.algo, self.rollout
+        if algo.advantages in GROUP_ADVANTAGES and rollout.group_size < 2:
+            raise invalid(
+                "rollout.group_size",
+                f"{rollout.group_size} is below 2; group-relative advantages ({algo.advantages!r}) compare "
+                "each completion with the others of its prompt, so use group_size >= 2",
+            )
+        if (algo.advantages == "gdpo") != (self.rewards.combine == "gdpo"):
+            raise invalid(
+                "rewards.combine",
+                f"{self.rewards.combine!r} with algo.advantages={algo.advantages!r}; GDPO needs both "
+                "rewards.combine=gdpo and algo.advantages=gdpo",
+            )
+        if algo.agg == "seq-mean-token-sum-norm" and algo.agg_constant is None:
+            algo.agg_constant = float(rollout.max_new_tokens)
+        so = algo.soft_overlong
+        if so.max_len is None:
+            so.max_len = rollout.max_new_tokens
+        if so.enabled and so.max_len > rollout.max_new_tokens:
+            raise invalid(
+                "algo.soft_overlong.max_len",
+                f"{so.max_len} exceeds rollout.max_new_tokens={rollout.max_new_tokens}; responses never "
+                "get that long",
+            )
+        if so.enabled and so.cache_len >= so.max_len:
+            raise invalid(
+                "algo.soft_overlong.cache_len", f"{so.cache_len} must be below max_len={so.max_len}"
+            )
+        n_seqs = rollout.prompts_per_step * rollout.group_size
+        if n_seqs % algo.ppo_mini_batches:
+            raise invalid(
+                "algo.ppo_mini_batches",
+                f"{algo.ppo_mini_batches} does not divide the batch of {n_seqs} sequences "
+                f"(rollout.prompts_per_step * rollout.group_size)",
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- mesh
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    """Sizes derived from the mesh and the world size."""
+
+    world_size: int
+    dp: int  # data-parallel size: world / (tp * pp * cp)
+    expert_dp: int  # expert data-parallel size: world / (ep * etp * pp)
+    num_engines: int  # colocated SGLang engines: world / rollout.engine_tp
+    seqs_per_rank_per_minibatch: int
+
+
+def check_mesh(cfg: Config, world_size: int) -> MeshSizes:
+    """Check the learner mesh, the engine TP and the batch split against the world size; infer DP."""
+    m = cfg.mesh
+    if world_size < 1:
+        raise MegagrpoError(f"world size {world_size} must be >= 1")
+    dense = m.tp * m.pp * m.cp
+    if world_size % dense:
+        raise MegagrpoError(
+            f"mesh: tp*pp*cp = {m.tp}*{m.pp}*{m.cp} = {dense} does not divide the world size {world_size}; "
+            f"choose mesh sizes whose product divides {world_size} (DP is inferred as the quotient)"
+        )
+    expert = m.ep * m.etp * m.pp
+    if world_size % expert:
+        raise MegagrpoError(
+            f"mesh: ep*etp*pp = {m.ep}*{m.etp}*{m.pp} = {expert} does not divide the world size {world_size}; "
+            "choose expert sizes whose product divides it"
+        )
+    if world_size % cfg.rollout.engine_tp:
+        raise MegagrpoError(
+            f"rollout.engine_tp: {cfg.rollout.engine_tp} does not divide the world size {world_size}; "
+            "each colocated engine needs engine_tp whole ranks"
+        )
+    dp = world_size // dense
+    n_seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    per_mb = n_seqs // cfg.algo.ppo_mini_batches
+    if per_mb % dp:
+        raise MegagrpoError(
+            f"mesh: a mini-batch of {per_mb} sequences does not split over DP={dp} ranks; make "
+            "rollout.prompts_per_step * rollout.group_size / algo.ppo_mini_batches a multiple of DP"
+        )
+    per_rank = per_mb // dp
+    if per_rank % cfg.schedule.micro_batch_size:
+        raise MegagrpoError(
+            f"schedule.micro_batch_size: {cfg.schedule.micro_batch_size} does not divide the {per_rank} "
+            f"sequences each DP rank gets per mini-batch"
+        )
+    return MeshSizes(
+        world_size=world_size,
+        dp=dp,
+        expert_dp=world_size // expert,
+        num_engines=world_size // cfg.rollout.engine_tp,
+        seqs_per_rank_per_minibatch=per_rank,
+    )

@@ -1,0 +1,75 @@
+"""Render a sample into the model's prompt: `data.prompt_template`, then the tokenizer's chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megagrpo.config.schema import DataConfig
+from megagrpo.data.sources import RowError
+from megagrpo.errors import MegagrpoError
+
+
+@dataclass
+class Prompt:
+    """A rendered prompt: text as the model sees it and its token ids ([prompt_len] ints)."""
+
+    text: str
+    input_ids: list[int]
+
+
+class PromptFormatter:
+    """Uses any Hugging Face tokenizer (`apply_chat_template`, `__call__`, `eos_token_id`)."""
+
+    def __init__(self, tokenizer: Any, cfg: DataConfig) -> None:
+        self.tok, self.cfg = tokenizer, cfg
+        if cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise MegagrpoError(
+                "data.use_chat_template: true, but the model's tokenizer has no chat template; set "
+                "data.use_chat_template=false or use a tokenizer with one (tokenizer_config.json chat_template)"
+            )
+
+    def messages(self, sample: dict) -> list[dict]:
+        prompt = sample["prompt"]
+        if isinstance(prompt, list):
+            msgs = [dict(m) for m in prompt]
+        else:
+            try:
+                text = self.cfg.prompt_template.format(**sample)
+            except (KeyError, IndexError, ValueError) as e:
+                raise RowError(
+                    f"data.prompt_template cannot be filled from this row ({type(e).__name__}: {e})"
+                ) from None
+            msgs = [{"role": "user", "content": text}]
+        if self.cfg.system_prompt is not None and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        return msgs
+
+    def text(self, sample: dict) -> str:
+        msgs = self.messages(sample)
+        if self.cfg.use_chat_template:
+            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if isinstance(sample["prompt"], list):
+            raise RowError("a chat-message prompt needs data.use_chat_template=true")
+        return "\n\n".join(m["content"] for m in msgs)
+
+    def __call__(self, sample: dict) -> Prompt:
+        text = self.text(sample)
+        return Prompt(text=text, input_ids=list(self.tok(text, add_special_tokens=False)["input_ids"]))
+
+    def check_length(self, sample: dict) -> None:
+        """RowError when the rendered prompt exceeds data.max_prompt_tokens (used while loading)."""
+        n = len(self(sample).input_ids)
+        if n > self.cfg.max_prompt_tokens:
+            raise RowError(
+                f"prompt is {n} tokens after templating, above data.max_prompt_tokens={self.cfg.max_prompt_tokens}"
+            )
+
+    def sft_example(self, sample: dict) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids + EOS) for SFT; the loss covers the completion ids only."""
+        prompt = self(sample).input_ids
+        completion = list(self.tok(sample["completion"], add_special_tokens=False)["input_ids"])
+        eos = self.tok.eos_token_id
+        if eos is None:
+            raise MegagrpoError("model tokenizer has no eos_token; SFT needs one to teach the model to stop")
+        return prompt, completion + [eos]

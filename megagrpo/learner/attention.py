@@ -1,0 +1,107 @@
+"""Core attention for the local (non-Transformer-Engine) layer spec, with packed THD sequences.
+
+megatron-core's local `DotProductAttention` asserts `packed_seq_params is None`, so without TE (on the
+CPU) packed batches could not run. `TorchCoreAttention` takes its place in the local spec: causal
+`torch.nn.functional.scaled_dot_product_attention` per sequence, grouped-query heads expanded on the
+fly, and the THD layout (`PackedSeqParams.cu_seqlens_q`) handled by attending within each sequence.
+
+Shapes (per tensor-parallel rank; np = local query heads, ng = local KV groups, hn = head dim):
+  padded: query `[sq, b, np, hn]`, key/value `[sk, b, ng, hn]` -> `[sq, b, np * hn]`
+  THD:    query `[t, np, hn]`,     key/value `[t, ng, hn]`     -> `[t, np * hn]`
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+from torch import Tensor
+
+
+class TorchCoreAttention(MegatronModule):
+    """Drop-in for megatron's local `DotProductAttention` (same constructor and forward signature)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("context parallelism needs the Transformer Engine layer spec (GPU)")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ValueError("TorchCoreAttention supports vanilla causal softmax attention only")
+        tp = pg_collection.tp.size() if pg_collection is not None else 1
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """q `[b, np, s, hn]`, k/v `[b, ng, s, hn]`, mask None (causal) or bool `[b, 1, s, s]` True=masked."""
+        if self.groups != self.heads:
+            rep = self.heads // self.groups
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        dropout = self.dropout_p if self.training else 0.0
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale
+            )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=~mask, dropout_p=dropout, scale=self.softmax_scale
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            bounds = cu.tolist()
+            outs = []
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                if hi == lo:
+                    continue
+                # [s, h, hn] -> [1, h, s, hn]
+                q, k, v = (x[lo:hi].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+                outs.append(self._attend(q, k, v, None)[0].permute(1, 0, 2))
+            out = torch.cat(outs, dim=0) if outs else query.new_zeros(query.shape)
+            if bounds[-1] < query.shape[0]:  # tail padding after the last sequence (TP/SP alignment)
+                tail = query.new_zeros((query.shape[0] - bounds[-1], *out.shape[1:]))
+                out = torch.cat([out, tail], dim=0)
+            return out.reshape(out.shape[0], -1)
+        # [s, b, h, hn] -> [b, h, s, hn]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        mask = None
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if attention_mask is not None and mask_type != AttnMaskType.causal:
+            mask = attention_mask
+        out = self._attend(q, k, v, mask)  # [b, np, s, hn]
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -1,0 +1,174 @@
+"""`Learner`: one object per process tying the mesh, the policy (and optional frozen reference) model,
+the optimizer, the forward-only pass and the train step.
+
+Every rank calls every method with the SAME global batch (see `forward` for the batch dict); the
+learner shards it over data-parallel ranks and returns results identical on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megagrpo.config.model import ModelArch
+from megagrpo.errors import MegagrpoError
+from megagrpo.learner import forward as fwd
+from megagrpo.learner import train_step as ts
+from megagrpo.learner.mesh import DistEnv, Mesh, MeshConfig, destroy_mesh, init_mesh
+from megagrpo.learner.model import build_gpt_model, wrap_ddp
+
+# optimizer_factory(ddp_chunks) -> (MegatronOptimizer, OptimizerParamScheduler or None)
+OptimizerFactory = Callable[[list[Any]], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    dtype: torch.dtype = torch.float32
+    layer_spec: str = "auto"  # auto | local | transformer_engine
+    fp8: str | None = None  # None | hybrid | e4m3 (GPU + TE)
+    fp8_recipe: str = "delayed"
+    recompute: str | None = None  # None | full | selective
+    routing_replay: bool = False  # megatron moe_enable_routing_replay (R2/R3, issue 7)
+    num_micro_batches: int = 1  # per DP rank and optimizer step
+    packed: bool = True  # THD packing; False = padded micro-batches
+    balance: bool = True  # token-balanced DP shards / micro-batches
+    temperature: float = 1.0  # sampler temperature applied to the logits
+    chunk_tokens: int = 1024  # logprob working-set bound
+    seed: int = 0
+    reference_model: bool = False  # build a frozen reference (KL) model on the same mesh
+    ref_offload: bool = False  # keep the reference weights on the CPU between uses (GPU only)
+    distributed_optimizer: bool = True
+
+
+class Learner:
+    """Policy (+ reference) model on a mesh. `optimizer_factory` comes from `learner.optimizer`."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        cfg: LearnerConfig,
+        *,
+        optimizer_factory: OptimizerFactory | None = None,
+        env: DistEnv | None = None,
+    ) -> None:
+        self.arch, self.cfg = arch, cfg
+        self.mesh: Mesh = init_mesh(cfg.mesh, env, seed=cfg.seed)
+        build = dict(
+            dtype=cfg.dtype,
+            fp8=cfg.fp8,
+            fp8_recipe=cfg.fp8_recipe,
+            recompute=cfg.recompute,
+            routing_replay=cfg.routing_replay,
+            layer_spec=cfg.layer_spec,
+        )
+        self.chunks = build_gpt_model(arch, cfg.mesh, **build)
+        self.model = wrap_ddp(self.chunks, distributed_optimizer=cfg.distributed_optimizer)
+        self.optimizer, self.scheduler = (None, None)
+        if optimizer_factory is not None:
+            self.optimizer, self.scheduler = optimizer_factory(self.model)
+        self.reference: list[Any] | None = None
+        if cfg.reference_model:
+            self.reference = build_gpt_model(arch, cfg.mesh, **{**build, "recompute": None})
+            for chunk in self.reference:
+                chunk.requires_grad_(False)
+                chunk.eval()
+            self.copy_policy_to_reference()
+        self.step = 0
+
+    # -- options -----------------------------------------------------------------------------------
+
+    def run_options(
+        self, *, with_entropy: bool = True, num_micro_batches: int | None = None
+    ) -> fwd.RunOptions:
+        c = self.cfg
+        return fwd.RunOptions(
+            vocab_size=self.arch.vocab_size,
+            num_micro_batches=num_micro_batches or c.num_micro_batches,
+            packed=c.packed,
+            balance=c.balance,
+            temperature=c.temperature,
+            with_entropy=with_entropy,
+            chunk_tokens=c.chunk_tokens,
+        )
+
+    # -- passes ------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        reference: bool = False,
+        with_entropy: bool = True,
+        num_micro_batches: int | None = None,
+        hooks: fwd.ForwardHooks | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Forward only: `{"logprobs": [B, T], "entropy": [B, T]}` fp32, original order, on every rank.
+
+        batch: `input_ids [B, T]` (right-padded) and `seq_lens [B]` (or `attention_mask [B, T]`).
+        reference=True runs the frozen reference model (KL); it needs `LearnerConfig.reference_model`.
+        """
+        if reference and self.reference is None:
+            raise MegagrpoError("reference logprobs need a reference model: set algo.kl.coef > 0")
+        model = self.reference if reference else self.model
+        opts = self.run_options(with_entropy=with_entropy, num_micro_batches=num_micro_batches)
+        if reference and self.cfg.ref_offload:
+            self._move_reference(torch.device("cuda", torch.cuda.current_device()))
+        try:
+            return fwd.forward_logprobs(model, batch, opts, hooks=hooks)
+        finally:
+            if reference and self.cfg.ref_offload:
+                self._move_reference(torch.device("cpu"))
+
+    def train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        loss_fn: fwd.LossFn,
+        *,
+        num_micro_batches: int | None = None,
+        hooks: fwd.ForwardHooks | None = None,
+    ) -> dict[str, float]:
+        """Forward+backward with `loss_fn` (per-micro-batch, globally normalised; see train_step.py), then
+        one optimizer step. Returns metrics identical on every rank."""
+        if self.optimizer is None:
+            raise MegagrpoError(
+                "this Learner was built without an optimizer_factory; it can only run forward"
+            )
+        metrics = ts.train_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            loss_fn,
+            self.run_options(num_micro_batches=num_micro_batches),
+        )
+        self.step += 1
+        return metrics
+
+    # -- reference model ---------------------------------------------------------------------------
+
+    def copy_policy_to_reference(self) -> None:
+        """Reference weights := current policy weights (call after loading the initial checkpoint)."""
+        if self.reference is None:
+            return
+        for pol, ref in zip(self.chunks, self.reference):
+            ref_params = dict(ref.named_parameters())
+            with torch.no_grad():
+                for name, p in pol.named_parameters():
+                    ref_params[name].data.copy_(p.data.to(ref_params[name].device))
+        if self.cfg.ref_offload:
+            self._move_reference(torch.device("cpu"))
+
+    def _move_reference(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            return  # already on the CPU
+        for chunk in self.reference or []:
+            chunk.to(device)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self, *, process_group: bool = False) -> None:
+        destroy_mesh(process_group=process_group)

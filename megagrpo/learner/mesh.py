@@ -1,0 +1,193 @@
+"""The process mesh: who am I (rank/world from any launcher), and megatron-core's TP×CP×EP×DP×PP groups.
+
+`DistEnv.from_environ()` is THE one code path that reads launcher variables (torchrun, srun, mpirun).
+`init_mesh()` starts torch.distributed (gloo on CPU, nccl on GPU), builds megatron-core's
+`parallel_state` groups in its default rank order "tp-cp-ep-dp-pp" (DP inferred from the world size)
+and seeds megatron's RNG tracker. `destroy_mesh()` undoes both so a process can build another mesh
+(the distributed tests run many meshes in one launch).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.errors import MegagrpoError
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    tp: int = 1  # tensor parallel (attention, dense MLP, vocab)
+    pp: int = 1  # pipeline stages
+    ep: int = 1  # expert parallel
+    etp: int = 1  # expert tensor parallel
+    cp: int = 1  # context parallel
+    sequence_parallel: bool = False  # shard norm/dropout activations over TP; required for MoE with tp>1
+    vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); None = 1
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "ep", "etp", "cp"):
+            if getattr(self, name) < 1:
+                raise MegagrpoError(f"mesh.{name}={getattr(self, name)} must be >= 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise MegagrpoError("mesh.sequence_parallel=true needs mesh.tp > 1; set it false or raise tp")
+        if self.vpp is not None and (self.vpp < 1 or (self.vpp > 1 and self.pp == 1)):
+            raise MegagrpoError(f"mesh.vpp={self.vpp} needs pp > 1 and vpp >= 1; set vpp to null")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP inferred as world / (tp*cp*pp); raises MegagrpoError naming the sizes if it does not divide."""
+        self.validate()
+        dense = self.tp * self.cp * self.pp
+        if world_size % dense:
+            raise MegagrpoError(
+                f"world size {world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = "
+                f"{dense}; change mesh.tp/cp/pp or the number of processes"
+            )
+        dp = world_size // dense
+        expert = self.etp * self.ep * self.pp
+        if world_size % expert:
+            raise MegagrpoError(
+                f"world size {world_size} is not divisible by etp*ep*pp = {self.etp}*{self.ep}*{self.pp} = "
+                f"{expert}; change mesh.ep/etp or the number of processes"
+            )
+        return dp
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" | "srun" | "mpirun" | "single"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        """Rank/world/local rank from torchrun, srun or mpirun variables (in that order of precedence).
+
+        torchrun (and any launcher that exports RANK/WORLD_SIZE) wins because under Slurm or MPI a
+        torchrun child still sees the outer SLURM_*/OMPI_* variables of its parent step. No variables at
+        all means one process on 127.0.0.1.
+        """
+        env = dict(os.environ if environ is None else environ)
+        if "RANK" in env and "WORLD_SIZE" in env:
+            launcher = "torchrun"
+            rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+            local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        elif "OMPI_COMM_WORLD_RANK" in env:
+            launcher = "mpirun"
+            rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+            local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0
+        elif "SLURM_PROCID" in env:
+            launcher = "srun"
+            rank = _int(env, "SLURM_PROCID")
+            world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+            world = _int(env, world_key)
+            local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        else:
+            launcher, rank, world, local = "single", 0, 1, 0
+        if not 0 <= rank < world:
+            raise MegagrpoError(f"{launcher}: rank {rank} is outside world size {world}; check the launcher")
+        addr = env.get("MASTER_ADDR") or _slurm_first_host(env) or ("127.0.0.1" if world == 1 else "")
+        if not addr:
+            raise MegagrpoError(
+                f"{launcher} started {world} processes but MASTER_ADDR is not set; export MASTER_ADDR "
+                "(and MASTER_PORT) to the address of rank 0"
+            )
+        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500
+        return cls(rank, world, local, addr, port, launcher)
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError as e:
+        raise MegagrpoError(f"environment variable {key}={env[key]!r} is not an integer") from e
+
+
+def _slurm_first_host(env: Mapping[str, str]) -> str | None:
+    """First host of SLURM_STEP_NODELIST/SLURM_NODELIST ("node[03-05,07]" -> "node03")."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if m is None:
+        return None
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    config: MeshConfig
+    env: DistEnv
+    dp: int
+    device: torch.device
+
+
+def init_mesh(
+    mesh_cfg: MeshConfig, env: DistEnv | None = None, *, seed: int = 0, timeout_s: int = 600
+) -> Mesh:
+    """Start torch.distributed (if not yet) and megatron parallel_state for `mesh_cfg`; seed the RNGs."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    env = env or DistEnv.from_environ()
+    dp = mesh_cfg.data_parallel_size(env.world_size)
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    elif dist.get_world_size() != env.world_size:
+        raise MegagrpoError(
+            f"torch.distributed already runs with world size {dist.get_world_size()}, the environment says "
+            f"{env.world_size}; launch with a consistent world size"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=mesh_cfg.tp,
+        pipeline_model_parallel_size=mesh_cfg.pp,
+        virtual_pipeline_model_parallel_size=mesh_cfg.vpp if mesh_cfg.vpp and mesh_cfg.vpp > 1 else None,
+        context_parallel_size=mesh_cfg.cp,
+        expert_model_parallel_size=mesh_cfg.ep,
+        expert_tensor_parallel_size=mesh_cfg.etp,
+        distributed_timeout_minutes=max(1, timeout_s // 60),
+        create_gloo_process_groups=not on_gpu,
+    )
+    # Same seed on every rank: megatron's tracker derives the TP/EP-specific streams from it, and the
+    # default (data-parallel) stream must agree across model-parallel peers.
+    torch.manual_seed(seed)
+    mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return Mesh(
+        mesh_cfg,
+        env,
+        dp,
+        torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
+    )
+
+
+def destroy_mesh(*, process_group: bool = False) -> None:
+    """Tear down megatron parallel_state (and torch.distributed when `process_group`)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if process_group and dist.is_initialized():
+        dist.destroy_process_group()

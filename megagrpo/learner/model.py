@@ -1,0 +1,361 @@
+"""megatron-core `TransformerConfig` and `GPTModel` chunks from a framework-neutral `ModelArch`.
+
+Covers the Llama, Qwen2 (qkv bias), Qwen3 (qk-norm), Qwen3-MoE and Mixtral shapes: GQA, RoPE theta,
+RMSNorm eps, SwiGLU, tied or untied embeddings, routed experts with top-k (softmax or sigmoid scores,
+renormalised top-k or not), optional shared experts, optional routing replay (issue 7).
+
+Backends: on the CPU the local spec in fp32 (with `attention.TorchCoreAttention`, so packed THD
+batches work without Transformer Engine); on a GPU the Transformer Engine spec in bf16, optionally
+FP8 through megatron's `fp8`/`fp8_recipe`.
+
+Parameter names (`GPTModel.state_dict()`, per rank; i = local layer index of this pipeline chunk,
+H hidden, V_p padded vocab, n/g query heads/KV groups, d head dim, F dense FFN, F_e expert FFN,
+E experts, tp/etp/ep the mesh sizes). The bridge maps Hugging Face names onto these:
+
+    embedding.word_embeddings.weight                         [V_p/tp, H]     (first stage)
+    decoder.layers.{i}.input_layernorm.weight                [H]             (local spec)
+    decoder.layers.{i}.self_attention.linear_qkv.weight      [g*(n/g+2)*d/tp, H]  per KV group: q heads, k, v
+    decoder.layers.{i}.self_attention.linear_qkv.bias        [g*(n/g+2)*d/tp]     (qwen2)
+    decoder.layers.{i}.self_attention.q_layernorm.weight     [d]             (qwen3, qwen3_moe)
+    decoder.layers.{i}.self_attention.k_layernorm.weight     [d]
+    decoder.layers.{i}.self_attention.linear_proj.weight     [H, n*d/tp]
+    decoder.layers.{i}.pre_mlp_layernorm.weight              [H]
+  dense layer:
+    decoder.layers.{i}.mlp.linear_fc1.weight                 [2*F/tp, H]     rows [gate_shard; up_shard]
+    decoder.layers.{i}.mlp.linear_fc2.weight                 [H, F/tp]
+  MoE layer (local spec: SequentialMLP, one module per local expert):
+    decoder.layers.{i}.mlp.router.weight                     [E, H]          (replicated)
+    decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight   [2*F_e/etp, H]  [gate; up]
+    decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight   [H, F_e/etp]
+        j is the LOCAL expert index; the global expert is ep_rank * (E/ep) + j.
+    decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight / linear_fc2.weight / gate_weight (if any)
+    decoder.final_layernorm.weight                           [H]             (last stage)
+    output_layer.weight                                      [V_p/tp, H]     (last stage; absent if tied
+                                                                              on a single stage)
+
+With the TE spec (GPU) the two norms fuse into the next linear (`linear_qkv.layer_norm_weight`,
+dense `mlp.linear_fc1.layer_norm_weight`) and grouped experts are `mlp.experts.linear_fc1.weight{j}`.
+SequentialMLP is the CPU default because it is the only expert module of the local spec (the legacy
+GroupedMLP needs the CUDA grouped_gemm kernels), and its per-expert weights map one to one onto the
+per-expert Hugging Face tensors. `sharded_state_dict()` (dist checkpoints) uses GLOBAL expert ids and
+full-vocab shapes, independent of the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from megagrpo.config.model import FAMILIES, ModelArch
+from megagrpo.errors import MegagrpoError
+from megagrpo.learner.mesh import MeshConfig
+
+VOCAB_MULTIPLE = 128  # vocab padding unit; lcm with tp keeps it TP-independent for tp | 128
+
+Recompute = Literal["full", "selective"] | None
+
+
+def padded_vocab_size(arch: ModelArch, tp: int) -> int:
+    """Vocab padded to a multiple of lcm(128, tp): splits evenly over TP and stays the same for every
+    tp dividing 128, so checkpoints reshard across meshes. Rows >= arch.vocab_size are never targets;
+    the learner masks their logits."""
+    return arch.padded_vocab_size(math.lcm(VOCAB_MULTIPLE, tp))
+
+
+def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
+    if arch.family not in FAMILIES:
+        raise MegagrpoError(f"model family {arch.family!r} is not supported; use one of {FAMILIES}")
+    if arch.num_attention_heads % arch.num_kv_heads:
+        raise MegagrpoError(
+            f"num_attention_heads={arch.num_attention_heads} is not a multiple of num_kv_heads="
+            f"{arch.num_kv_heads}"
+        )
+    if arch.num_attention_heads % mesh.tp:
+        raise MegagrpoError(
+            f"num_attention_heads={arch.num_attention_heads} is not divisible by mesh.tp={mesh.tp}"
+        )
+    if arch.num_kv_heads % mesh.tp and mesh.tp % arch.num_kv_heads:
+        raise MegagrpoError(
+            f"num_kv_heads={arch.num_kv_heads} and mesh.tp={mesh.tp}: one must divide the other"
+        )
+    if arch.num_layers % (mesh.pp * (mesh.vpp or 1)):
+        raise MegagrpoError(
+            f"num_layers={arch.num_layers} is not divisible by mesh.pp*vpp={mesh.pp}*{mesh.vpp or 1}; "
+            "change mesh.pp/vpp"
+        )
+    if arch.is_moe:
+        if arch.num_experts % mesh.ep:
+            raise MegagrpoError(f"num_experts={arch.num_experts} is not divisible by mesh.ep={mesh.ep}")
+        if not 0 < arch.moe_topk <= arch.num_experts:
+            raise MegagrpoError(f"moe_topk={arch.moe_topk} must be in [1, num_experts={arch.num_experts}]")
+        if mesh.tp > 1 and not mesh.sequence_parallel:
+            raise MegagrpoError(
+                f"MoE with mesh.tp={mesh.tp} needs sequence parallelism (megatron-core requirement): set "
+                "mesh.sequence_parallel=true"
+            )
+        if arch.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise MegagrpoError(
+                f"moe_router_score_function={arch.moe_router_score_function!r}; use softmax or sigmoid"
+            )
+    elif mesh.ep > 1 or mesh.etp > 1:
+        raise MegagrpoError(f"mesh.ep={mesh.ep}/etp={mesh.etp} > 1 needs a MoE model; {arch.family} is dense")
+    if mesh.cp > 1 and not torch.cuda.is_available():
+        raise MegagrpoError("mesh.cp > 1 needs the Transformer Engine attention (GPU); set mesh.cp=1")
+
+
+def use_transformer_engine(layer_spec: str = "auto") -> bool:
+    if layer_spec == "local":
+        return False
+    if layer_spec == "transformer_engine":
+        return True
+    return torch.cuda.is_available()
+
+
+def transformer_config_from_arch(
+    arch: ModelArch,
+    mesh_cfg: MeshConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    fp8: str | None = None,
+    fp8_recipe: str = "delayed",
+    recompute: Recompute = None,
+    routing_replay: bool = False,
+    layer_spec: str = "auto",
+    **overrides: Any,
+) -> Any:
+    """A megatron `TransformerConfig` for `arch` on `mesh_cfg`.
+
+    fp8: None/"none", "hybrid" or "e4m3" (TE only); fp8_recipe "delayed" or "blockwise".
+    recompute: None, "full" (every layer, uniform) or "selective" (core attention).
+    routing_replay: sets `moe_enable_routing_replay` so megatron's `RouterReplay` can record/replay.
+    overrides: any further TransformerConfig field (wins over the derived values).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _check_arch(arch, mesh_cfg)
+    te = use_transformer_engine(layer_spec)
+    fp8 = None if fp8 in (None, "none") else fp8
+    if fp8 is not None and not te:
+        raise MegagrpoError("model.fp8 needs the Transformer Engine layer spec on a GPU; set model.fp8=null")
+    kw: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        tensor_model_parallel_size=mesh_cfg.tp,
+        pipeline_model_parallel_size=mesh_cfg.pp,
+        virtual_pipeline_model_parallel_size=mesh_cfg.vpp if mesh_cfg.vpp and mesh_cfg.vpp > 1 else None,
+        context_parallel_size=mesh_cfg.cp,
+        expert_model_parallel_size=mesh_cfg.ep,
+        expert_tensor_parallel_size=mesh_cfg.etp,
+        sequence_parallel=mesh_cfg.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # RL batches change sequence length between micro-batches; PP stages exchange shapes first.
+        variable_seq_lengths=True,
+        # Micro-batch losses arrive already divided by the global normaliser: no division by the
+        # micro-batch count in the schedule, and DP gradients are summed, not averaged.
+        calculate_per_token_loss=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        transformer_impl="transformer_engine" if te else "local",
+        bias_activation_fusion=te,
+        bias_dropout_fusion=te,
+        masked_softmax_fusion=te,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=te,
+        attention_softmax_in_fp32=True,
+        # alltoall is the dispatcher that supports every EP x ETP combination; it is also set for dense
+        # models because TransformerConfig rejects the default "allgather" with variable_seq_lengths.
+        moe_token_dispatcher_type="alltoall",
+    )
+    if arch.is_moe:
+        kw.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+            # pre_softmax=True: softmax over all experts, then take the top-k probabilities as they are.
+            # pre_softmax=False: top-k logits first, then softmax over them (= renormalised top-k).
+            moe_router_pre_softmax=not arch.moe_renormalize_topk,
+            moe_router_score_function=arch.moe_router_score_function,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_router_dtype="fp32",
+            moe_grouped_gemm=te,
+            moe_layer_freq=list(arch.moe_layer_pattern) if arch.moe_layer_pattern else 1,
+            moe_enable_routing_replay=routing_replay,
+        )
+        if arch.moe_router_score_function == "sigmoid" and arch.moe_renormalize_topk and arch.moe_topk > 1:
+            # sigmoid scores are renormalised over the chosen experts by megatron when topk > 1.
+            kw["moe_router_pre_softmax"] = False
+        if arch.moe_shared_expert_ffn_hidden_size:
+            kw.update(
+                moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
+                moe_shared_expert_gate=arch.moe_shared_expert_gate,
+            )
+    elif routing_replay:
+        raise MegagrpoError(f"routing replay needs a MoE model; {arch.family} is dense: set replay: none")
+    if fp8 is not None:
+        kw.update(fp8=fp8, fp8_recipe=fp8_recipe)
+        if fp8_recipe == "delayed":
+            kw.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    if recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        kw.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute is not None:
+        raise MegagrpoError(f"recompute={recompute!r}; use null, 'full' or 'selective'")
+    kw.update(overrides)
+    try:
+        return TransformerConfig(**kw)
+    except (AssertionError, ValueError) as e:
+        raise MegagrpoError(f"megatron-core rejected the model/mesh combination: {e}") from e
+
+
+def _local_block_spec(config: Any, vp_stage: int | None, pp_rank: int | None) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megagrpo.learner.attention import TorchCoreAttention
+
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
+    )
+    for layer in spec.layer_specs:
+        attn = layer.submodules.self_attention
+        layer.submodules.self_attention = dataclasses.replace(
+            attn, submodules=dataclasses.replace(attn.submodules, core_attention=TorchCoreAttention)
+        )
+    return spec
+
+
+def build_gpt_model(
+    arch: ModelArch,
+    mesh_cfg: MeshConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    fp8: str | None = None,
+    fp8_recipe: str = "delayed",
+    recompute: Recompute = None,
+    routing_replay: bool = False,
+    layer_spec: str = "auto",
+    config_overrides: dict[str, Any] | None = None,
+) -> list[Any]:
+    """This rank's `GPTModel` chunks (one per virtual pipeline stage; one chunk without VPP).
+
+    Needs `init_mesh(mesh_cfg)` first. Weights are randomly initialised (seeded by `init_mesh`); the
+    bridge or a checkpoint loads real ones. Parameters live on the current device in `dtype`.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_gpt_model needs init_mesh() first")
+    te = use_transformer_engine(layer_spec)
+    config = transformer_config_from_arch(
+        arch,
+        mesh_cfg,
+        dtype=dtype,
+        fp8=fp8,
+        fp8_recipe=fp8_recipe,
+        recompute=recompute,
+        routing_replay=routing_replay,
+        layer_spec=layer_spec,
+        **(config_overrides or {}),
+    )
+    vpp = mesh_cfg.vpp if mesh_cfg.vpp and mesh_cfg.vpp > 1 else None
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        if te:
+            spec = get_gpt_decoder_block_spec(
+                config,
+                use_transformer_engine=True,
+                normalization="RMSNorm",
+                vp_stage=vp_stage,
+                pp_rank=pp_rank,
+            )
+        else:
+            spec = _local_block_spec(config, vp_stage, pp_rank)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(arch, mesh_cfg.tp),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True,  # logits stay vocab-sharded; learner.logprobs reduces over TP
+            share_embeddings_and_output_weights=arch.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+            rotary_percent=1.0,
+            vp_stage=vp_stage,
+        )
+        model.model_type = ModelType.encoder_or_decoder
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def model_config(chunks: list[Any]) -> Any:
+    """The TransformerConfig shared by the chunks (unwrapping DDP/Float16Module)."""
+    m = chunks[0]
+    while hasattr(m, "module") and not hasattr(m, "config"):
+        m = m.module
+    return m.config
+
+
+def wrap_ddp(
+    chunks: list[Any], *, distributed_optimizer: bool = True, bucket_size: int | None = None
+) -> list[Any]:
+    """Wrap model chunks in megatron's `DistributedDataParallel` (contiguous fp32 grad buffers).
+
+    Grads are SUMMED over data-parallel ranks (`calculate_per_token_loss=True` sets megatron's DP
+    gradient scaling to 1): every micro-batch loss is already divided by the global normaliser, so
+    the sum over ranks is the gradient of the whole batch. `param.main_grad` holds the result after
+    `finalize_model_grads`.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+        bucket_size=bucket_size,
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        if not chunk.config.calculate_per_token_loss:
+            raise ValueError(
+                "build the model with transformer_config_from_arch (calculate_per_token_loss=True)"
+            )
+        wrapped.append(
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                # Only the first chunk's buffers are bucketed (megatron's convention for VPP).
+                disable_bucketing=i > 0,
+            )
+        )
+    return wrapped

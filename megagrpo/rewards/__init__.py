@@ -1,0 +1,43 @@
+"""Verifiable rewards: built-in verifiers, user functions by import path, a deadline-guarded runner.
+
+`RewardFn(prompt: str, completion: str, sample: dict) -> float`. `RewardRunner(cfg).score(...)` returns a
+`RewardBatch` with [n, G] combined rewards, the [n, G, K] per-reward scores (GDPO) and `reward/` metrics.
+"""
+
+from megagrpo.rewards.executor import DeadlinePool, Outcome, RewardDeadline
+from megagrpo.rewards.extract import answer_tag, boxed, extract, last_number, strict_answer
+from megagrpo.rewards.registry import build_reward, import_object
+from megagrpo.rewards.runner import RewardBatch, RewardRunner
+from megagrpo.rewards.verifiers import (
+    BUILTIN_REWARDS,
+    RewardFn,
+    arithmetic,
+    countdown,
+    evaluate_expression,
+    exact_match,
+    format_reward,
+    math_answer,
+)
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "DeadlinePool",
+    "Outcome",
+    "RewardBatch",
+    "RewardDeadline",
+    "RewardFn",
+    "RewardRunner",
+    "answer_tag",
+    "arithmetic",
+    "boxed",
+    "build_reward",
+    "countdown",
+    "evaluate_expression",
+    "exact_match",
+    "extract",
+    "format_reward",
+    "import_object",
+    "last_number",
+    "math_answer",
+    "strict_answer",
+]

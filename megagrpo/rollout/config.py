@@ -1,0 +1,38 @@
+"""Configuration of the SGLang sampler: how the engine is started, and how each request samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How one in-process `sglang.Engine` is started (one per colocation group)."""
+
+    model_path: str  # HF directory (the bridge's initial export)
+    tp_size: int = 1  # tensor parallel size of the engine
+    mem_fraction_static: float = 0.5  # share of device memory for weights + KV cache (GPU); on CPU, of RAM
+    dtype: str = "bfloat16"  # one of DTYPES
+    fp8: bool = False  # GPU only: quantization="fp8" for rollout
+    max_context_len: int | None = None  # prompt + completion tokens; None: the model's max positions
+    max_total_tokens: int | None = None  # KV-cache size in tokens; None: SGLang sizes it from memory
+    return_routes: bool = True  # MoE: record routed experts (needed for routing replay R3)
+    seed: int = 0  # the engine's random seed (sampling RNG of the scheduler)
+    log_level: str = "error"
+    extra_engine_args: dict = field(default_factory=dict)  # passed to sglang.Engine verbatim, last
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Per-request sampling parameters (SGLang `sampling_params`)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()  # stop strings; the stop string itself is kept in the output
+    # Per-request seed (SGLang `sampling_seed`). SGLang honours it only with enable_deterministic_inference,
+    # which needs a GPU attention backend; on the CPU engine sampling follows RolloutConfig.seed instead.
+    seed: int | None = None
+    ignore_eos: bool = False

@@ -1,0 +1,112 @@
+"""Dynamic sampling (DAPO 2503.14476 Sec. 3.2): over-sample prompts, drop zero-variance groups, refill.
+
+Each round draws `ceil(missing * oversample)` prompts from the prompt source, generates G completions per
+prompt, scores them with `reward_fn`, and keeps the groups that `keep_fn` accepts (default: the algo filter
+`megagrpo.algo.filters.keep_groups`, rewards not all equal). Rounds continue until `batch_prompts` groups
+are kept or `max_rounds` is reached; the result then holds fewer groups, and says so (`full`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.completion import Completion
+from megagrpo.rollout.config import SamplingConfig
+
+RewardFn = Callable[[list[Completion]], torch.Tensor]  # completions [n*G] (prompt-major) -> float [n*G]
+KeepFn = Callable[[torch.Tensor], torch.Tensor]  # rewards [n, G] -> bool [n]
+
+
+def _default_keep(rewards: torch.Tensor) -> torch.Tensor:
+    from megagrpo.algo.filters import keep_groups
+
+    return keep_groups(rewards)
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    batch_prompts: int  # groups wanted in the batch
+    group_size: int  # G, completions per prompt (>= 2 for GRPO)
+    oversample: float = 1.5  # prompts drawn per missing group in each round
+    max_rounds: int = 4  # cap on generation rounds per batch
+
+
+@dataclass
+class DynamicBatch:
+    groups: list[list[Completion]]  # [n_kept][G], n_kept <= batch_prompts
+    rewards: torch.Tensor  # float32 [n_kept, G]
+    prompts: list = field(default_factory=list)  # the prompt of each kept group
+    rounds: int = 0
+    generated_groups: int = 0  # groups generated over all rounds
+    dropped_groups: int = 0  # zero-variance groups dropped
+    full: bool = False  # True when batch_prompts groups were kept
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/dynamic_rounds": float(self.rounds),
+            "rollout/dynamic_dropped_frac": self.dropped_groups / max(self.generated_groups, 1),
+            "rollout/dynamic_batch_full": float(self.full),
+        }
+
+
+def check_group_size(group_size: int) -> None:
+    if group_size < 2:
+        raise MegagrpoError(
+            f"group_size={group_size}: GRPO needs at least 2 completions per prompt to compute group advantages"
+        )
+
+
+def dynamic_sample(
+    generate: Callable[[Sequence, SamplingConfig, int], list[list[Completion]]],
+    prompts: Iterator,
+    sampling: SamplingConfig,
+    cfg: DynamicSamplingConfig,
+    reward_fn: RewardFn,
+    keep_fn: KeepFn | None = None,
+) -> DynamicBatch:
+    """Fill a batch of non-degenerate groups. `generate` is `RolloutEngine.generate`; `prompts` an iterator.
+
+    Kept groups are returned in generation order, at most `batch_prompts`; extra kept groups of the last
+    round are discarded (they would bias the batch toward no prompt in particular, so the first ones win).
+    """
+    check_group_size(cfg.group_size)
+    if cfg.batch_prompts < 1:
+        raise MegagrpoError(f"batch_prompts={cfg.batch_prompts} must be >= 1")
+    if cfg.oversample < 1.0:
+        raise MegagrpoError(f"oversample={cfg.oversample} must be >= 1")
+    if cfg.max_rounds < 1:
+        raise MegagrpoError(f"max_rounds={cfg.max_rounds} must be >= 1")
+    keep_fn = keep_fn or _default_keep
+    out = DynamicBatch(groups=[], rewards=torch.empty(0, cfg.group_size))
+    kept_rewards: list[torch.Tensor] = []
+    while out.rounds < cfg.max_rounds and len(out.groups) < cfg.batch_prompts:
+        missing = cfg.batch_prompts - len(out.groups)
+        draw = [p for _, p in zip(range(math.ceil(missing * cfg.oversample)), prompts)]
+        if not draw:
+            break  # prompt source exhausted
+        out.rounds += 1
+        groups = generate(draw, sampling, cfg.group_size)
+        flat = [c for g in groups for c in g]
+        rewards = torch.as_tensor(reward_fn(flat), dtype=torch.float32)
+        if rewards.shape != (len(flat),):
+            raise MegagrpoError(
+                f"reward_fn returned shape {tuple(rewards.shape)}, expected ({len(flat)},): one reward per completion"
+            )
+        rewards = rewards.view(len(groups), cfg.group_size)
+        keep = keep_fn(rewards)
+        out.generated_groups += len(groups)
+        out.dropped_groups += int((~keep).sum())
+        for i in torch.nonzero(keep).flatten().tolist():
+            if len(out.groups) < cfg.batch_prompts:
+                out.groups.append(groups[i])
+                out.prompts.append(draw[i])
+                kept_rewards.append(rewards[i])
+    if kept_rewards:
+        out.rewards = torch.stack(kept_rewards)
+    out.full = len(out.groups) == cfg.batch_prompts
+    return out

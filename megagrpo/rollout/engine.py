@@ -1,0 +1,359 @@
+"""Life cycle of one in-process SGLang engine, and batched generation with logprobs and routes.
+
+`RolloutEngine` starts a `sglang.Engine` from a `RolloutConfig`, generates G completions per prompt in ONE
+batched `async_generate` call (so the scheduler sees the whole batch at once), releases and resumes its
+memory around training, and shuts down cleanly (context manager, `atexit`, exceptions).
+
+On a machine without CUDA, call `megagrpo.compat.apply_cpu_compat(sglang=True)` first; the engine then runs
+SGLang's CPU platform (`device="cpu"`, `attention_backend="torch_native"`, no CUDA graphs).
+
+Shutdown. `sglang.Engine.shutdown()` ends with `kill_process_tree(os.getpid(), include_parent=False)`, which
+SIGKILLs EVERY child of the calling process, not only the engine's (a colocated checkpoint writer, a test
+fixture's cluster, another engine). `RolloutEngine.shutdown` narrows that call to the processes this engine
+started (recorded at start) for the duration of the shutdown, and unregisters SGLang's `atexit` hook.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import torch
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.completion import Completion, completion_from_output
+from megagrpo.rollout.config import DTYPES, RolloutConfig, SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+MEMORY_TAGS = ("weights", "kv_cache")
+
+Prompt = Sequence[int] | Sequence[dict]  # token ids, or chat messages [{"role": ..., "content": ...}]
+
+
+def _kill_pids(pids: Sequence[int], timeout: float | None = 30) -> None:
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=timeout)
+
+
+def _is_mp_helper(p: psutil.Process) -> bool:
+    try:
+        return any("resource_tracker" in a or "forkserver" in a for a in p.cmdline())
+    except psutil.Error:
+        return False
+
+
+class RolloutEngine:
+    """One SGLang engine. Use as a context manager, or call `start()` and `shutdown()`."""
+
+    def __init__(self, cfg: RolloutConfig) -> None:
+        self.cfg = cfg
+        self._engine: Any = None
+        self._child_pids: list[int] = []
+        self._released: set[str] = set()
+        self.on_cpu = not torch.cuda.is_available()
+        self._validate_config()
+
+    # ---------------------------------------------------------------- life cycle
+
+    def _validate_config(self) -> None:
+        cfg = self.cfg
+        if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
+            raise MegagrpoError(
+                f"rollout.model_path={cfg.model_path!r} is not a Hugging Face model directory (no config.json)"
+            )
+        if cfg.dtype not in DTYPES:
+            raise MegagrpoError(f"rollout.dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+        if cfg.tp_size < 1:
+            raise MegagrpoError(f"rollout.tp_size={cfg.tp_size} must be >= 1")
+        if not 0.0 < cfg.mem_fraction_static < 1.0:
+            raise MegagrpoError(f"rollout.mem_fraction_static={cfg.mem_fraction_static} must be in (0, 1)")
+        if cfg.fp8 and self.on_cpu:
+            raise MegagrpoError(
+                "rollout.fp8=true needs a CUDA GPU (SGLang's fp8 kernels); set rollout.fp8=false"
+            )
+        if self.on_cpu and cfg.tp_size != 1:
+            raise MegagrpoError(f"rollout.tp_size={cfg.tp_size}: the CPU engine runs with tp_size=1 only")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The `sglang.Engine` keyword arguments this config maps to."""
+        cfg = self.cfg
+        kw: dict[str, Any] = dict(
+            model_path=cfg.model_path,
+            tp_size=cfg.tp_size,
+            dtype=cfg.dtype,
+            mem_fraction_static=cfg.mem_fraction_static,
+            random_seed=cfg.seed,
+            log_level=cfg.log_level,
+            enable_return_routed_experts=cfg.return_routes and self.is_moe_config(),
+        )
+        if cfg.max_context_len is not None:
+            kw["context_length"] = cfg.max_context_len
+        if cfg.max_total_tokens is not None:
+            kw["max_total_tokens"] = cfg.max_total_tokens
+        if self.on_cpu:
+            # SGLang's CPU platform: torch-native attention, no CUDA graphs; the memory saver needs libcuda.
+            kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+        else:
+            kw["enable_memory_saver"] = True  # release/resume really frees device memory
+            if cfg.fp8:
+                kw["quantization"] = "fp8"
+        kw.update(cfg.extra_engine_args)
+        return kw
+
+    def is_moe_config(self) -> bool:
+        return self._hf_config().get("num_experts_per_tok", 0) > 0
+
+    def _hf_config(self) -> dict[str, Any]:
+        import json
+
+        with open(os.path.join(self.cfg.model_path, "config.json")) as f:
+            return json.load(f)
+
+    def start(self) -> RolloutEngine:
+        if self._engine is not None:
+            return self
+        import sglang
+
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            self._engine = sglang.Engine(**self.engine_kwargs())
+        finally:
+            after = psutil.Process().children(recursive=True)
+            # multiprocessing's resource tracker is started by the first spawn but is shared, not the engine's
+            self._child_pids = [p.pid for p in after if p.pid not in before and not _is_mp_helper(p)]
+            if self._engine is None:
+                _kill_pids(self._child_pids)
+        hf = self._engine.tokenizer_manager.model_config.hf_config
+        self.num_layers = int(hf.num_hidden_layers)
+        self.topk = int(getattr(hf, "num_experts_per_tok", 0) or 0)
+        self.context_len = int(self._engine.tokenizer_manager.context_len)
+        self.vocab_size = int(hf.vocab_size)
+        self.tokenizer = self._engine.tokenizer_manager.tokenizer
+        return self
+
+    def shutdown(self) -> None:
+        """Stop the engine and every process it started; idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        from sglang.srt.entrypoints import engine as engine_module
+
+        pids = list(self._child_pids)
+        upstream = engine_module.kill_process_tree
+
+        def kill_own_processes(parent_pid: int, include_parent: bool = True, **kw: Any) -> None:
+            if parent_pid == os.getpid() and not include_parent:
+                _kill_pids(pids, kw.get("wait_timeout", 60))
+            else:
+                upstream(parent_pid, include_parent=include_parent, **kw)
+
+        engine_module.kill_process_tree = kill_own_processes
+        try:
+            engine.shutdown()
+        finally:
+            engine_module.kill_process_tree = upstream
+            atexit.unregister(engine.shutdown)
+            _kill_pids(pids)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids this engine started (schedulers, detokenizer)."""
+        return list(self._child_pids)
+
+    @property
+    def engine(self) -> Any:
+        """The underlying `sglang.Engine` (for weight sync)."""
+        if self._engine is None:
+            raise MegagrpoError(
+                "the rollout engine is not running; call start() (or use it as a context manager)"
+            )
+        return self._engine
+
+    def __enter__(self) -> RolloutEngine:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- memory
+
+    def _check_tags(self, tags: Sequence[str] | None) -> list[str]:
+        tags = list(MEMORY_TAGS if tags is None else tags)
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad or not tags:
+            raise MegagrpoError(f"memory tags {tags!r}: each must be one of {', '.join(MEMORY_TAGS)}")
+        return tags
+
+    def release(self, tags: Sequence[str] | None = None) -> None:
+        """Release the engine's `weights` and/or `kv_cache` memory before training.
+
+        On GPU (`enable_memory_saver`) this frees the device memory. On the CPU there is no memory saver
+        (it needs libcuda): SGLang still flushes the KV cache and stashes the static state, but frees no RAM.
+        """
+        tags = [t for t in self._check_tags(tags) if t not in self._released]
+        if tags:
+            self.engine.release_memory_occupation(tags=tags)
+            self._released.update(tags)
+
+    def resume(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `release` for `tags` (default both). On the CPU nothing was freed, so nothing is reallocated."""
+        tags = [t for t in self._check_tags(tags) if t in self._released]
+        if tags:
+            self.engine.resume_memory_occupation(tags=tags)
+            self._released.difference_update(tags)
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._released)
+
+    # ---------------------------------------------------------------- generation
+
+    def tokenize(self, prompt: Prompt, index: int = 0) -> list[int]:
+        """Token ids of one prompt: ids as given, or chat messages through the chat template."""
+        if isinstance(prompt, str):
+            raise MegagrpoError(
+                f"prompts[{index}] is a string; pass token ids or chat messages [{{'role':..,'content':..}}]"
+            )
+        items = list(prompt)
+        if not items:
+            raise MegagrpoError(f"prompts[{index}] is empty; every prompt needs at least one token")
+        if all(isinstance(m, dict) for m in items):
+            ids = self.tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        if not all(isinstance(t, int) or (torch.is_tensor(t) and t.numel() == 1) for t in items):
+            raise MegagrpoError(f"prompts[{index}] must be token ids (ints) or chat messages (dicts)")
+        ids = [int(t) for t in items]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise MegagrpoError(f"prompts[{index}] has token ids {bad[:5]} outside [0, {self.vocab_size})")
+        return ids
+
+    def _sampling_params(self, s: SamplingConfig, seed: int | None) -> dict[str, Any]:
+        if s.temperature < 0:
+            raise MegagrpoError(f"sampling.temperature={s.temperature} must be >= 0 (0 = greedy)")
+        if not 0.0 < s.top_p <= 1.0:
+            raise MegagrpoError(f"sampling.top_p={s.top_p} must be in (0, 1]")
+        if s.max_new_tokens < 1:
+            raise MegagrpoError(f"sampling.max_new_tokens={s.max_new_tokens} must be >= 1")
+        sp: dict[str, Any] = dict(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_new_tokens=s.max_new_tokens,
+            ignore_eos=s.ignore_eos,
+            no_stop_trim=True,  # keep the text consistent with output_ids (which always hold the stop tokens)
+            skip_special_tokens=False,
+        )
+        if s.stop:
+            sp["stop"] = list(s.stop)
+        if seed is not None:
+            sp["sampling_seed"] = seed
+        return sp
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling: SamplingConfig, group_size: int = 1
+    ) -> list[list[Completion]]:
+        """G = `group_size` completions for each prompt, as `[n_prompts][G]`, in one batched engine call.
+
+        Raises MegagrpoError for an empty prompt list, an empty prompt, group_size < 1, or a prompt whose
+        length plus `max_new_tokens` exceeds the engine's context.
+        """
+        if self.asleep:
+            raise MegagrpoError(
+                f"the rollout engine has released {sorted(self._released)}; call resume() first"
+            )
+        if len(prompts) == 0:
+            raise MegagrpoError("generate() got an empty prompt list; pass at least one prompt")
+        if group_size < 1:
+            raise MegagrpoError(f"group_size={group_size} must be >= 1")
+        ids = [self.tokenize(p, i) for i, p in enumerate(prompts)]
+        for i, p in enumerate(ids):
+            if len(p) + sampling.max_new_tokens > self.context_len:
+                raise MegagrpoError(
+                    f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} it exceeds "
+                    f"the engine context of {self.context_len} tokens (rollout.max_context_len). Shorten the "
+                    "prompt or lower max_new_tokens"
+                )
+        batch_ids, params = [], []
+        for i, p in enumerate(ids):
+            for g in range(group_size):
+                batch_ids.append(p)
+                seed = None if sampling.seed is None else sampling.seed + i * group_size + g
+                params.append(self._sampling_params(sampling, seed))
+        want_routes = bool(self.engine.server_args.enable_return_routed_experts)
+        outs = self.engine.loop.run_until_complete(
+            self.engine.async_generate(
+                input_ids=batch_ids,
+                sampling_params=params,
+                return_logprob=True,
+                return_routed_experts=want_routes,
+            )
+        )
+        if isinstance(outs, dict):
+            outs = [outs]
+        groups: list[list[Completion]] = []
+        for i, p in enumerate(ids):
+            groups.append(
+                [
+                    completion_from_output(
+                        outs[i * group_size + g],
+                        prompt_index=i,
+                        sample_index=g,
+                        prompt_ids=p,
+                        num_layers=self.num_layers,
+                        topk=self.topk,
+                    )
+                    for g in range(group_size)
+                ]
+            )
+        return groups
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Engine log p(token t | tokens < t) for t = 1 .. L-1 of each sequence: float32 `[L - 1]` each.
+
+        One prefill per sequence (no sampling), in one batched call; used to compare the engine's weights
+        with a reference model on fixed sequences.
+        """
+        if self.asleep:
+            raise MegagrpoError(
+                f"the rollout engine has released {sorted(self._released)}; call resume() first"
+            )
+        if len(sequences) == 0:
+            raise MegagrpoError("score() got an empty list of sequences")
+        ids = [self.tokenize(s, i) for i, s in enumerate(sequences)]
+        for i, s in enumerate(ids):
+            if len(s) < 2 or len(s) + 1 > self.context_len:
+                raise MegagrpoError(
+                    f"sequences[{i}] has {len(s)} tokens; score needs 2 .. {self.context_len - 1}"
+                )
+        outs = self.engine.loop.run_until_complete(
+            self.engine.async_generate(
+                input_ids=ids,
+                sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(ids),
+                return_logprob=True,
+                logprob_start_len=0,
+            )
+        )
+        if isinstance(outs, dict):
+            outs = [outs]
+        result = []
+        for s, out in zip(ids, outs):
+            lp = out["meta_info"]["input_token_logprobs"]  # first entry (token 0) has no logprob
+            result.append(torch.tensor([float(x[0]) for x in lp[1 : len(s)]], dtype=torch.float32))
+        return result

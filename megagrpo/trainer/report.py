@@ -1,0 +1,75 @@
+"""End-of-run report: `report.png` (curves against the step) and `report.md` (a short summary)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from megagrpo.trainer.metrics import read_jsonl
+
+PANELS = (
+    ("reward", ("reward/mean",)),
+    ("held-out accuracy", ("eval/accuracy",)),
+    ("response length", ("rollout/response_len_mean",)),
+    ("entropy", ("loss/entropy",)),
+    ("clip fractions", ("loss/clip_frac_low", "loss/clip_frac_high")),
+    ("mismatch KL (k3)", ("mismatch/kl_k3_sampler_learner", "mismatch/kl_k3_learner_sampler")),
+    ("MoE top-k agreement", ("moe/topk_agreement_rollout_old", "moe/topk_agreement_old_current")),
+    ("importance cap", ("mismatch/tis_cap",)),
+)
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if v is not None and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def write_report(run_dir: str | Path, *, title: str = "megagrpo run", extra_md: str = "") -> tuple[Path, Path]:
+    """Plot every panel that has data from `run_dir/metrics.jsonl`; return (png, md) paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    panels = [(name, keys) for name, keys in PANELS if any(_series(records, k)[0] for k in keys)]
+    n = max(len(panels), 1)
+    cols = 2 if n > 1 else 1
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 2.8 * rows), squeeze=False)
+    for ax, (name, keys) in zip(axes.flat, panels):
+        for k in keys:
+            xs, ys = _series(records, k)
+            if xs:
+                ax.plot(xs, ys, marker="o", ms=3, label=k)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    png = run_dir / "report.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+    lines = [f"# {title}", "", f"Steps logged: {len(records)}", "", "| metric | first | last |", "|---|---|---|"]
+    for _, keys in panels:
+        for k in keys:
+            _, ys = _series(records, k)
+            if ys:
+                lines.append(f"| `{k}` | {ys[0]:.4g} | {ys[-1]:.4g} |")
+    if extra_md:
+        lines += ["", extra_md]
+    lines += ["", "![curves](report.png)", ""]
+    md = run_dir / "report.md"
+    md.write_text("\n".join(lines))
+    return png, md

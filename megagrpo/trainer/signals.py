@@ -1,0 +1,41 @@
+"""Signal-driven checkpoints: SIGTERM/SIGUSR1 (Slurm preemption) and SIGINT (Ctrl-C) set a flag.
+
+The loop polls the flag between steps, saves a checkpoint and exits with `REQUEUE_EXIT_CODE`, which the
+sbatch templates map to `scontrol requeue`. Handling the signal between steps, never inside one, keeps
+every checkpoint at a step boundary and so resumable bit for bit.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means "now"
+        self.signum = signum
+
+    def install(self) -> StopRequest:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous.clear()
+
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""

@@ -1,0 +1,129 @@
+"""Shared pieces of the distributed workers: the tiny MoE architecture, batches, and comparisons of
+sharded tensors through megatron dist checkpoints (which reshard between any two meshes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megagrpo.config.model import ModelArch
+
+TINY_MOE = ModelArch(
+    family="qwen3_moe",
+    vocab_size=1000,  # padded to 1024: exercises the masked padded-vocab rows
+    hidden_size=64,
+    num_layers=4,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    ffn_hidden_size=128,
+    max_position_embeddings=256,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+    qk_norm=True,
+    num_experts=4,
+    moe_topk=2,
+    moe_ffn_hidden_size=32,
+)
+
+
+def make_batch(B: int = 8, T: int = 24, seed: int = 0, vocab: int = 1000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    lens = torch.randint(T // 3, T + 1, (B,), generator=g)
+    lens[0] = T
+    pos = torch.arange(T).unsqueeze(0)
+    prompt = torch.randint(2, 6, (B, 1), generator=g)
+    loss_mask = (pos >= prompt) & (pos < lens.unsqueeze(1))
+    ids = torch.where(pos < lens.unsqueeze(1), ids, torch.zeros_like(ids))
+    adv = torch.randn(B, generator=g)
+    old = -torch.rand(B, T, generator=g) * 5 - 1
+    return {"input_ids": ids, "seq_lens": lens, "loss_mask": loss_mask, "advantages": adv, "old_logp": old}
+
+
+def unwrap(m: Any) -> Any:
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def save_params(chunks: list[Any], path: Path, *, source: str = "data") -> None:
+    """Dist checkpoint of the model, with param data (`source="data"`) or main grads (`"grad"`)."""
+    from megatron.core import dist_checkpointing
+
+    models = [unwrap(c) for c in chunks]
+    if torch.distributed.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    saved = []
+    if source == "grad":
+        for m in models:
+            for p in m.parameters():
+                g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+                saved.append((p, p.data))
+                p.data = g.detach().to(p.dtype).clone()
+    try:
+        sd = _sharded(models)
+        dist_checkpointing.save(sd, str(path))
+    finally:
+        for p, d in saved:
+            p.data = d
+
+
+def _sharded(models: list[Any]) -> dict[str, Any]:
+    if len(models) == 1:
+        return models[0].sharded_state_dict()
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+
+
+def load_params(chunks: list[Any], path: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    models = [unwrap(c) for c in chunks]
+    loaded = dist_checkpointing.load(_sharded(models), str(path))
+    if len(models) == 1:
+        models[0].load_state_dict(loaded, strict=False)
+    else:
+        for i, m in enumerate(models):
+            m.load_state_dict(loaded[f"model{i}"], strict=False)
+
+
+def read_as_local(chunks: list[Any], path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint at `path` in THIS rank's sharding, by local parameter name (params untouched)."""
+    models = [unwrap(c) for c in chunks]
+    keep = [{n: p.data.clone() for n, p in m.named_parameters()} for m in models]
+    load_params(chunks, path)
+    out = {}
+    for i, m in enumerate(models):
+        for n, p in m.named_parameters():
+            out[f"{i}.{n}"] = p.data.clone()
+            p.data.copy_(keep[i][n])
+    return out
+
+
+def local_values(chunks: list[Any], *, source: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, c in enumerate(chunks):
+        for n, p in unwrap(c).named_parameters():
+            if source == "grad":
+                g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+                out[f"{i}.{n}"] = g.detach().clone()
+            else:
+                out[f"{i}.{n}"] = p.data.clone()
+    return out
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for k, v in a.items():
+        d = float((v.float() - b[k].float()).abs().max()) if v.numel() else 0.0
+        if d > worst:
+            worst, where = d, k
+    return worst, where
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True))

@@ -1,0 +1,58 @@
+"""SGLang engine fixtures shared by the integration tests (one engine start per session: starts take 35-200 s).
+
+`sglang_engine`: a running `RolloutEngine` (CPU, fp32) on the tiny Qwen3-MoE from `tiny_model`, started once
+per session and shut down by the fixture, which then asserts that none of its processes outlived it.
+Tests that change the engine's weights must put the original weights back (see `sglang_reference`).
+`sglang_hits_dir`: where the engine's subprocesses record which CPU-compat patches they hit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+ENGINE_MODEL = dict(arch="qwen3_moe", experts=8, topk=2)
+
+
+@pytest.fixture(scope="session")
+def sglang_hits_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sglang_compat_hits")
+
+
+@pytest.fixture(scope="session")
+def sglang_model_dir(tiny_model):
+    return tiny_model(**ENGINE_MODEL)
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(sglang_model_dir, sglang_hits_dir):
+    from megagrpo.compat import apply_cpu_compat
+
+    apply_cpu_compat(megatron=False, sglang=True)
+    from megagrpo.compat.sglang_cpu import HITS_DIR_ENV
+    from megagrpo.rollout import RolloutConfig, RolloutEngine
+
+    os.environ[HITS_DIR_ENV] = str(sglang_hits_dir)
+    cfg = RolloutConfig(str(sglang_model_dir), dtype="float32", max_total_tokens=4096, seed=0)
+    engine = RolloutEngine(cfg)
+    try:
+        engine.start()
+    finally:
+        os.environ.pop(HITS_DIR_ENV, None)
+    yield engine
+    pids = engine.pids
+    engine.shutdown()
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"SGLang processes outlived the engine fixture: {alive}"
+
+
+@pytest.fixture(scope="session")
+def hf_reference(sglang_model_dir):
+    """The same tiny model in transformers (fp32, eval), the reference for logprobs and routes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sglang_model_dir, dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,75 @@
+"""Smoke proof (b): a CPU sglang.Engine on a tiny Qwen3-MoE generates with logprobs and routed experts,
+and the CPU-compat patches are the code paths actually hit (in this process and in the engine's children).
+"""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from megagrpo.compat import HITS
+from megagrpo.rollout import NO_ROUTE, SamplingConfig
+
+
+def test_generate_with_logprobs_and_routes(sglang_engine):
+    groups = sglang_engine.generate([[5, 6, 7, 8]], SamplingConfig(max_new_tokens=6, ignore_eos=True), group_size=2)
+    assert len(groups) == 1 and len(groups[0]) == 2
+    for c in groups[0]:
+        assert c.output_ids.shape == (6,) and c.logprobs.shape == (6,)
+        assert c.finish_reason == "length"
+        assert bool((c.logprobs < 0).all()) and bool(torch.isfinite(c.logprobs).all())
+        assert c.routes.shape == (4 + 6, 2, 2) and c.routes.dtype == torch.int32
+        assert bool((c.routes[:-1] >= 0).all()) and bool((c.routes[:-1] < 8).all())
+        assert bool((c.routes[-1] == NO_ROUTE).all())
+        assert c.output_routes.shape == (6, 2, 2)
+        # the two top-k experts of a token are distinct
+        assert bool((c.routes[:-1, :, 0] != c.routes[:-1, :, 1]).all())
+    # both samples share the prompt, so they share its routes (prefill, possibly from the prefix cache)
+    assert torch.equal(groups[0][0].routes[:4], groups[0][1].routes[:4])
+
+
+def test_scheduler_processes_are_the_engines(sglang_engine):
+    names = {psutil.Process(p).name() for p in sglang_engine.pids}
+    assert any(n.startswith("sglang::scheduler") for n in names), names
+    assert any(n.startswith("sglang::detokenizer") for n in names), names
+
+
+def test_compat_patches_hit_in_engine_children(sglang_engine, sglang_hits_dir):
+    from megagrpo.compat.sglang_cpu import read_child_hits
+
+    sglang_engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2), group_size=1)
+    sglang_engine.release()
+    sglang_engine.resume()
+    hits = read_child_hits(sglang_hits_dir)
+    sched = set(hits.get("Engine.run_scheduler_process_func", ()))
+    detok = set(hits.get("Engine.run_detokenizer_process_func", ()))
+    assert sched and detok and not sched & detok
+    # the routed-experts host buffer was allocated by the plain allocator, in the scheduler
+    assert sched & hits["sglang.srt.mem_cache.pool_host.common.alloc_with_host_register"]
+    # release_memory_occupation's torch.get_device_module().synchronize() went through the patch
+    assert sched & hits["torch.get_device_module"]
+    # plain generation never calls assign_req_to_token_pool_cpu (only speculative decoding does)
+    assert "sgl_kernel.assign_req_to_token_pool_cpu" not in hits
+
+
+def test_compat_patches_in_process(sglang_engine):
+    """The patched functions themselves, called here so their hits count in this process."""
+    import sgl_kernel
+
+    from megagrpo.compat.sglang_cpu import assign_req_to_token_pool_cpu
+
+    before = HITS["sgl_kernel.assign_req_to_token_pool_cpu"]
+    req_to_token = torch.zeros(3, 8, dtype=torch.int32)
+    sgl_kernel.assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0]), req_to_token, torch.tensor([1, 0]), torch.tensor([3, 3]), torch.arange(10, 20), 8
+    )
+    assert HITS["sgl_kernel.assign_req_to_token_pool_cpu"] == before + 1
+    assert req_to_token[2, 1:3].tolist() == [10, 11] and req_to_token[0, 0:3].tolist() == [12, 13, 14]
+    assert sgl_kernel.assign_req_to_token_pool_cpu.__wrapped__ is assign_req_to_token_pool_cpu
+    with pytest.raises(RuntimeError, match="copy_all_layer_kv_cache_cpu is not available"):
+        sgl_kernel.copy_all_layer_kv_cache_cpu()
+    before = HITS["torch.get_device_module"]
+    assert torch.get_device_module() is torch.cpu
+    assert torch.get_device_module("cuda") is torch.cuda
+    assert HITS["torch.get_device_module"] == before + 2

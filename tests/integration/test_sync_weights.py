@@ -1,0 +1,95 @@
+"""Weight sync into the running engine: new weights take effect, a no-op sync changes nothing, the checksum
+holds, and a bad export is refused before anything is sent (the engine keeps the old weights).
+
+The HF-named tensors come from a perturbed transformers model saved in checkpoint layout (the names and
+shapes the bridge's streaming export yields).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.sync import bucketize, sync_weights
+
+LOGPROB_TOL_FP32 = 2e-4  # fp32 engine vs fp32 transformers; measured max |delta| ~1e-5 here
+SEQS = [[5, 17, 33, 2, 90, 14, 200, 7, 61, 8], [1, 307, 260, 202, 90, 301, 314, 224]]
+
+
+def _checkpoint_tensors(model, tmp_path) -> list[tuple[str, torch.Tensor]]:
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return list(load_file(tmp_path / "model.safetensors").items())
+
+
+def _hf_logprobs(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _max_diff(engine, model):
+    return max(float((e - _hf_logprobs(model, s)).abs().max()) for e, s in zip(engine.score(SEQS), SEQS))
+
+
+@pytest.fixture
+def original_tensors(hf_reference, tmp_path_factory):
+    return _checkpoint_tensors(hf_reference, tmp_path_factory.mktemp("orig"))
+
+
+@pytest.fixture
+def restore(sglang_engine, original_tensors):
+    yield
+    sync_weights(sglang_engine, bucketize(original_tensors))
+
+
+def test_sync_changes_weights_and_second_sync_is_a_noop(
+    sglang_engine, hf_reference, original_tensors, restore, tmp_path
+):
+    assert _max_diff(sglang_engine, hf_reference) < LOGPROB_TOL_FP32
+    updated = copy.deepcopy(hf_reference)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tensors = _checkpoint_tensors(updated, tmp_path)
+
+    stats = sync_weights(sglang_engine, bucketize(tensors, bucket_bytes=64 << 10), checksum=True)
+    assert stats.checksum_ok is True and stats.buckets > 1 and stats.tensors == len(tensors)
+    assert stats.bytes == sum(t.numel() * t.element_size() for _, t in tensors)
+    m = stats.metrics()
+    assert set(m) == {"sync/bytes", "sync/seconds", "sync/gbps", "sync/checksum_ok"} and m["sync/gbps"] > 0
+
+    assert _max_diff(sglang_engine, updated) < LOGPROB_TOL_FP32
+    assert _max_diff(sglang_engine, hf_reference) > 100 * LOGPROB_TOL_FP32
+    first = sglang_engine.score(SEQS)
+
+    again = sync_weights(sglang_engine, bucketize(tensors), checksum=True)
+    assert again.checksum_ok is True and again.buckets == 1
+    for a, b in zip(first, sglang_engine.score(SEQS)):
+        assert torch.equal(a, b)
+
+
+def test_bad_export_is_refused_before_sending(sglang_engine, hf_reference, original_tensors, restore):
+    baseline = sglang_engine.score(SEQS)
+    perturbed = [(n, t + 1.0) for n, t in original_tensors]  # would change every logprob if it were sent
+
+    missing = [(n, t) for n, t in perturbed if n != "model.layers.1.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(MegagrpoError, match=r"missing.*model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
+        sync_weights(sglang_engine, bucketize(missing, bucket_bytes=4096))
+
+    name = "model.layers.0.self_attn.k_proj.weight"
+    misshapen = [(n, t[:-1] if n == name else t) for n, t in perturbed]
+    with pytest.raises(MegagrpoError, match=rf"{name}.*shape \(31, 64\).*expects \(32, 64\)"):
+        sync_weights(sglang_engine, bucketize(misshapen, bucket_bytes=4096))
+
+    unknown = [*perturbed, ("model.layers.0.mlp.experts.99.up_proj.weight", torch.zeros(64, 64))]
+    with pytest.raises(MegagrpoError, match="experts.99.up_proj.weight.*not in the engine's checkpoint"):
+        sync_weights(sglang_engine, [unknown])
+
+    for a, b in zip(baseline, sglang_engine.score(SEQS)):
+        assert torch.equal(a, b)
+    assert _max_diff(sglang_engine, hf_reference) < LOGPROB_TOL_FP32

@@ -1,0 +1,34 @@
+"""docs/config.md and configs/reference.yaml are generated from the schema and must be current."""
+
+from __future__ import annotations
+
+from megagrpo.config import Config, load_config
+from tools import gen_config_docs as gen
+
+
+def test_docs_are_up_to_date_with_the_schema():
+    assert gen.DOC_PATH.read_text() == gen.render_markdown(), "run: python tools/gen_config_docs.py"
+    assert gen.REFERENCE_PATH.read_text() == gen.render_reference_yaml(), (
+        "run: python tools/gen_config_docs.py"
+    )
+
+
+def test_docs_list_every_field():
+    doc = gen.render_markdown()
+    for path, _, section, _ in gen._fields(Config):
+        top_section = "." not in path and section is not None  # a heading, not a row
+        assert (f"## `{path}`" if top_section else f"| `{path}` |") in doc, path
+
+
+def test_reference_config_is_the_defaults():
+    ref = load_config(gen.REFERENCE_PATH, check_paths=False)
+    assert ref == Config.model_validate({"model": {"hf_path": gen.PLACEHOLDER_MODEL}})
+
+
+def test_shipped_configs_validate():
+    for name in ("demo_qwen3_moe", "grpo_math_dense", "countdown_qwen3_moe_gdpo"):
+        cfg = load_config(gen.REPO / "configs" / f"{name}.yaml", check_paths=False)
+        assert cfg.model.hf_path
+    demo = load_config(gen.REPO / "configs" / "demo_qwen3_moe.yaml", check_paths=False)
+    assert demo.algo.variant == "gspo" and demo.replay == "R3" and demo.algo.tis.cap == "auto"
+    assert demo.sft.data.synthetic.max_digits < demo.data.synthetic.max_digits  # RL on harder problems

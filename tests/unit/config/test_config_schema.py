@@ -1,0 +1,156 @@
+"""Schema rules: defaults, per-variant clips, cross-field checks and check_mesh."""
+
+from __future__ import annotations
+
+import pytest
+
+from megagrpo.config import VARIANT_CLIP_DEFAULTS, Config, check_mesh, config_from_dict
+from megagrpo.errors import MegagrpoError
+
+BASE = {"model": {"hf_path": "m"}}
+
+
+def make(**sections) -> Config:
+    return config_from_dict({**BASE, **sections})
+
+
+def bad(**sections) -> str:
+    with pytest.raises(MegagrpoError) as e:
+        make(**sections)
+    return str(e.value)
+
+
+def test_defaults_validate_and_every_field_is_documented():
+    cfg = make()
+    assert cfg.rollout.group_size == 8 and cfg.algo.variant == "grpo" and cfg.replay == "none"
+    assert cfg.algo.mis.mode == "mask" and cfg.algo.tis.mode == "truncate"
+
+    def walk(model, prefix=""):
+        for name, f in type(model).model_fields.items():
+            assert f.description and len(f.description) > 15, f"{prefix}{name} lacks a description"
+            sub = getattr(model, name)
+            if hasattr(sub, "model_fields"):
+                walk(sub, f"{prefix}{name}.")
+
+    walk(cfg)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANT_CLIP_DEFAULTS))
+def test_variant_clip_defaults_fill_nulls_but_explicit_values_win(variant):
+    cfg = make(algo={"variant": variant})
+    assert (cfg.algo.clip_low, cfg.algo.clip_high) == VARIANT_CLIP_DEFAULTS[variant]
+    cfg = make(algo={"variant": variant, "clip_low": 0.1, "clip_high": 0.3})
+    assert (cfg.algo.clip_low, cfg.algo.clip_high) == (0.1, 0.3)
+
+
+def test_gspo_defaults_are_the_paper_values_and_cispo_has_no_lower_bound():
+    cfg = make(algo={"variant": "gspo"})
+    assert (cfg.algo.clip_low, cfg.algo.clip_high) == (3e-4, 4e-4)
+    assert make(algo={"variant": "cispo"}).algo.clip_low is None
+    assert make(algo={"variant": "gmpo", "clip_low": 1.5}).algo.clip_low == 1.5  # a log-ratio bound
+
+
+def test_schema_choices_match_the_algorithm_core():
+    import typing
+
+    from megagrpo.algo import VARIANTS
+    from megagrpo.algo.advantages import METHODS
+    from megagrpo.algo.aggregation import AGG_MODES
+    from megagrpo.algo.kl import ESTIMATORS
+    from megagrpo.config import AlgoConfig, KlConfig
+
+    def choices(model, name):
+        return typing.get_args(model.model_fields[name].annotation)
+
+    assert choices(AlgoConfig, "variant") == VARIANTS
+    assert choices(AlgoConfig, "agg") == AGG_MODES
+    assert choices(KlConfig, "estimator") == ESTIMATORS
+    assert choices(AlgoConfig, "advantages") == (*METHODS, "gdpo")  # gdpo: algo.advantages.gdpo()
+
+
+def test_group_size_below_two_is_rejected_for_group_advantages():
+    msg = bad(rollout={"group_size": 1})
+    assert msg.splitlines()[1].strip().startswith("rollout.group_size: 1 is below 2")
+
+
+def test_unknown_variant_lists_allowed_values():
+    msg = bad(algo={"variant": "ppo"})
+    assert "algo.variant: 'ppo' is not one of grpo, gspo, gspo_token, gmpo, cispo, sapo, reinforce" in msg
+
+
+@pytest.mark.parametrize(
+    "algo, field",
+    [
+        ({"clip_low": 1.5}, "algo.clip_low"),
+        ({"clip_low": 0.0}, "algo.clip_low"),
+        ({"clip_high": -0.1}, "algo.clip_high"),
+        ({"clip_ratio_c": 1.1}, "algo.clip_ratio_c"),
+        ({"tis": {"cap": 0.9}}, "algo.tis.cap"),
+        ({"mis": {"cap_low": 1.2}}, "algo.mis.cap_low"),
+        ({"mis": {"veto_low": 0.0}}, "algo.mis.veto_low"),
+        ({"variant": "gmpo", "clip_low": -0.1}, "algo.clip_low"),
+        ({"tis": {"auto": {"clamp": [5.0, 2.0]}}}, "algo.tis.auto.clamp"),
+        ({"router_shift_gamma_min": 1.0}, "algo.router_shift_gamma_min"),
+    ],
+)
+def test_insane_clip_and_cap_values_name_their_field(algo, field):
+    assert f"\n  {field}: " in bad(algo=algo)
+
+
+def test_dual_clip_accepts_a_bound_beyond_clip_high():
+    assert make(algo={"clip_ratio_c": 3.0}).algo.clip_ratio_c == 3.0
+
+
+def test_gdpo_needs_both_advantages_and_combine():
+    assert "rewards.combine" in bad(algo={"advantages": "gdpo"})
+    assert "rewards.combine" in bad(rewards={"combine": "gdpo"})
+    cfg = make(algo={"advantages": "gdpo"}, rewards={"combine": "gdpo"})
+    assert cfg.rewards.combine == "gdpo"
+
+
+def test_resolved_defaults_follow_rollout_length():
+    cfg = make(algo={"agg": "seq-mean-token-sum-norm"}, rollout={"max_new_tokens": 300})
+    assert cfg.algo.agg_constant == 300.0 and cfg.algo.soft_overlong.max_len == 300
+    msg = bad(algo={"soft_overlong": {"enabled": True, "max_len": 500}}, rollout={"max_new_tokens": 300})
+    assert "algo.soft_overlong.max_len: 500 exceeds rollout.max_new_tokens=300" in msg
+    assert "algo.soft_overlong.cache_len" in bad(
+        algo={"soft_overlong": {"enabled": True, "cache_len": 300}}, rollout={"max_new_tokens": 300}
+    )
+
+
+def test_mesh_rules_from_megatron():
+    assert "mesh.sequence_parallel: true needs tp > 1" in bad(mesh={"sequence_parallel": True})
+    assert "mesh.sequence_parallel: false with tp=2 and ep=2" in bad(mesh={"tp": 2, "ep": 2})
+    assert make(mesh={"tp": 2, "ep": 2, "sequence_parallel": True}).mesh.ep == 2
+
+
+def test_data_needs_exactly_one_source_and_rewards_distinct_labels():
+    assert "data.train_path: set exactly one" in bad(
+        data={"train_path": "x.jsonl", "synthetic": {"task": "addition"}}
+    )
+    assert "data.train_path: set exactly one" in bad(data={})
+    msg = bad(rewards={"functions": [{"name": "format"}, {"name": "format"}]})
+    assert "rewards.functions: duplicate reward names ['format']" in msg
+    assert "rewards.functions: is empty" in bad(rewards={"functions": []})
+
+
+def test_mini_batches_must_divide_the_batch():
+    assert "algo.ppo_mini_batches: 3 does not divide the batch of 256" in bad(algo={"ppo_mini_batches": 3})
+
+
+def test_check_mesh_infers_dp_and_rejects_impossible_meshes():
+    cfg = make(
+        mesh={"tp": 2, "ep": 2, "sequence_parallel": True}, rollout={"prompts_per_step": 8, "group_size": 4}
+    )
+    sizes = check_mesh(cfg, 4)
+    assert (sizes.dp, sizes.expert_dp, sizes.num_engines, sizes.seqs_per_rank_per_minibatch) == (2, 2, 4, 16)
+    with pytest.raises(MegagrpoError, match=r"tp\*pp\*cp = 2\*1\*1 = 2 does not divide the world size 3"):
+        check_mesh(cfg, 3)
+    with pytest.raises(MegagrpoError, match=r"ep\*etp\*pp = 4\*1\*1 = 4 does not divide the world size 6"):
+        check_mesh(make(mesh={"ep": 4}), 6)
+    with pytest.raises(MegagrpoError, match="rollout.engine_tp: 4 does not divide the world size 2"):
+        check_mesh(make(rollout={"engine_tp": 4}), 2)
+    with pytest.raises(MegagrpoError, match="schedule.micro_batch_size: 3 does not divide"):
+        check_mesh(make(schedule={"micro_batch_size": 3}), 1)
+    with pytest.raises(MegagrpoError, match="does not split over DP=3"):
+        check_mesh(make(rollout={"prompts_per_step": 2, "group_size": 2}), 3)

@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Convert a Hugging Face checkpoint into a megatron-core dist checkpoint (torch_dist) for any mesh.
+
+    python tools/convert_hf_to_megatron.py HF_DIR OUT_DIR [--dtype bfloat16]
+
+OUT_DIR receives the dist checkpoint (`metadata.json`, `.metadata`, `__0_0.distcp`), the HF
+`config.json`, tokenizer and generation-config files, and `megagrpo_checkpoint.json` (architecture,
+padded vocab, dtype) that marks it as ours. Tensors stream one parameter at a time from the safetensors
+files: megatron's keys and shapes come from its own `sharded_state_dict()` of the model built on the meta
+device, so no weight is allocated up front and peak memory stays near the largest parameter group.
+Everything is written in a temporary directory renamed into place at the end; a failure leaves nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from megagrpo.bridge.dist_ckpt import chunks_from_sharded_state_dict, write_dist_checkpoint  # noqa: E402
+from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, copy_side_files  # noqa: E402
+from megagrpo.bridge.maps import param_maps  # noqa: E402
+from megagrpo.config.model import ModelArch  # noqa: E402
+from megagrpo.errors import MegagrpoError  # noqa: E402
+
+MARKER = "megagrpo_checkpoint.json"
+FORMAT = "megagrpo-megatron-torch_dist"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process() -> None:
+    """Megatron parallel state for one process (TP=EP=PP=1), unless torch.distributed already runs."""
+    import torch.distributed as dist
+
+    from megagrpo.compat import apply_cpu_compat
+    from megagrpo.learner.mesh import DistEnv, MeshConfig, init_mesh
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and dist.get_world_size() == 1:
+        return
+    env = None if dist.is_initialized() else DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
+    init_mesh(MeshConfig(), env)
+
+
+# megatron's TransformerConfig rejects its default "allgather" dispatcher with variable_seq_lengths even
+# for dense models; the choice has no effect on a dense model's parameters.
+CONFIG_OVERRIDES = {"moe_token_dispatcher_type": "alltoall"}
+
+
+def build_model(arch: ModelArch, mesh_cfg=None, dtype: torch.dtype = torch.float32, *, meta: bool = False):
+    """This rank's GPTModel chunks via the learner's builder (local spec); on the meta device if `meta`."""
+    import contextlib
+
+    from megagrpo.learner.mesh import MeshConfig
+    from megagrpo.learner.model import build_gpt_model
+
+    overrides = dict(CONFIG_OVERRIDES)
+    if meta:
+        overrides["perform_initialization"] = False
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return build_gpt_model(
+            arch, mesh_cfg or MeshConfig(), dtype=dtype, layer_spec="local", config_overrides=overrides
+        )
+
+
+def meta_model(arch: ModelArch, dtype: torch.dtype):
+    """The single-process GPTModel built on the meta device (names, shapes and sharding, no storage)."""
+    (model,) = build_model(arch, dtype=dtype, meta=True)
+    return model
+
+
+def read_marker(ckpt_dir: Path) -> dict:
+    """The checkpoint's marker; MegagrpoError if the directory is not a checkpoint written by megagrpo."""
+    marker = ckpt_dir / MARKER
+    if not ckpt_dir.is_dir():
+        raise MegagrpoError(f"{ckpt_dir}: not a directory; pass a checkpoint written by convert_hf_to_megatron")
+    if not marker.is_file():
+        raise MegagrpoError(
+            f"{ckpt_dir}: {MARKER} is missing, so this is not a megagrpo megatron checkpoint; convert the model "
+            "with tools/convert_hf_to_megatron.py or pass the checkpoint's model directory"
+        )
+    try:
+        meta = json.loads(marker.read_text())
+    except json.JSONDecodeError as e:
+        raise MegagrpoError(f"{marker}: not valid JSON ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise MegagrpoError(f"{marker}: format={meta.get('format')!r}, expected {FORMAT!r}")
+    for f in ("metadata.json", ".metadata"):
+        if not (ckpt_dir / f).is_file():
+            raise MegagrpoError(f"{ckpt_dir / f}: missing; the dist checkpoint is incomplete")
+    return meta
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, progress: bool = True) -> dict:
+    """Convert; return a summary (bytes, seconds, peak chunk)."""
+    from megatron.core import dist_checkpointing  # noqa: F401  (fail early if megatron is missing)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from megagrpo.learner.model import padded_vocab_size
+
+    t0 = time.perf_counter()
+    ckpt = HFCheckpoint(hf_dir)  # validates files, keys and shapes before anything is written
+    arch = ckpt.arch
+    src_dtypes = {ckpt.dtype(n) for m in ckpt.maps for n in m.hf}
+    if dtype is None:
+        if len(src_dtypes) != 1:
+            raise MegagrpoError(f"{hf_dir}: tensors have mixed dtypes {src_dtypes}; pass --dtype")
+        tdtype = src_dtypes.pop()
+    else:
+        if dtype not in DTYPES:
+            raise MegagrpoError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        tdtype = DTYPES[dtype]
+    padded = padded_vocab_size(arch, 1)
+    init_single_process()
+    model = meta_model(arch, tdtype)
+    chunks, objects = chunks_from_sharded_state_dict(model.sharded_state_dict())
+    by_name = {m.mcore: m for m in param_maps(arch)}
+    unknown = sorted({c.source for c in chunks} - set(by_name))
+    if unknown:
+        raise MegagrpoError(f"megatron parameter {unknown[0]!r} has no entry in the {arch.family} parameter map")
+    del model
+
+    def produce(name: str) -> torch.Tensor:
+        return ckpt.megatron_tensor(by_name[name], padded, tdtype)
+
+    total = sum(c.nbytes for c in chunks)
+    with atomic_output_dir(out_dir) as tmp:
+        with Progress(
+            TextColumn("[bold]hf->megatron"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            disable=not progress,
+            transient=True,
+        ) as bar:
+            task = bar.add_task("convert", total=total)
+            write_dist_checkpoint(tmp, chunks, objects, produce, on_chunk=lambda c: bar.advance(task, c.nbytes))
+        (tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2) + "\n")
+        copy_side_files(Path(hf_dir), tmp)
+        summary = {
+            "format": FORMAT,
+            "version": 1,
+            "arch": arch.to_dict(),
+            "padded_vocab_size": padded,
+            "dtype": str(tdtype).removeprefix("torch."),
+            "source": str(Path(hf_dir).resolve()),
+            "bytes": total,
+        }
+        (tmp / MARKER).write_text(json.dumps(summary, indent=2) + "\n")
+    ckpt.close()
+    summary["seconds"] = time.perf_counter() - t0
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("hf_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's dtype")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        s = convert(a.hf_dir, a.out_dir, dtype=a.dtype, progress=not a.no_progress)
+    except MegagrpoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out_dir": a.out_dir, "bytes": s["bytes"], "seconds": round(s["seconds"], 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

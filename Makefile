@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 PYTHON312 := $(shell for p in python3.12 /root/.pyenv/versions/3.12.1/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v $$p; break; }; done)
 
-.PHONY: help setup test test-fast test-dist test-integration lint fmt demo lock bench clean-venv
+.PHONY: help setup test test-fast lint fmt demo demo-clean lock clean-venv
 
 help:
 	@echo "make test   install (first time) and run the whole test suite"
@@ -45,6 +45,12 @@ $(VENV)/.installed: $(LOCK) pyproject.toml
 	  echo "==> GPU present: installing the gpu extra"; \
 	  $(VENV)/bin/python -m uv pip install --python $(VENV)/bin/python --index-url https://pypi.org/simple ".[gpu]"; fi
 	@touch $@
+
+demo: setup
+	$(PY) tools/run_demo.py $(DEMO_ARGS)
+
+demo-clean:
+	rm -rf outputs/demo
 
 test: setup
 	@$(MAKE) --no-print-directory lint

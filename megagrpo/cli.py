@@ -20,11 +20,19 @@ EXIT_USER_ERROR = 2
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config file (see docs/config.md)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.clip_high=0.28 schedule.steps=10")
-    p.add_argument("--resume", default=None, help="'auto' (latest checkpoint in checkpoint.dir) or a checkpoint path")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="start this many local processes with torchrun (default: run in this process, "
-                        "taking rank/world from torchrun, srun or mpirun variables if present)")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. algo.clip_high=0.28 schedule.steps=10"
+    )
+    p.add_argument(
+        "--resume", default=None, help="'auto' (latest checkpoint in checkpoint.dir) or a checkpoint path"
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="start this many local processes with torchrun (default: run in this process, "
+        "taking rank/world from torchrun, srun or mpirun variables if present)",
+    )
 
 
 def _tool(name: str) -> Path:
@@ -37,20 +45,34 @@ def _forward(tool: str, args: list[str]) -> int:
 
 
 def _spawn_torchrun(nproc: int, mode: str, argv_rest: list[str]) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(REPO / "launch" / "run.py"), mode, *argv_rest]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(REPO / "launch" / "run.py"),
+        mode,
+        *argv_rest,
+    ]
     return subprocess.call(cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megagrpo", description="GRPO-family RL post-training for MoE models.")
+    parser = argparse.ArgumentParser(
+        prog="megagrpo", description="GRPO-family RL post-training for MoE models."
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("train", "GRPO-family RL training (rollout, reward, update, sync)"),
-                        ("sft", "cold-start supervised fine-tuning on the same learner"),
-                        ("eval", "held-out evaluation of a model or checkpoint")):
+    for name, help_ in (
+        ("train", "GRPO-family RL training (rollout, reward, update, sync)"),
+        ("sft", "cold-start supervised fine-tuning on the same learner"),
+        ("eval", "held-out evaluation of a model or checkpoint"),
+    ):
         _add_run_args(sub.add_parser(name, help=help_, description=help_))
-    for name, help_ in (("convert", "HF <-> Megatron checkpoint conversion (tools/convert_*.py)"),
-                        ("probe", "parallelism-mismatch probe (tools/mismatch_probe.py)")):
+    for name, help_ in (
+        ("convert", "HF <-> Megatron checkpoint conversion (tools/convert_*.py)"),
+        ("probe", "parallelism-mismatch probe (tools/mismatch_probe.py)"),
+    ):
         sp = sub.add_parser(name, help=help_, description=help_, add_help=False)
         sp.add_argument("args", nargs=argparse.REMAINDER)
     return parser
@@ -64,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "convert":
             rest = args.args
             if not rest or rest[0] not in ("hf-to-megatron", "megatron-to-hf"):
-                print("usage: megagrpo convert {hf-to-megatron,megatron-to-hf} SRC DST [options]", file=sys.stderr)
+                print(
+                    "usage: megagrpo convert {hf-to-megatron,megatron-to-hf} SRC DST [options]",
+                    file=sys.stderr,
+                )
                 return EXIT_USER_ERROR if rest and rest[0] not in ("-h", "--help") else 0
             tool = "convert_hf_to_megatron.py" if rest[0] == "hf-to-megatron" else "convert_megatron_to_hf.py"
             return _forward(tool, rest[1:])

@@ -44,17 +44,27 @@ def free_port() -> int:
 
 
 def init_single_process() -> None:
-    """Megatron parallel state for one process (TP=EP=PP=1), unless torch.distributed already runs."""
+    """Megatron parallel state with TP=EP=PP=1 (a fresh one-process group unless one already exists).
+
+    A caller that already runs such a mesh (e.g. every rank of a data-parallel job) keeps it, so the
+    meta model can be built on any one rank without collectives.
+    """
     import torch.distributed as dist
 
     from megagrpo.compat import apply_cpu_compat
     from megagrpo.learner.mesh import DistEnv, MeshConfig, init_mesh
 
     apply_cpu_compat()
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    if parallel_state.model_parallel_is_initialized() and dist.get_world_size() == 1:
+    if ps.model_parallel_is_initialized() and (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+    ) == (1, 1, 1):
         return
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise MegagrpoError("conversion needs a TP=PP=EP=1 mesh; run it in its own process")
     env = None if dist.is_initialized() else DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
     init_mesh(MeshConfig(), env)
 

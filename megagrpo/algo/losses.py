@@ -23,6 +23,10 @@ Parameters (all keyword-only after `loss_mask`):
 - `normaliser`: the global denominator from `aggregation.loss_normaliser` (None: local batch).
 - `sapo_tau_pos`, `sapo_tau_neg`: SAPO gate temperatures for positive / negative advantages.
 
+gmpo needs per-sequence advantages `[B]`. Log-ratios are capped at `MAX_LOG_RATIO` (20) before any exp.
+The clip is one log-space clamp with a custom backward (once differentiable: no double backward). With
+`variant="reinforce"` and advantages 1 the loss is the SFT NLL (`aggregation.nll_loss`).
+
 Metrics: a dict of detached 0-dim float64 tensors (call `float()` to log). Reductions across micro-batches
 and ranks are registered in `megagrpo.algo.metrics.REDUCTIONS`. One call costs one host sync (the check
 that the inputs under the mask are finite rides on the metric reductions).
@@ -35,7 +39,9 @@ that the inputs under the mask are finite rides on the metric reductions).
   removed the gradient), `loss/clip_frac_high` (A > 0 and ratio > 1 + clip_high; for cispo: ratio above
   the cap, gradient kept), `loss/clip_frac_dual` (A < 0 and ratio > clip_ratio_c), `loss/ratio_mean`,
   `loss/approx_kl` (k3 estimate of KL(pi_old || pi_theta) from the token ratios), `loss/zero_grad_frac`
-  (tokens whose gradient is exactly zero: clipped, A == 0, or a zero weight).
+  (tokens whose gradient is exactly zero: clipped, A == 0, or a zero weight; for gspo/gmpo a token's
+  gradient is shared with its sequence, so one zero-weight token alone does not zero it). For cispo the
+  clip fractions count tokens whose IS weight was capped (high) or floored (low, only with clip_low).
 - `loss/ratio_min`, `loss/ratio_max`. The "ratio" is the one the variant uses: the token ratio for
   grpo/cispo/sapo/reinforce, the sequence ratio s_i for gspo/gspo_token, the unclipped geometric-mean
   ratio for gmpo.
@@ -363,14 +369,7 @@ def _ratio_metrics(
     if row_adv and iw is None and tw is None:
         zero_grad = removed + (n * (adv.squeeze(-1) == 0)).sum().to(f64)
     else:
-        zg = adv == 0
-        for w in (iw, tw):
-            if w is not None:
-                zg = zg | (w == 0)
-        zg = zg & m
-        if obj.clipped is not None:
-            zg = zg | (obj.clipped & m)
-        zero_grad = zg.sum().to(f64)
+        zero_grad = _zero_grad_count(variant, obj, adv, m, n, iw, tw)
     return {
         "loss/tokens": tokens,
         "loss/seqs": (n > 0).sum().to(f64),
@@ -383,6 +382,30 @@ def _ratio_metrics(
         "loss/approx_kl": (em1_sum - lr_sum) / denom,  # k3 of KL(pi_old || pi_theta): (r - 1) - log r
         "loss/zero_grad_frac": zero_grad / denom,
     }
+
+
+def _zero_grad_count(variant, obj, adv, m, n, iw, tw) -> Tensor:
+    """Loss tokens whose gradient is exactly zero, by the variant's gradient structure (general path)."""
+    w = None
+    for x in (iw, tw):
+        if x is not None:
+            w = x if w is None else w * x
+    clipped = obj.clipped if obj.clipped is not None else torch.zeros((), dtype=torch.bool, device=m.device)
+    if variant == "gspo":  # one shared gradient per sequence: s_i / n_i * sum_t A_t w_t [t unclipped]
+        coeff = adv.expand(m.shape) if w is None else adv * w
+        row = torch.where(m & ~clipped, coeff, 0.0).sum(dim=-1)
+        return (n * (row == 0)).sum().to(torch.float64)
+    if variant == "gmpo":  # token t: A_i * seq_i / n_i * sum_t w_t * [t unclipped]
+        row_zero = adv.squeeze(-1) == 0
+        if w is not None:
+            row_zero = row_zero | (torch.where(m, w, 0.0).sum(dim=-1) == 0)
+        return torch.count_nonzero(m & (clipped | row_zero.unsqueeze(-1))).to(torch.float64)
+    zg = adv == 0  # token-level gradients: A_t * w_t * (ratio term), zero where any factor is
+    if w is not None:
+        zg = zg | (w == 0)
+    if variant != "cispo":
+        zg = zg | clipped
+    return torch.count_nonzero(zg & m).to(torch.float64)
 
 
 def _clip_counts(variant, obj, lr, adv, m, n, row_adv, clip_low, clip_high, dual):

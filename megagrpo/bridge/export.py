@@ -211,8 +211,11 @@ def iter_hf_buckets(
                     dist.send(t.contiguous(), dist.get_global_rank(pp, 0), group=pp)
             elif pp_rank == 0:
                 fulls = []
+                # the sender holds one expert of an expert unit (its EP rank's); all share one dtype
+                dtypes = infos[owner]["dtypes"]
+                unit_dtype = next(dtypes[pm.mcore] for pm in unit if pm.mcore in dtypes)
                 for pm in unit:
-                    t = torch.empty(_full_shape(pm, arch, padded_vocab), dtype=infos[owner]["dtypes"][pm.mcore])
+                    t = torch.empty(_full_shape(pm, arch, padded_vocab), dtype=unit_dtype)
                     dist.recv(t, dist.get_global_rank(pp, owner), group=pp)
                     fulls.append(t)
         if not exporter:

@@ -467,6 +467,12 @@ class SyntheticConfig(Section):
     )
     min_digits: int = Field(default=2, ge=1, description="addition: fewest digits per operand.")
     max_digits: int = Field(default=3, ge=1, description="addition: most digits per operand.")
+    reverse_answer: bool = Field(
+        default=False,
+        description="addition: write the sum least-significant digit first. Each output digit then depends "
+        "only on digits already seen plus a carry, which a tiny transformer learns in a few hundred steps "
+        "rather than thousands (Lee et al. 2023, arXiv 2307.03381).",
+    )
     num_numbers: int = Field(default=3, ge=2, description="countdown: how many numbers are given.")
     max_number: int = Field(default=20, ge=2, description="countdown: numbers are drawn from 1..max_number.")
     num_train: int = Field(default=2000, ge=1, description="Number of generated training problems.")

@@ -25,12 +25,13 @@ def _operand(rng: random.Random, lo_digits: int, hi_digits: int) -> int:
     return rng.randint(10 ** (d - 1) if d > 1 else 0, 10**d - 1)
 
 
-def addition_problem(rng: random.Random, min_digits: int, max_digits: int) -> dict:
+def addition_problem(rng: random.Random, min_digits: int, max_digits: int, reverse: bool = False) -> dict:
     a, b = _operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits)
+    answer = str(a + b)[::-1] if reverse else str(a + b)
     return {
-        "prompt": f"What is {a} + {b}?",
-        "answer": str(a + b),
-        "completion": f"<answer>{a + b}</answer>",
+        "prompt": f"What is {a} + {b}?" + (" Write the digits of the sum in reverse order." if reverse else ""),
+        "answer": answer,
+        "completion": f"<answer>{answer}</answer>",
         "task": "addition",
         "a": a,
         "b": b,
@@ -72,7 +73,7 @@ def _key(sample: dict) -> tuple:
 
 def _draw(cfg: SyntheticConfig, rng: random.Random) -> dict:
     if cfg.task == "addition":
-        return addition_problem(rng, cfg.min_digits, cfg.max_digits)
+        return addition_problem(rng, cfg.min_digits, cfg.max_digits, cfg.reverse_answer)
     return countdown_problem(rng, cfg.num_numbers, cfg.max_number)
 
 

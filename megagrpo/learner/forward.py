@@ -245,6 +245,12 @@ def run_schedule(
     iters: Any = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
     seq_len = max(int(mb.input_ids.shape[1]) for mb in mbs)
     mbs_size = max(int(mb.input_ids.shape[0]) for mb in mbs)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(model) > 1 and len(mbs) < pp:
+        raise MegagrpoError(
+            f"the interleaved pipeline schedule needs at least pp={pp} micro-batches per rank, got {len(mbs)}; "
+            "raise the number of micro-batches or drop virtual pipeline stages (mesh.vpp)"
+        )
     if forward_only is None:
         forward_only = loss_fn is None
     if not forward_only and loss_fn is None:

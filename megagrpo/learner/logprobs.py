@@ -39,6 +39,7 @@ def token_logprobs_and_entropy(
     chunk_tokens: int | None = None,
     with_entropy: bool = True,
     temperature: float = 1.0,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probability of each target token and the entropy of each token's distribution.
 
@@ -54,6 +55,9 @@ def token_logprobs_and_entropy(
             several times faster than larger blocks) and 1024 rows on a GPU.
         with_entropy: also compute the entropy (and its gradient); False returns None for it.
         temperature: the sampler's temperature T; logits are divided by T before the softmax.
+        vocab_size: the real (unpadded) global vocab size. Columns of global id >= vocab_size (megatron
+            pads the vocab to a multiple of TP) are excluded from the softmax and get zero gradient,
+            without a masked copy of the logits. None: every column is a real token.
 
     Returns:
         (logp, entropy): each `[...]` in the compute dtype (fp32 for fp32/bf16/fp16 input), identical on
@@ -75,17 +79,24 @@ def token_logprobs_and_entropy(
     if targets.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"targets must be an integer tensor of vocab ids, got {targets.dtype}")
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    vocab_total = logits_shard.shape[-1] * tp_size
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_total):
+    v_local = logits_shard.shape[-1]
+    vocab_total = v_local * tp_size
+    if vocab_size is None:
+        vocab_size = vocab_total
+    if not 0 < vocab_size <= vocab_total:
+        raise ValueError(f"vocab_size must lie in [1, {vocab_total}] (V_local * tp_size), got {vocab_size}")
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(
-            f"targets must lie in [0, {vocab_total}) (V_local * tp_size); got range "
+            f"targets must lie in [0, {vocab_size}) (the vocab size); got range "
             f"[{int(targets.min())}, {int(targets.max())}]; give masked positions a valid id such as 0"
         )
+    v_valid = max(0, min(v_local, vocab_size - vocab_start))  # real-token columns of this shard
     lead = logits_shard.shape[:-1]
-    logits2d = logits_shard.reshape(-1, logits_shard.shape[-1])
+    logits2d = logits_shard.reshape(-1, v_local)
     logp, entropy = _VocabParallelLogprobEntropy.apply(
-        logits2d, targets.reshape(-1), tp_group, vocab_start, chunk_tokens, 1.0 / temperature, with_entropy
-    )
+        logits2d, targets.reshape(-1), tp_group, vocab_start, v_valid, chunk_tokens, 1.0 / temperature,
+        with_entropy,
+    )  # fmt: skip
     return logp.view(lead), (entropy.view(lead) if with_entropy else None)
 
 
@@ -114,22 +125,27 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         targets: Tensor,  # [N] global ids
         tp_group: Any,
         vocab_start: int,
+        v_valid: int,  # columns [0, v_valid) are real tokens; the rest is vocab padding
         chunk: int,
         inv_temp: float,
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
-        n, v_local = logits.shape
+        n = logits.shape[0]
         cdt = _compute_dtype(logits.dtype)
-        local_idx, owned = _local_target_index(targets, vocab_start, v_local)
+        local_idx, owned = _local_target_index(targets, vocab_start, max(v_valid, 1))
+        if v_valid == 0:
+            owned = torch.zeros_like(owned)
         # Per token, this shard's own log-softmax statistics: lse_l = log sum_{j in shard} exp(z_j),
         # H_l = entropy of the shard-normalised distribution, and lsm_t = z_t - lse_l where owned.
         # torch's fused log_softmax does the per-row work in one cache-friendly kernel.
         lse_l = torch.empty(n, dtype=cdt, device=logits.device)
         h_l = torch.zeros(n, dtype=cdt, device=logits.device)
         lsm_t = torch.empty(n, dtype=cdt, device=logits.device)
-        for lo in range(0, n, chunk):
+        if v_valid == 0:  # a shard of padding only: no probability mass here
+            lse_l.fill_(float("-inf"))
+        for lo in range(0, n if v_valid else 0, chunk):
             hi = min(lo + chunk, n)
-            z = logits[lo:hi]
+            z = logits[lo:hi, :v_valid]
             if z.dtype != cdt or inv_temp != 1.0:
                 z = z.to(cdt) * inv_temp
             lsm = torch.log_softmax(z, dim=-1)
@@ -152,7 +168,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=tp_group)
             rel = lse_l - big_m
             a = torch.exp(rel)
-            stats = torch.stack([a, a * h_l - a * rel, torch.where(owned, lsm_t + rel, 0.0)])
+            a_rel = torch.where(a > 0, a * rel, 0.0)  # 0 * -inf for a padding-only shard
+            stats = torch.stack([a, a * h_l - a_rel, torch.where(owned, lsm_t + rel, 0.0)])
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
             log_s = torch.log(stats[0])
             lse = big_m + log_s
@@ -162,7 +179,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             entropy = torch.zeros_like(logp)
 
         ctx.save_for_backward(logits, local_idx, owned, lse, entropy)
-        ctx.chunk, ctx.inv_temp, ctx.with_entropy = chunk, inv_temp, with_entropy
+        ctx.chunk, ctx.inv_temp, ctx.with_entropy, ctx.v_valid = chunk, inv_temp, with_entropy, v_valid
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
         return logp, entropy
@@ -170,21 +187,22 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None) -> tuple[Any, ...]:
         logits, local_idx, owned, lse, entropy = ctx.saved_tensors
-        nones = (None,) * 6
+        nones = (None,) * 7
         if not ctx.with_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return (None, *nones)
         n, v_local = logits.shape
+        v_valid = ctx.v_valid
         cdt = lse.dtype
         gl = grad_logp.to(cdt) if grad_logp is not None else torch.zeros_like(lse)
         # gl is also the coefficient of the one-hot term, added only where this shard owns the target.
         onehot_coef = torch.where(owned, gl, 0.0)
-        grad = torch.empty_like(logits)
+        grad = torch.empty_like(logits) if v_valid == v_local else torch.zeros_like(logits)
         inv_temp = ctx.inv_temp
-        for lo in range(0, n, ctx.chunk):
+        for lo in range(0, n if v_valid else 0, ctx.chunk):
             hi = min(lo + ctx.chunk, n)
-            logp_all = logits[lo:hi].to(cdt) * inv_temp
+            logp_all = logits[lo:hi, :v_valid].to(cdt) * inv_temp
             logp_all.sub_(lse[lo:hi].unsqueeze(-1))  # log p_j
             p = torch.exp(logp_all)
             # dL/dz_j = gl (1[j=t] - p_j) - gh p_j (log p_j + H), built in the log-p buffer.
@@ -197,6 +215,6 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             g.scatter_add_(-1, local_idx[lo:hi].unsqueeze(-1), onehot_coef[lo:hi].unsqueeze(-1))
             if inv_temp != 1.0:
                 g.mul_(inv_temp)
-            grad[lo:hi].copy_(g)
+            grad[lo:hi, :v_valid].copy_(g)
             del logp_all, p, g
         return (grad, *nones)

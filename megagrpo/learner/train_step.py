@@ -84,7 +84,13 @@ def forward_backward(
     for chunk in model:
         chunk.zero_grad_buffer()
     _, records = run_schedule(
-        model, batch, opts, loss_fn=loss_fn, forward_only=False, force_all_reduce=force_all_reduce, hooks=hooks
+        model,
+        batch,
+        opts,
+        loss_fn=loss_fn,
+        forward_only=False,
+        force_all_reduce=force_all_reduce,
+        hooks=hooks,
     )
     return reduce_metrics(records)
 

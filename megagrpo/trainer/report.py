@@ -30,7 +30,9 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
-def write_report(run_dir: str | Path, *, title: str = "megagrpo run", extra_md: str = "") -> tuple[Path, Path]:
+def write_report(
+    run_dir: str | Path, *, title: str = "megagrpo run", extra_md: str = ""
+) -> tuple[Path, Path]:
     """Plot every panel that has data from `run_dir/metrics.jsonl`; return (png, md) paths."""
     import matplotlib
 
@@ -61,7 +63,14 @@ def write_report(run_dir: str | Path, *, title: str = "megagrpo run", extra_md: 
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
-    lines = [f"# {title}", "", f"Steps logged: {len(records)}", "", "| metric | first | last |", "|---|---|---|"]
+    lines = [
+        f"# {title}",
+        "",
+        f"Steps logged: {len(records)}",
+        "",
+        "| metric | first | last |",
+        "|---|---|---|",
+    ]
     for _, keys in panels:
         for k in keys:
             _, ys = _series(records, k)

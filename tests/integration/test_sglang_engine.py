@@ -72,4 +72,4 @@ def test_compat_patches_in_process(sglang_engine):
     before = HITS["torch.get_device_module"]
     assert torch.get_device_module() is torch.cpu
     assert torch.get_device_module("cuda") is torch.cuda
-    assert HITS["torch.get_device_module"] == before + 2
+    assert HITS["torch.get_device_module"] >= before + 2  # the engine's threads may call it too

@@ -152,7 +152,7 @@ def test_dual_clip_bounds_negative_advantage_ratio():
         clip_ratio_c=3.0,
         agg="token-mean",
     )
-    assert float(loss) == pytest.approx(3.0)
+    assert float(loss.detach()) == pytest.approx(3.0)
     assert float(met["loss/clip_frac_dual"]) == 1.0
     assert float(met["loss/zero_grad_frac"]) == 1.0
 
@@ -325,7 +325,7 @@ def test_kl_and_entropy_terms():
     assert float(met["loss/entropy"]) == pytest.approx(0.5)
     assert float(met["loss/policy"]) == 0
     assert float(loss.detach()) == pytest.approx(0.1 * k3 / 2 - 0.01 * 0.5)
-    assert float(met["loss/total"]) == pytest.approx(float(loss))
+    assert float(met["loss/total"]) == pytest.approx(float(loss.detach()))
     assert float(met["loss/zero_grad_frac"]) == 1.0  # A == 0 everywhere: no policy gradient
 
 
@@ -384,12 +384,12 @@ def test_all_zero_mask_gives_zero_loss_and_zero_grad():
                       agg_constant=10.0, **clip_kw(variant))
             )  # fmt: skip
             loss.backward()
-            assert float(loss) == 0.0 and float(met["loss/tokens"]) == 0
+            assert float(loss.detach()) == 0.0 and float(met["loss/tokens"]) == 0
             assert bool((logp.grad == 0).all())
             assert all(bool(torch.isfinite(v)) for v in met.values())
     # an empty micro-batch inside a non-empty global batch is fine with the global normaliser
     loss, _ = policy_loss(**_kw(loss_mask=torch.zeros(2, 3, dtype=torch.bool), normaliser=0.0))
-    assert float(loss) == 0.0
+    assert float(loss.detach()) == 0.0
 
 
 def test_garbage_in_padding_never_reaches_loss_or_gradient():

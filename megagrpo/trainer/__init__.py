@@ -1,0 +1,1 @@
+"""The training loop, its stages (SFT, GRPO, eval), metric sinks, reports and checkpoints."""

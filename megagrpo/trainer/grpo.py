@@ -1,0 +1,324 @@
+"""The GRPO-family training loop (one step = DESIGN.md's data flow).
+
+sample (dynamic sampling) -> reward -> advantages -> sampler sleeps -> old-policy pass (routing record or
+R3 replay) -> mismatch metrics and TIS/MIS weights -> k mini-batch updates -> router statistics -> sync ->
+sampler wakes -> periodic evaluation -> checkpoint.
+
+Rank 0 owns the SGLang engine and the reward functions on a CPU mesh; the finished batch is broadcast so
+every learner rank trains on the same global batch (the learner shards it over DP itself).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.algo.advantages import gdpo, group_advantages
+from megagrpo.algo.aggregation import loss_normaliser
+from megagrpo.algo.filters import keep_groups, overlong_mask, soft_overlong_penalty
+from megagrpo.algo.importance import importance_masks, importance_metrics
+from megagrpo.algo.losses import policy_loss
+from megagrpo.config.schema import Config
+from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
+from megagrpo.diagnostics.mismatch import mismatch_metrics
+from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
+from megagrpo.trainer.batch import rollout_batch, select_rows
+from megagrpo.trainer.session import Session
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"perf/{k}_seconds": v for k, v in self.seconds.items()}
+
+
+class GRPOTrainer(Session):
+    """`Session` supplies the learner, engine, data, rewards, logging and checkpoints; this adds the step."""
+
+    stage = "train"
+
+    def __init__(self, cfg: Config, *, resume: str | None = None) -> None:
+        super().__init__(cfg, resume=resume)
+        a = cfg.algo
+        self.tis_cap = (
+            AdaptiveCap.from_auto_config(a.tis.auto) if a.tis.enabled and a.tis.cap == "auto" else None
+        )
+        self.mis_cap = (
+            AdaptiveCap.from_auto_config(a.mis.auto, log_name="mismatch/mis_cap")
+            if (a.mis.enabled and a.mis.cap == "auto")
+            else None
+        )
+        self.restore()
+
+    # -- state beyond the learner ------------------------------------------------------------------
+
+    def extra_state(self) -> dict:
+        st = super().extra_state()
+        st["tis_cap"] = self.tis_cap.state_dict() if self.tis_cap else None
+        st["mis_cap"] = self.mis_cap.state_dict() if self.mis_cap else None
+        return st
+
+    def load_extra_state(self, st: dict) -> None:
+        super().load_extra_state(st)
+        if self.tis_cap and st.get("tis_cap"):
+            self.tis_cap.load_state_dict(st["tis_cap"])
+        if self.mis_cap and st.get("mis_cap"):
+            self.mis_cap.load_state_dict(st["mis_cap"])
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def _sample(self, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Rank 0: dynamic sampling, rewards, advantages -> the learner batch and rollout/reward/adv metrics."""
+        cfg, a = self.cfg, self.cfg.algo
+        G = cfg.rollout.group_size
+        scored: dict[int, Any] = {}
+
+        def reward_fn(flat):
+            prompts = [self.prompt_text[id(c)] for c in flat]
+            samples = [self.prompt_sample[id(c)] for c in flat]
+            rb = self.rewards.score(prompts, [c.text for c in flat], samples, G)
+            for i, c in enumerate(flat):
+                scored[id(c)] = (
+                    rb.per_reward.view(-1, rb.per_reward.shape[-1])[i],
+                    rb.failed.view(-1, rb.failed.shape[-1])[i],
+                )
+            self._reward_metrics.append(rb.metrics)
+            return rb.rewards.view(-1)
+
+        self._reward_metrics: list[dict] = []
+        dyn_cfg = DynamicSamplingConfig(
+            batch_prompts=cfg.rollout.prompts_per_step,
+            group_size=G,
+            oversample=cfg.rollout.oversample if a.dynamic_sampling else 1.0,
+            max_rounds=cfg.rollout.max_rounds if a.dynamic_sampling else 1,
+        )
+        with timer("rollout"):
+            dyn = dynamic_sample(
+                self.generate_tracked,
+                self.prompt_stream(),
+                self.sampling,
+                dyn_cfg,
+                reward_fn,
+                keep_fn=keep_groups
+                if a.dynamic_sampling
+                else (lambda r: torch.ones(r.shape[0], dtype=torch.bool)),
+            )
+        if not dyn.groups:
+            raise RuntimeError(
+                f"dynamic sampling kept no group in {dyn.rounds} rounds (every group had equal rewards); "
+                "raise rollout.max_rounds or check the reward functions"
+            )
+        with timer("reward"):
+            rewards = dyn.rewards.clone()
+            comps = [c for g in dyn.groups for c in g]
+            lengths = torch.tensor([c.output_ids.numel() for c in comps], dtype=torch.float32)
+            if a.soft_overlong.enabled:
+                pen = soft_overlong_penalty(
+                    lengths, a.soft_overlong.max_len, a.soft_overlong.cache_len, a.soft_overlong.factor
+                )
+                rewards = rewards + pen.view_as(rewards)
+            if a.advantages == "gdpo":
+                per = torch.stack([scored[id(c)][0] for c in comps]).view(len(dyn.groups), G, -1)
+                adv = gdpo(per, self.rewards.weights, a.adv_eps)
+            else:
+                adv = group_advantages(rewards, a.advantages, a.adv_eps)
+        batch = rollout_batch(dyn.groups, adv, pad_id=self.pad_id)
+        if a.overlong_filter:
+            keep = overlong_mask([c.finish_reason for c in comps])
+            batch["loss_mask"] &= keep[:, None]
+        m: dict[str, float] = dict(dyn.metrics())
+        m.update(self._merge_reward_metrics())
+        m.update(
+            {
+                "reward/mean": float(dyn.rewards.mean()),
+                "reward/std": float(dyn.rewards.std()) if dyn.rewards.numel() > 1 else 0.0,
+                "adv/mean": float(adv.mean()),
+                "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+                "adv/abs_max": float(adv.abs().max()),
+                "rollout/response_len_mean": float(lengths.mean()),
+                "rollout/response_len_max": float(lengths.max()),
+                "rollout/truncated_frac": float(batch["truncated"].float().mean()),
+                "rollout/completions": float(len(comps)),
+            }
+        )
+        return batch, m
+
+    def _merge_reward_metrics(self) -> dict[str, float]:
+        """Sum the error/timeout counts over dynamic-sampling rounds (means come from the kept batch)."""
+        out: dict[str, float] = {}
+        for rm in self._reward_metrics:
+            for k, v in rm.items():
+                if k.endswith(("/errors", "/timeouts")):
+                    out[k] = out.get(k, 0.0) + float(v)
+                elif k.endswith("_total"):
+                    out[k] = float(v)
+        return out
+
+    def _importance(self, old_logp, batch, metrics) -> torch.Tensor | None:
+        """TIS and/or MIS weights from learner-old vs sampler (their product when both are on)."""
+        a = self.cfg.algo
+        weights = None
+        for name, spec, auto in (("tis", a.tis, self.tis_cap), ("mis", a.mis, self.mis_cap)):
+            if not spec.enabled:
+                continue
+            cap = auto.cap if auto is not None else float(spec.cap)
+            mode = spec.mode if name == "tis" else (spec.mode if spec.mode != "truncate" else "mask")
+            masks = importance_masks(
+                old_logp,
+                batch["sampler_logp"],
+                batch["loss_mask"],
+                level=spec.level,
+                mode=mode,
+                cap_high=cap,
+                cap_low=spec.cap_low,
+                veto_low=spec.veto_low,
+            )
+            metrics.update(
+                {
+                    f"{k}" if name == "tis" else k.replace("mismatch/is_", "mismatch/mis_"): float(v)
+                    for k, v in importance_metrics(masks, batch["loss_mask"]).items()
+                }
+            )
+            if auto is not None:
+                metrics.update(auto.metrics())
+            weights = masks.weights if weights is None else weights * masks.weights
+        return weights
+
+    def train_step(self) -> dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algo
+        timer = PhaseTimer()
+        t_step = time.perf_counter()
+        if self.rank0:
+            batch, metrics = self._sample(timer)
+            with timer("sleep"):
+                self.engine.release(["kv_cache", "weights"])
+        else:
+            batch, metrics = None, {}
+        batch, metrics = _broadcast((batch, metrics))
+
+        learner_batch = {k: v for k, v in batch.items() if k != "routes"}
+        replay = self.replay_for(batch)
+        with timer("old_logp"):
+            if a.old_logp == "recompute":
+                old = self.learner.forward(learner_batch, hooks=replay.old_pass_hooks() if replay else None)
+                old_logp = old["logprobs"]
+            else:
+                old_logp = batch["sampler_logp"]
+        if cfg.diagnostics.mismatch and a.old_logp == "recompute":
+            mm = mismatch_metrics(batch["sampler_logp"], old_logp, batch["loss_mask"])
+            metrics.update(mm.metrics)
+        iw = self._importance(old_logp, batch, metrics)
+        for cap in (self.tis_cap, self.mis_cap):
+            if cap is not None and a.old_logp == "recompute":
+                cap.update(metrics)
+        learner_batch["old_logp"] = old_logp
+        if iw is not None:
+            learner_batch["importance_weights"] = iw
+        if a.kl.coef > 0 and a.kl.placement == "loss":
+            learner_batch["ref_logp"] = self.learner.forward(
+                learner_batch, reference=True, with_entropy=False
+            )["logprobs"]
+        if replay is not None:
+            metrics.update(replay.old_pass_metrics(old_logp.new_ones(1)))
+
+        with timer("train"):
+            metrics.update(self._updates(learner_batch, replay))
+        if replay is not None:
+            metrics.update(replay.step_metrics())
+
+        with timer("sync"):
+            metrics.update(self.sync_weights())
+        metrics.update(timer.metrics())
+        metrics["perf/step_seconds"] = time.perf_counter() - t_step
+        metrics["perf/tokens_per_second"] = float(batch["seq_lens"].sum()) / max(
+            metrics["perf/step_seconds"], 1e-9
+        )
+        return metrics
+
+    def _updates(self, batch: dict[str, torch.Tensor], replay) -> dict[str, float]:
+        """`ppo_epochs` passes over `ppo_mini_batches` mini-batches, one optimizer step each."""
+        a = self.cfg.algo
+        B = batch["input_ids"].shape[0]
+        n_mini = a.ppo_mini_batches
+        order = torch.arange(B)
+        out: dict[str, float] = {}
+        steps = 0
+        for _epoch in range(a.ppo_epochs):
+            for rows in torch.chunk(order, n_mini):
+                mb = select_rows(batch, rows)
+                norm = loss_normaliser(mb["loss_mask"], a.agg, a.agg_constant)
+                loss_fn = self._loss_fn(norm)
+                hooks = replay.train_hooks(rows) if replay is not None else None
+                m = self.learner.train_step(
+                    mb, loss_fn, num_micro_batches=self.micro_batches(mb), hooks=hooks
+                )
+                for k, v in m.items():
+                    out[k] = out.get(k, 0.0) + float(v)
+                steps += 1
+        return {k: v / steps for k, v in out.items()}
+
+    def _loss_fn(self, normaliser: float):
+        a = self.cfg.algo
+
+        def loss_fn(logp, entropy, data):
+            return policy_loss(
+                logp,
+                data["old_logp"],
+                data["advantages"],
+                data["loss_mask"],
+                variant=a.variant,
+                clip_low=a.clip_low,
+                clip_high=a.clip_high,
+                clip_ratio_c=a.clip_ratio_c,
+                agg=a.agg,
+                agg_constant=a.agg_constant,
+                importance_weights=data.get("importance_weights"),
+                ref_logp=data.get("ref_logp"),
+                kl_coef=a.kl.coef if a.kl.placement == "loss" else 0.0,
+                kl_estimator=a.kl.estimator,
+                token_weights=data.get("router_shift"),
+                entropy=entropy,
+                entropy_coef=a.entropy_coef,
+                normaliser=normaliser,
+                sapo_tau_pos=a.sapo_tau_pos,
+                sapo_tau_neg=a.sapo_tau_neg,
+            )
+
+        return loss_fn
+
+    def run(self) -> int:
+        return self.loop(self.train_step, total=self.cfg.schedule.steps)
+
+
+def train(cfg: Config, resume: str | None = None) -> int:
+    trainer = GRPOTrainer(cfg, resume=resume)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+__all__ = ["GRPOTrainer", "train", "Path"]

@@ -1,0 +1,314 @@
+"""`Session`: what every stage (SFT, GRPO, eval) shares: the learner loaded from an HF directory, the SGLang
+engine (rank 0), prompts, rewards, metric sinks, evaluation, checkpoints, signals and the step loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.bridge.hf_config import arch_from_hf
+from megagrpo.config.loader import dump_config
+from megagrpo.config.schema import Config
+from megagrpo.errors import MegagrpoError
+from megagrpo.trainer import checkpointing
+from megagrpo.trainer.components import learner_config, optimizer_factory, rollout_config, sampling_config
+from megagrpo.trainer.health import HealthConfig, health_warnings
+from megagrpo.trainer.metrics import MetricsLogger, console_line
+from megagrpo.trainer.signals import REQUEUE_EXIT_CODE, StopRequest
+from megagrpo.trainer.weights import export_buckets, load_hf_into_learner
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _broadcast(obj: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Session:
+    stage = "train"  # train | sft | eval: selects the model path, data section and whether an engine runs
+    needs_engine = True
+
+    def __init__(self, cfg: Config, *, resume: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from megagrpo.data.iterator import PromptIterator
+        from megagrpo.data.sets import build_prompt_sets
+        from megagrpo.data.template import PromptFormatter
+        from megagrpo.learner.learner import Learner
+
+        self.cfg = cfg
+        self.resume_arg = resume if resume is not None else cfg.checkpoint.resume
+        self.model_path = str(self.initial_model_path())
+        self.out_dir = Path(cfg.logging.out_dir)
+        self.ckpt_root = Path(self.checkpoint_dir())
+        self.arch = arch_from_hf(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
+        self.pad_id = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        self.data_cfg = self.data_config()
+        self.formatter = PromptFormatter(self.tokenizer, self.data_cfg)
+        self.sets = build_prompt_sets(
+            self.data_cfg,
+            self.formatter,
+            purpose=self.data_purpose(),
+            section="sft.data" if self.stage == "sft" else "data",
+        )
+        if not self.sets.train:
+            raise MegagrpoError(f"{'sft.data' if self.stage == 'sft' else 'data'}: no usable training rows")
+        self.prompts = PromptIterator(self.sets.train, seed=cfg.schedule.seed, shuffle=self.data_cfg.shuffle)
+        self.learner = Learner(
+            self.arch,
+            learner_config(cfg, routing_replay=self.routing_replay()),
+            optimizer_factory=self.make_optimizer(),
+        )
+        self.rank0 = _rank() == 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        load_hf_into_learner(self.learner, self.model_path)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+        self.engine = None
+        self.rewards = None
+        if self.rank0 and self.stage != "sft":
+            from megagrpo.rewards.runner import RewardRunner
+
+            self.rewards = RewardRunner(cfg)
+        if self.rank0 and self.needs_engine:
+            from megagrpo.rollout.engine import RolloutEngine
+
+            self.engine = RolloutEngine(rollout_config(cfg, self.model_path)).start()
+        self.sampling = sampling_config(cfg)
+        self.logger = MetricsLogger(self.out_dir, enabled=self.rank0, tensorboard=cfg.logging.tensorboard)
+        self.prompt_text: dict[int, str] = {}
+        self.prompt_sample: dict[int, dict] = {}
+        self._pending: dict[int, tuple[str, dict]] = {}
+        self.stop = StopRequest()
+        if self.rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(dump_config(cfg))
+
+    # -- stage-specific choices --------------------------------------------------------------------
+
+    def initial_model_path(self) -> str:
+        return self.cfg.model.hf_path
+
+    def checkpoint_dir(self) -> str:
+        return self.cfg.checkpoint.dir
+
+    def data_config(self):
+        return self.cfg.data
+
+    def data_purpose(self) -> str:
+        return "rl"
+
+    def routing_replay(self) -> bool:
+        return self.cfg.replay != "none" and self.arch.is_moe
+
+    def make_optimizer(self):
+        return optimizer_factory(self.cfg)
+
+    def micro_batches(self, batch: dict[str, torch.Tensor]) -> int:
+        """Micro-batches per DP rank for this (mini-)batch: ceil(rows per DP rank / micro_batch_size)."""
+        dp = self.learner.mesh.dp
+        rows = -(-batch["input_ids"].shape[0] // max(dp, 1))
+        return max(1, -(-rows // self.cfg.schedule.micro_batch_size))
+
+    def replay_for(self, batch: dict[str, torch.Tensor]):
+        """Routing replay (R2/R3) for this step, or None; see megagrpo.moe.replay."""
+        if not self.learner.cfg.routing_replay:
+            return None
+        from megagrpo.moe.replay import StepReplay
+
+        return StepReplay.for_step(self.cfg.replay, self.learner, batch)
+
+    # -- prompts and generation ---------------------------------------------------------------------
+
+    def prompt_stream(self) -> Iterator[list[int]]:
+        while True:
+            for sample in self.prompts.take(1):
+                p = self.formatter(sample)
+                ids = list(p.input_ids)
+                self._pending[id(ids)] = (p.text, sample)
+                yield ids
+
+    def generate_tracked(self, draw, sampling, group_size):
+        groups = self.engine.generate(draw, sampling, group_size)
+        for ids, group in zip(draw, groups):
+            text, sample = self._pending.pop(id(ids))
+            for c in group:
+                self.prompt_text[id(c)] = text
+                self.prompt_sample[id(c)] = sample
+        return groups
+
+    # -- sync and evaluation ------------------------------------------------------------------------
+
+    def sync_weights(self) -> dict[str, float]:
+        """Learner -> SGLang through the bridge's streaming export; every rank iterates the export."""
+        from megagrpo.sync.weights import sync_weights
+
+        buckets = export_buckets(self.learner, self.cfg.sync.bucket_mb << 20)
+        metrics: dict[str, float] = {}
+        if self.rank0:
+            self.engine.resume(["weights"])
+            stats = sync_weights(self.engine, buckets, checksum=self.cfg.sync.checksum)
+            self.engine.resume(["kv_cache"])
+            metrics = stats.metrics()
+        else:
+            for _ in buckets:
+                pass
+        self.prompt_text.clear()
+        self.prompt_sample.clear()
+        return _broadcast(metrics)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out accuracy: one completion per held-out prompt at `rollout.eval_temperature`.
+
+        `eval/accuracy` is the fraction of prompts whose FIRST reward function scores >= 1 (the task's
+        verifier by convention); `eval/reward_mean` the mean combined reward.
+        """
+        metrics: dict[str, float] = {}
+        if self.rank0 and self.sets.heldout:
+            samples = self.sets.heldout
+            prompts = [self.formatter(s) for s in samples]
+            groups = self.engine.generate(
+                [p.input_ids for p in prompts], sampling_config(self.cfg, eval=True), 1
+            )
+            comps = [g[0] for g in groups]
+            rb = self.rewards.score([p.text for p in prompts], [c.text for c in comps], samples, 1)
+            first = rb.per_reward.view(len(comps), -1)[:, 0]
+            metrics = {
+                "eval/accuracy": float((first >= 1.0 - 1e-6).float().mean()),
+                "eval/reward_mean": float(rb.rewards.mean()),
+                "eval/response_len_mean": float(sum(c.output_ids.numel() for c in comps) / len(comps)),
+                "eval/prompts": float(len(comps)),
+            }
+        return _broadcast(metrics)
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def extra_state(self) -> dict:
+        return {"step": self.step, "prompts": self.prompts.state_dict(), "stage": self.stage}
+
+    def load_extra_state(self, st: dict) -> None:
+        self.step = int(st["step"])
+        self.prompts.load_state_dict(st["prompts"])
+
+    def save(self) -> Path:
+        path = checkpointing.save(
+            self.learner,
+            self.ckpt_root,
+            self.step,
+            self.extra_state(),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+        return path
+
+    def restore(self) -> None:
+        """Resume from `--resume` ('auto': the latest complete checkpoint, if any; or a path)."""
+        if self.resume_arg in (None, "never", "none"):
+            return
+        path = checkpointing.resolve(self.ckpt_root, self.resume_arg)
+        if path is None:
+            return
+        st = checkpointing.load(self.learner, path)
+        self.load_extra_state(st)
+        self.logger.truncate_after(self.step)
+        if self.engine is not None or self.needs_engine:
+            self.sync_weights()  # the engine started from the HF weights; give it the checkpoint's
+        if self.rank0:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def loop(self, step_fn: Callable[[], dict[str, float]], total: int) -> int:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        cfg = self.cfg
+        self.stop.install()
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            disable=not (self.rank0 and cfg.logging.console),
+        )
+        exit_code = 0
+        try:
+            with progress:
+                task = progress.add_task(self.stage, total=total, completed=self.step, info="")
+                if self.step == 0 and self.needs_engine and cfg.schedule.eval_every > 0:
+                    self._log(0, self.evaluate(), progress)
+                while self.step < total:
+                    if self.stop.requested:
+                        break
+                    metrics = step_fn()
+                    self.step += 1
+                    if (
+                        self.needs_engine
+                        and cfg.schedule.eval_every > 0
+                        and (self.step % cfg.schedule.eval_every == 0 or self.step == total)
+                    ):
+                        metrics.update(self.evaluate())
+                    self._log(self.step, metrics, progress)
+                    progress.update(task, completed=self.step)
+                    if cfg.schedule.save_every > 0 and (
+                        self.step % cfg.schedule.save_every == 0 or self.step == total
+                    ):
+                        self.save()
+                if self.stop.requested:
+                    path = self.save()
+                    if self.rank0:
+                        print(
+                            f"{self.stop.name()}: saved {path} at step {self.step}; resume with --resume auto",
+                            flush=True,
+                        )
+                    exit_code = REQUEUE_EXIT_CODE
+        finally:
+            self.stop.uninstall()
+        return exit_code
+
+    def _log(self, step: int, metrics: dict[str, float], progress) -> None:
+        flat = self.logger.log(step, metrics)
+        if not self.rank0:
+            return
+        self.history = [h for h in self.history if h.get("_step", -1) < step] + [{**flat, "_step": step}]
+        line = console_line(step, flat)
+        progress.console.print(line)
+        for w in health_warnings(self.history, HealthConfig(**self.cfg.logging.health.model_dump())):
+            progress.console.print(f"[yellow]health warning[/yellow]: {w}")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self.rewards is not None:
+            self.rewards.close()
+        self.logger.close()
+        if self.rank0 and (self.out_dir / "metrics.jsonl").exists():
+            from megagrpo.trainer.report import write_report
+
+            try:
+                write_report(self.out_dir, title=f"megagrpo {self.stage}")
+            except Exception as e:  # a plotting failure must never lose a finished run
+                print(f"report.png not written: {e}")
+        self.learner.close(process_group=True)
+
+
+__all__ = ["Session", "json", "os", "time"]

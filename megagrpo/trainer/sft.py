@@ -1,0 +1,98 @@
+"""Cold-start SFT (the R1 recipe's first stage) on the same megatron learner, ending in an HF directory.
+
+The loss is the token-mean negative log-likelihood of the completion tokens, computed through the
+algorithm core as REINFORCE with advantage 1 (identical to NLL, and so it shares the distributed
+normalisation of every RL loss).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megagrpo.algo.aggregation import loss_normaliser
+from megagrpo.algo.losses import policy_loss
+from megagrpo.config.schema import Config
+from megagrpo.errors import MegagrpoError
+from megagrpo.trainer.batch import sft_batch
+from megagrpo.trainer.components import optimizer_factory
+from megagrpo.trainer.session import Session
+from megagrpo.trainer.weights import save_hf
+
+
+class SFTTrainer(Session):
+    stage = "sft"
+    needs_engine = False
+
+    def __init__(self, cfg: Config, *, resume: str | None = None) -> None:
+        if cfg.sft.data is None:
+            raise MegagrpoError(
+                "sft.data is not set; give the SFT prompts and completions (see docs/config.md)"
+            )
+        if cfg.sft.steps < 1:
+            raise MegagrpoError(f"sft.steps={cfg.sft.steps}: set sft.steps >= 1 to run the SFT stage")
+        super().__init__(cfg, resume=resume)
+        self.restore()
+
+    def initial_model_path(self) -> str:
+        return self.cfg.sft.base_path or self.cfg.model.hf_path
+
+    def checkpoint_dir(self) -> str:
+        return str(Path(self.cfg.checkpoint.dir) / "sft")
+
+    def data_config(self):
+        return self.cfg.sft.data
+
+    def data_purpose(self) -> str:
+        return "sft"
+
+    def routing_replay(self) -> bool:
+        return False
+
+    def make_optimizer(self):
+        s = self.cfg.sft
+        return optimizer_factory(self.cfg, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps)
+
+    def sft_step(self) -> dict[str, float]:
+        examples = [self.formatter.sft_example(s) for s in self.prompts.take(self.cfg.sft.batch_size)]
+        batch = sft_batch(examples, pad_id=self.pad_id)
+        norm = loss_normaliser(batch["loss_mask"], "token-mean")
+
+        def loss_fn(logp, entropy, data):
+            adv = torch.ones(logp.shape[0], dtype=logp.dtype, device=logp.device)
+            return policy_loss(
+                logp,
+                logp.detach(),
+                adv,
+                data["loss_mask"],
+                variant="reinforce",
+                agg="token-mean",
+                entropy=entropy,
+                normaliser=norm,
+            )
+
+        m = self.learner.train_step(batch, loss_fn, num_micro_batches=self.micro_batches(batch))
+        out = {
+            "sft/nll": float(m.get("loss/policy", float("nan"))),
+            "sft/tokens": float(batch["loss_mask"].sum()),
+        }
+        out.update({k: float(v) for k, v in m.items() if k.startswith(("loss/entropy", "optim/", "grad"))})
+        return out
+
+    def run(self) -> int:
+        code = self.loop(self.sft_step, total=self.cfg.sft.steps)
+        if code == 0:
+            out = Path(self.cfg.sft.output_dir)
+            save_hf(self.learner, out, side_files_from=self.initial_model_path())
+            if self.rank0:
+                print(f"SFT model written to {out}", flush=True)
+        return code
+
+
+def sft(cfg: Config, resume: str | None = None) -> int:
+    trainer = SFTTrainer(cfg, resume=resume)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

@@ -1,0 +1,140 @@
+"""Moving weights between a Hugging Face directory, the megatron learner and the SGLang sampler.
+
+All three directions go through the bridge's one parameter map: `load_hf_into_learner` (HF -> live
+learner shards), `export_buckets` (live learner -> HF-named buckets, gathered to the exporting rank) and
+`save_hf` (those buckets -> an HF directory, written atomically).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
+from megagrpo.bridge.hf_config import hf_config_from_arch
+from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, copy_side_files, write_hf_checkpoint
+from megagrpo.bridge.maps import Placement, megatron_name, param_maps
+from megagrpo.bridge.transforms import tp_shard
+from megagrpo.config.model import ModelArch
+from megagrpo.errors import MegagrpoError
+
+
+def _layer_offset(chunk: Any) -> int:
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    if layers is None or len(layers) == 0:
+        return 0
+    return int(layers[0].layer_number) - 1  # megatron numbers layers from 1, globally
+
+
+def _placement(chunk: Any, names: list[str]) -> Placement:
+    from megatron.core import parallel_state as ps
+
+    return Placement(
+        layer_offset=_layer_offset(chunk),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        grouped_experts=any(".experts.linear_fc1.weight" in n for n in names),
+        te_norms=any(n.endswith("layer_norm_weight") for n in names),
+    )
+
+
+def _unwrap(chunk: Any) -> Any:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+@torch.no_grad()
+def load_hf_into_learner(learner: Any, hf_dir: str | Path) -> ModelArch:
+    """Copy an HF checkpoint into this rank's shards of `learner.chunks` (every rank calls it)."""
+    from megatron.core import parallel_state as ps
+
+    from megagrpo.learner.model import padded_vocab_size
+
+    ckpt = HFCheckpoint(hf_dir)
+    arch = ckpt.arch
+    if arch != learner.arch:
+        raise MegagrpoError(
+            f"{hf_dir}: its config.json describes a different model than the learner was built for; "
+            "build the learner from this directory's config"
+        )
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
+    etp_size = ps.get_expert_tensor_parallel_world_size()
+    padded = padded_vocab_size(arch, tp_size)
+    for chunk in learner.chunks:
+        chunk = _unwrap(chunk)
+        params = dict(chunk.named_parameters())
+        place = _placement(chunk, list(params))
+        filled = set()
+        for pm in param_maps(arch):
+            name = megatron_name(pm, arch, place)
+            if name is None or name not in params:
+                continue  # another pipeline stage's layer, or another EP rank's expert
+            full = ckpt.megatron_tensor(pm, padded, params[name].dtype)
+            rank, size = (etp_rank, etp_size) if pm.is_expert else (tp_rank, tp_size)
+            shard = tp_shard(pm, full, rank, size)
+            if shard.shape != params[name].shape:
+                raise MegagrpoError(
+                    f"{hf_dir}: {pm.hf[0]!r} maps to {name} of shape {tuple(params[name].shape)} on this rank, "
+                    f"but the shard has shape {tuple(shard.shape)}"
+                )
+            params[name].copy_(shard)
+            filled.add(name)
+        if arch.tie_embeddings and "output_layer.weight" in params and "output_layer.weight" not in filled:
+            # the last stage's copy of a tied embedding; megatron keeps it equal to the first stage's
+            filled.add("output_layer.weight")
+            if "embedding.word_embeddings.weight" in params:
+                params["output_layer.weight"].copy_(params["embedding.word_embeddings.weight"])
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise MegagrpoError(
+                f"{hf_dir}: no HF tensor fills megatron parameter {missing[0]!r} ({len(missing)} in all)"
+            )
+    ckpt.close()
+    if getattr(learner, "optimizer", None) is not None and hasattr(learner.optimizer, "reload_model_params"):
+        learner.optimizer.reload_model_params()  # the fp32 main copies must follow the new weights
+    if getattr(learner, "reference", None) is not None:
+        learner.copy_policy_to_reference()
+    return arch
+
+
+def export_buckets(learner: Any, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """HF-named buckets of the live policy; every model-parallel rank must iterate this to the end."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in learner.chunks:
+        chunk = _unwrap(chunk)
+        groups = ExportGroups.from_parallel_state(ps, layer_offset=_layer_offset(chunk))
+        yield from iter_hf_buckets(
+            chunk.named_parameters(), learner.arch, bucket_bytes=bucket_bytes, groups=groups
+        )
+
+
+def save_hf(
+    learner: Any, out_dir: str | Path, *, side_files_from: str | Path, bucket_bytes: int = 1 << 30
+) -> None:
+    """Write the policy as an HF directory (config, tokenizer, safetensors). Atomic; rank 0 writes."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    buckets = export_buckets(learner, bucket_bytes)
+    if not rank0:
+        for _ in buckets:
+            pass
+        return
+    import json
+
+    with atomic_output_dir(out_dir) as tmp:
+        write_hf_checkpoint(tmp, buckets)
+        src = Path(side_files_from)
+        copy_side_files(src, tmp)
+        base = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
+        cfg = (
+            hf_config_from_arch(learner.arch, base=base)
+            if base is not None
+            else hf_config_from_arch(learner.arch)
+        )
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -7,7 +7,7 @@ SHELL := /bin/bash
 LOCK      := requirements/lock-cpu.txt
 UV_PIN    := uv==0.13.9
 CACHE_DIR ?= $(HOME)/.cache/megagrpo
-LOCK_HASH := $(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
+LOCK_HASH := $(shell sha256sum $(LOCK) | cut -c1-16)
 VENV      := $(CACHE_DIR)/venv-$(LOCK_HASH)
 PY        := .venv/bin/python
 PYTEST_ARGS ?=
@@ -31,7 +31,7 @@ setup: $(VENV)/.installed
 	  $(VENV)/bin/python -m uv pip install -q --python $(VENV)/bin/python --no-deps --no-build-isolation -e . \
 	  && echo "$(CURDIR)" > $(VENV)/.linked-from; }
 
-$(VENV)/.installed: $(LOCK) pyproject.toml
+$(VENV)/.installed: $(LOCK)
 	@if [ -z "$(PYTHON312)" ]; then \
 	  echo "error: Python 3.12 not found. Install it (e.g. 'pyenv install 3.12.1') or put python3.12 on PATH." >&2; exit 1; fi
 	@echo "==> creating $(VENV) with $(PYTHON312)"

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return _forward("mismatch_probe.py", args.args)
         from megagrpo.config import load_config
 
-        cfg = load_config(args.config, args.overrides)  # validates before anything starts
+        cfg = load_config(args.config, args.overrides, stage=args.cmd)  # validates before anything starts
         if args.nproc and args.nproc > 1 and "RANK" not in os.environ:
             rest = [args.config, *args.overrides] + (["--resume", args.resume] if args.resume else [])
             return _spawn_torchrun(args.nproc, args.cmd, rest)

@@ -96,31 +96,84 @@ def meta_model(arch: ModelArch, dtype: torch.dtype):
     return model
 
 
-def read_marker(ckpt_dir: Path) -> dict:
-    """The checkpoint's marker; MegagrpoError if the directory is not a checkpoint written by megagrpo."""
-    marker = ckpt_dir / MARKER
+def read_checkpoint_info(ckpt_dir: str | Path) -> dict:
+    """{"arch": ModelArch dict, "dtype": name} of a checkpoint written by this tool or by the learner.
+
+    Raises MegagrpoError naming the directory when it is neither (the learner's `read_meta` explains
+    foreign, incomplete and interrupted directories).
+    """
+    ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
-        raise MegagrpoError(f"{ckpt_dir}: not a directory; pass a checkpoint written by convert_hf_to_megatron")
-    if not marker.is_file():
         raise MegagrpoError(
-            f"{ckpt_dir}: {MARKER} is missing, so this is not a megagrpo megatron checkpoint; convert the model "
-            "with tools/convert_hf_to_megatron.py or pass the checkpoint's model directory"
+            f"{ckpt_dir}: not a directory; pass a checkpoint written by convert_hf_to_megatron"
         )
-    try:
-        meta = json.loads(marker.read_text())
-    except json.JSONDecodeError as e:
-        raise MegagrpoError(f"{marker}: not valid JSON ({e})") from e
-    if meta.get("format") != FORMAT:
-        raise MegagrpoError(f"{marker}: format={meta.get('format')!r}, expected {FORMAT!r}")
-    for f in ("metadata.json", ".metadata"):
-        if not (ckpt_dir / f).is_file():
-            raise MegagrpoError(f"{ckpt_dir / f}: missing; the dist checkpoint is incomplete")
-    return meta
+    marker = ckpt_dir / MARKER
+    if marker.is_file():
+        try:
+            meta = json.loads(marker.read_text())
+        except json.JSONDecodeError as e:
+            raise MegagrpoError(f"{marker}: not valid JSON ({e})") from e
+        if meta.get("format") != FORMAT:
+            raise MegagrpoError(f"{marker}: format={meta.get('format')!r}, expected {FORMAT!r}")
+        for f in ("metadata.json", ".metadata"):
+            if not (ckpt_dir / f).is_file():
+                raise MegagrpoError(f"{ckpt_dir / f}: missing; the dist checkpoint is incomplete")
+        return {"arch": meta["arch"], "dtype": meta["dtype"]}
+    if not (ckpt_dir / "meta.json").is_file():
+        raise MegagrpoError(
+            f"{ckpt_dir}: neither {MARKER} nor meta.json is present, so this is not a megagrpo checkpoint; "
+            "convert HF weights with tools/convert_hf_to_megatron.py or pass a learner step_* directory"
+        )
+    from megagrpo.learner.checkpoint import read_meta
+
+    meta = read_meta(ckpt_dir)
+    if meta.arch is None:
+        raise MegagrpoError(f"{ckpt_dir / 'meta.json'}: no model architecture recorded; cannot export it")
+    return {"arch": meta.arch, "dtype": _stored_dtype(ckpt_dir)}
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, progress: bool = True) -> dict:
+def _stored_dtype(ckpt_dir: Path) -> str:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    entry = md.get("embedding.word_embeddings.weight")
+    if entry is None:
+        raise MegagrpoError(
+            f"{ckpt_dir}: the checkpoint holds no model weights (embedding.word_embeddings.weight)"
+        )
+    return str(entry.properties.dtype).removeprefix("torch.")
+
+
+def write_learner_meta(ckpt_dir: Path, arch: ModelArch, source: str) -> None:
+    """The learner's `meta.json` (weights only, step 0), so `learner.checkpoint.load_checkpoint` reads it."""
+    import dataclasses as dc
+
+    from megagrpo.learner.checkpoint import CheckpointMeta
+
+    files = {
+        str(p.relative_to(ckpt_dir)): p.stat().st_size
+        for p in sorted(ckpt_dir.rglob("*"))
+        if p.is_file() and p.name != "meta.json"
+    }
+    meta = CheckpointMeta(
+        step=0,
+        consumed_samples=0,
+        arch=json.loads(json.dumps(arch.to_dict())),
+        mesh={"tp": 1, "pp": 1, "ep": 1, "etp": 1, "cp": 1, "dp": 1, "vpp": 1, "world_size": 1},
+        has_optimizer=False,
+        has_scheduler=False,
+        megagrpo_version=__import__("megagrpo").__version__,
+        created_unix=time.time(),
+        extra={"converted_from": source},
+        files=files,
+    )
+    (ckpt_dir / "meta.json").write_text(json.dumps(dc.asdict(meta), indent=2) + "\n")
+
+
+def convert(
+    hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, progress: bool = True
+) -> dict:
     """Convert; return a summary (bytes, seconds, peak chunk)."""
-    from megatron.core import dist_checkpointing  # noqa: F401  (fail early if megatron is missing)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from megagrpo.learner.model import padded_vocab_size
@@ -144,7 +197,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None
     by_name = {m.mcore: m for m in param_maps(arch)}
     unknown = sorted({c.source for c in chunks} - set(by_name))
     if unknown:
-        raise MegagrpoError(f"megatron parameter {unknown[0]!r} has no entry in the {arch.family} parameter map")
+        raise MegagrpoError(
+            f"megatron parameter {unknown[0]!r} has no entry in the {arch.family} parameter map"
+        )
     del model
 
     def produce(name: str) -> torch.Tensor:
@@ -161,7 +216,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None
             transient=True,
         ) as bar:
             task = bar.add_task("convert", total=total)
-            write_dist_checkpoint(tmp, chunks, objects, produce, on_chunk=lambda c: bar.advance(task, c.nbytes))
+            write_dist_checkpoint(
+                tmp, chunks, objects, produce, on_chunk=lambda c: bar.advance(task, c.nbytes)
+            )
         (tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2) + "\n")
         copy_side_files(Path(hf_dir), tmp)
         summary = {
@@ -174,6 +231,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None
             "bytes": total,
         }
         (tmp / MARKER).write_text(json.dumps(summary, indent=2) + "\n")
+        write_learner_meta(tmp, arch, summary["source"])  # last: it records every other file's size
     ckpt.close()
     summary["seconds"] = time.perf_counter() - t0
     return summary

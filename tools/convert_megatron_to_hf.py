@@ -31,7 +31,7 @@ from megagrpo.bridge.hf_io import atomic_output_dir, copy_side_files, write_hf_c
 from megagrpo.bridge.maps import hf_names  # noqa: E402
 from megagrpo.config.model import ModelArch  # noqa: E402
 from megagrpo.errors import MegagrpoError  # noqa: E402
-from tools.convert_hf_to_megatron import DTYPES, build_model, init_single_process, read_marker  # noqa: E402
+from tools.convert_hf_to_megatron import DTYPES, build_model, init_single_process, read_checkpoint_info  # noqa: E402
 
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 
@@ -45,7 +45,9 @@ def load_model(ckpt_dir: Path, arch: ModelArch, mesh_cfg, dtype: torch.dtype) ->
         try:
             state = dist_checkpointing.load(chunk.sharded_state_dict(), str(ckpt_dir))
         except (RuntimeError, KeyError, ValueError) as e:
-            raise MegagrpoError(f"{ckpt_dir}: cannot load the dist checkpoint into a {arch.family} model: {e}") from e
+            raise MegagrpoError(
+                f"{ckpt_dir}: cannot load the dist checkpoint into a {arch.family} model: {e}"
+            ) from e
         chunk.load_state_dict(state, strict=True)
     return chunks
 
@@ -71,11 +73,13 @@ def export(
     import torch.distributed as dist
 
     ckpt = Path(ckpt_dir)
-    meta = read_marker(ckpt)  # refuse foreign directories before touching anything
+    meta = read_checkpoint_info(ckpt)  # refuse foreign directories before touching anything
     arch = ModelArch.from_dict(meta["arch"])
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MegagrpoError(f"{out}: output directory exists and is not empty; remove it or choose another path")
+        raise MegagrpoError(
+            f"{out}: output directory exists and is not empty; remove it or choose another path"
+        )
     load_dtype = DTYPES[meta["dtype"]]
     out_dtype = DTYPES[dtype] if dtype else load_dtype
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
@@ -112,7 +116,9 @@ def export(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         copied = copy_side_files(ckpt, tmp)
         if "generation_config.json" not in copied:
-            gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+            gen = {
+                k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None
+            }
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return {"out_dir": str(out), "tensors": len(weight_map), "files": len(set(weight_map.values()))}
 

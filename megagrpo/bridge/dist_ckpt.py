@@ -75,7 +75,9 @@ class _StreamingPlanner(DefaultSavePlanner):
     """Plans write items from chunk specs and materialises each chunk only when DCP writes it."""
 
     def __init__(self, chunks: Sequence[ChunkSpec], objects: Sequence[ObjectSpec], produce, on_chunk) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
+        super().__init__(
+            flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False
+        )
         self._chunks = {MetadataIndex(c.key, torch.Size(c.offsets)): c for c in chunks}
         self._objects = {o.unique_key: o for o in objects}
         self._produce = produce

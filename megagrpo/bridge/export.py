@@ -198,7 +198,9 @@ def iter_hf_buckets(
             if pm0.is_expert:
                 mine = [pm for pm in unit if pm.mcore in held]
                 if len(mine) != 1:
-                    raise MegagrpoError(f"EP rank {place.ep_rank} holds {len(mine)} of expert unit {pm0.mcore}")
+                    raise MegagrpoError(
+                        f"EP rank {place.ep_rank} holds {len(mine)} of expert unit {pm0.mcore}"
+                    )
                 gathered = _all_gather(local[held[mine[0].mcore]], ep)  # experts j, n+j, ... in EP rank order
                 fulls = [tp_unshard(pm, _all_gather(t, etp)) for pm, t in zip(unit, gathered, strict=True)]
             else:

@@ -33,7 +33,9 @@ def load_hf_config(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any],
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise MegagrpoError(f"{path}: no such file; pass a Hugging Face model directory containing config.json")
+        raise MegagrpoError(
+            f"{path}: no such file; pass a Hugging Face model directory containing config.json"
+        )
     try:
         return json.loads(path.read_text()), str(path)
     except json.JSONDecodeError as e:
@@ -62,8 +64,10 @@ def _rope_theta(cfg: dict[str, Any], where: str) -> float:
             raise MegagrpoError(f"{where}: rope_parameters.partial_rotary_factor != 1 is not supported")
         return float(params["rope_theta"])
     scaling = cfg.get("rope_scaling")
-    if scaling not in (None, {}) and (not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type"))
-                                      not in (None, "default")):
+    if scaling not in (None, {}) and (
+        not isinstance(scaling, dict)
+        or scaling.get("rope_type", scaling.get("type")) not in (None, "default")
+    ):
         raise MegagrpoError(f"{where}: rope_scaling={scaling!r} is not supported; only default rope")
     return float(cfg.get("rope_theta", 10000.0))
 
@@ -130,7 +134,9 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
     if heads % kv_heads:
-        raise MegagrpoError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        raise MegagrpoError(
+            f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
 
     if family in ("qwen3_moe", "mixtral"):
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))

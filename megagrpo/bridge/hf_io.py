@@ -59,7 +59,11 @@ class HFCheckpoint:
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
             raise MegagrpoError(f"{self.dir}: not a directory; pass a Hugging Face model directory")
-        self.config = json.loads((self.dir / "config.json").read_text()) if (self.dir / "config.json").is_file() else None
+        self.config = (
+            json.loads((self.dir / "config.json").read_text())
+            if (self.dir / "config.json").is_file()
+            else None
+        )
         self.arch: ModelArch = arch_from_hf(self.dir)
         self.maps: list[ParamMap] = param_maps(self.arch)
         self.file_of: dict[str, str] = self._index()
@@ -81,9 +85,11 @@ class HFCheckpoint:
             return dict(weight_map)
         single = self.dir / SINGLE
         if not single.is_file():
-            raise MegagrpoError(f"{self.dir}: neither {SINGLE} nor {INDEX} found; only safetensors are supported")
+            raise MegagrpoError(
+                f"{self.dir}: neither {SINGLE} nor {INDEX} found; only safetensors are supported"
+            )
         with safe_open(str(single), "pt") as f:
-            return {k: SINGLE for k in f.keys()}
+            return dict.fromkeys(f.keys(), SINGLE)
 
     def _handle(self, fname: str):
         if fname not in self._handles:
@@ -138,7 +144,9 @@ class HFCheckpoint:
         check_hf_shapes(pm, ts)
         return ts
 
-    def megatron_tensor(self, pm: ParamMap, padded_vocab: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def megatron_tensor(
+        self, pm: ParamMap, padded_vocab: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The full megatron tensor for `pm` (reads only its HF sources)."""
         full = to_megatron(pm, self.tensors(pm), self.arch, padded_vocab)
         return full if dtype is None or full.dtype == dtype else full.to(dtype)
@@ -158,7 +166,9 @@ def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
     """
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MegagrpoError(f"{out}: output directory exists and is not empty; remove it or choose another path")
+        raise MegagrpoError(
+            f"{out}: output directory exists and is not empty; remove it or choose another path"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial.", dir=out.parent))
     try:

@@ -82,7 +82,11 @@ _MOE = {
     "qwen3_moe": {
         "router": {"mlp.router.weight": ("copy", ("mlp.gate.weight",), None)},
         "expert": {
-            "linear_fc1.weight": ("gate_up", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), 0),
+            "linear_fc1.weight": (
+                "gate_up",
+                ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+                0,
+            ),
             "linear_fc2.weight": ("copy", ("mlp.experts.{e}.down_proj.weight",), 1),
         },
     },
@@ -138,7 +142,9 @@ def _hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
     return table[mod]
 
 
-def _rows(arch: ModelArch, table: dict, mcore_prefix: str, hf_prefix: str, layer: int, expert: int | None = None):
+def _rows(
+    arch: ModelArch, table: dict, mcore_prefix: str, hf_prefix: str, layer: int, expert: int | None = None
+):
     out = []
     for suffix, (kind, hf_suffixes, tp_axis) in table.items():
         hf = tuple(hf_prefix + s.format(e=expert) for s in hf_suffixes)
@@ -179,7 +185,11 @@ def param_maps(arch: ModelArch) -> list[ParamMap]:
                 maps += _rows(arch, moe["expert"], f"{mp}mlp.experts.local_experts.{e}.", hp, layer, e)
         else:
             maps += _rows(arch, _DENSE_MLP, mp, hp, layer)
-    maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None, ((arch.hidden_size,),)))
+    maps.append(
+        ParamMap(
+            "decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None, ((arch.hidden_size,),)
+        )
+    )
     if not arch.tie_embeddings:
         head = ("lm_head.weight",)
         maps.append(ParamMap("output_layer.weight", head, "vocab", 0, (_hf_shape(arch, head[0]),)))

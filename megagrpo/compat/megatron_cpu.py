@@ -97,12 +97,22 @@ def _stream(*_args: Any, **_kwargs: Any) -> _CpuStream:
     return _CPU_STREAM
 
 
+class _StreamClass(_CpuStream):
+    """`torch.cuda.Stream` must stay a class: libraries annotate with `torch.cuda.Stream | None`."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        hit("torch.cuda.Stream")
+
+
+class _EventClass(_CpuEvent):
+    """`torch.cuda.Event` stays a class for the same reason as `_StreamClass`."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        hit("torch.cuda.Event")
+
+
 def _stream_ctx(_stream_obj: Any = None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
-
-
-def _event(*_args: Any, **_kwargs: Any) -> _CpuEvent:
-    return _CpuEvent()
 
 
 def _synchronize(_device: Any = None) -> None:
@@ -113,11 +123,11 @@ def _patch_torch_cuda() -> None:
     c = torch.cuda
     why = "no CUDA driver: {} raises; megatron-core calls it on every step (fact {})"
     replace(c, "current_device", _current_device, reason=why.format("current_device()", 1))
-    replace(c, "Stream", _stream, reason=why.format("Stream()", 2) + " (alltoall dispatcher d2h stream)")
+    replace(c, "Stream", _StreamClass, reason=why.format("Stream()", 2) + " (alltoall dispatcher d2h stream)")
     replace(c, "current_stream", _stream, reason=why.format("current_stream()", 2))
     replace(c, "default_stream", _stream, reason=why.format("default_stream()", 2))
     replace(c, "stream", _stream_ctx, reason=why.format("stream(ctx)", 2))
-    replace(c, "Event", _event, reason=why.format("Event()", 2))
+    replace(c, "Event", _EventClass, reason=why.format("Event()", 2))
     replace(c, "synchronize", _synchronize, reason=why.format("synchronize()", 2))
 
 

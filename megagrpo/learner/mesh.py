@@ -39,6 +39,10 @@ class MeshConfig:
             raise MegagrpoError("mesh.sequence_parallel=true needs mesh.tp > 1; set it false or raise tp")
         if self.vpp is not None and (self.vpp < 1 or (self.vpp > 1 and self.pp == 1)):
             raise MegagrpoError(f"mesh.vpp={self.vpp} needs pp > 1 and vpp >= 1; set vpp to null")
+        if self.vpp is not None and self.vpp > 1 and not torch.cuda.is_available():
+            # Seen here: megatron's interleaved 1F1B with variable sequence lengths stalls in a gloo p2p
+            # send during the training pass (forward-only works). Not supported on CPU meshes.
+            raise MegagrpoError(f"mesh.vpp={self.vpp}: the interleaved pipeline schedule is GPU-only here; set vpp to null")
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP inferred as world / (tp*cp*pp); raises MegagrpoError naming the sizes if it does not divide."""

@@ -49,7 +49,8 @@ def learner_config(
 def optimizer_factory(
     cfg: Config, *, lr: float | None = None, total_steps: int | None = None, warmup_steps: int | None = None
 ):
-    from megagrpo.learner.optimizer import OptimizerConfig, build_optimizer
+    from megagrpo.learner.optimizer import OptimizerConfig
+    from megagrpo.learner.optimizer import optimizer_factory as learner_optimizer_factory
 
     o = cfg.optimizer
     ocfg = OptimizerConfig(
@@ -64,7 +65,7 @@ def optimizer_factory(
         total_steps=total_steps or cfg.schedule.steps,
         use_distributed_optimizer=o.distributed,
     )
-    return lambda chunks: build_optimizer(chunks, ocfg)
+    return learner_optimizer_factory(ocfg)
 
 
 def rollout_config(cfg: Config, model_path: str) -> RolloutConfig:

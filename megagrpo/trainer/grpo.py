@@ -127,10 +127,7 @@ class GRPOTrainer(Session):
                 else (lambda r: torch.ones(r.shape[0], dtype=torch.bool)),
             )
         if not dyn.groups:
-            raise RuntimeError(
-                f"dynamic sampling kept no group in {dyn.rounds} rounds (every group had equal rewards); "
-                "raise rollout.max_rounds or check the reward functions"
-            )
+            return None, {**dyn.metrics(), **self._merge_reward_metrics(), "rollout/skipped_step": 1.0}
         with timer("reward"):
             rewards = dyn.rewards.clone()
             comps = [c for g in dyn.groups for c in g]
@@ -213,11 +210,21 @@ class GRPOTrainer(Session):
         t_step = time.perf_counter()
         if self.rank0:
             batch, metrics = self._sample(timer)
-            with timer("sleep"):
-                self.engine.release(["kv_cache", "weights"])
+            if batch is not None:
+                with timer("sleep"):
+                    self.engine.release(["kv_cache", "weights"])
         else:
             batch, metrics = None, {}
         batch, metrics = _broadcast((batch, metrics))
+        if batch is None:
+            # Every group had equal rewards in every round: all advantages are 0, so there is nothing to
+            # learn from; the step is counted and logged (rollout/skipped_step) but no update is made.
+            if self.rank0:
+                print(f"warning: step {self.step + 1}: dynamic sampling kept no group in "
+                      f"{int(metrics['rollout/dynamic_rounds'])} rounds; no update this step", flush=True)
+            metrics["perf/step_seconds"] = time.perf_counter() - t_step
+            return metrics
+        metrics["rollout/skipped_step"] = 0.0
 
         learner_batch = {k: v for k, v in batch.items() if k != "routes"}
         replay = self.replay_for(batch)

@@ -89,13 +89,14 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 CONSOLE_KEYS = (
+    ("sft/nll", "nll"),
     ("reward/mean", "reward"),
     ("eval/accuracy", "eval"),
     ("rollout/response_len_mean", "len"),
     ("loss/entropy", "ent"),
     ("loss/clip_frac_high", "clip_hi"),
-    ("mismatch/kl_k3_sampler_learner", "mmKL"),
-    ("moe/topk_agreement_rollout_old", "agree"),
+    ("mismatch/kl_sampler_learner_k3", "mmKL"),
+    ("moe/agreement_rollout_old", "agree"),
     ("perf/step_seconds", "s/step"),
 )
 

@@ -14,8 +14,8 @@ PANELS = (
     ("response length", ("rollout/response_len_mean",)),
     ("entropy", ("loss/entropy",)),
     ("clip fractions", ("loss/clip_frac_low", "loss/clip_frac_high")),
-    ("mismatch KL (k3)", ("mismatch/kl_k3_sampler_learner", "mismatch/kl_k3_learner_sampler")),
-    ("MoE top-k agreement", ("moe/topk_agreement_rollout_old", "moe/topk_agreement_old_current")),
+    ("mismatch KL (k3)", ("mismatch/kl_sampler_learner_k3", "mismatch/kl_learner_sampler_k3")),
+    ("MoE top-k agreement", ("moe/agreement_rollout_old", "moe/agreement_old_current")),
     ("importance cap", ("mismatch/tis_cap",)),
 )
 

@@ -42,29 +42,33 @@ def launch(target: str, nprocs: int, outdir: Path, *, timeout: float = 600, **kw
         json.dumps(kwargs),
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(
-            f"{target} on {nprocs} ranks timed out after {timeout}s:\n{out[-8000:]}"
-        ) from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    log = outdir / "launch.log"
+    with open(log, "w") as sink:
+        # Output goes to a file, not a pipe: dist_checkpointing's writer spawns helper processes that
+        # outlive the ranks and would hold a pipe open. The whole process group is killed at the end.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            proc.wait()
+            raise AssertionError(f"{target} on {nprocs} ranks timed out after {timeout}s:\n{_tail(log, 8000)}") from None
+        finally:
+            _kill_group(proc.pid)
     if proc.returncode != 0:
-        raise AssertionError(f"{target} on {nprocs} ranks failed (exit {proc.returncode}):\n{out[-12000:]}")
-    return out
+        raise AssertionError(f"{target} on {nprocs} ranks failed (exit {proc.returncode}):\n{_tail(log, 12000)}")
+    return log.read_text(errors="replace")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, n: int) -> str:
+    return path.read_text(errors="replace")[-n:]
 
 
 def _child(rank: int, target: str, world: int, port: int, outdir: str, kwargs: dict[str, Any]) -> None:

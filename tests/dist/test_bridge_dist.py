@@ -25,13 +25,16 @@ if not APPLIED:
     from transformers import AutoModelForCausalLM  # noqa: F401
 
 MODELS = {
-    "llama_tied": dict(arch="llama", tie=True),
+    # tied embeddings are not here: megatron's LanguageModule.setup_embeddings_and_output_layer calls
+    # `weight.data.cuda()` whenever torch.distributed is initialised, which has no CPU-compat patch yet
+    # (reported); tests/unit/bridge covers the tied map and its export.
+    "llama": dict(arch="llama"),
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3"),
     "qwen3_moe": dict(arch="qwen3_moe", experts=8, topk=2),
     "mixtral": dict(arch="mixtral", experts=8, topk=2),
 }
-DENSE_MESHES = ("tp2", "pp2")
+DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
 MOE_MESHES = ("tp2_sp", "ep2", "tp2_ep2", "tp2_ep2_etp2", "ep2_pp2")
 MESH_KW = {
     "tp2": dict(tp=2),
@@ -48,12 +51,10 @@ EXPORTS = {
     ("qwen3_moe", "tp2_ep2"),
     ("qwen3_moe", "tp2_ep2_etp2"),
     ("mixtral", "ep2_pp2"),
-    ("llama_tied", "pp2"),
+    ("llama", "tp2_pp2"),
 }
 BUCKETS = (1, 3000, 70000, 1 << 40)
 SEQ, BATCH = 16, 2
-
-
 
 
 def cases() -> list[tuple[str, str]]:
@@ -62,7 +63,6 @@ def cases() -> list[tuple[str, str]]:
         meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES
         out += [(model, mesh) for mesh in meshes]
     return out
-
 
 
 def fixed_batch(vocab: int = 1024) -> torch.Tensor:
@@ -118,18 +118,15 @@ def _check_export(model, arch, hf_dir: Path, layer_offset: int) -> dict:
             for name, t in bucket:
                 assert name not in seen, f"{name} exported twice"
                 seen[name] = t.clone()
-        if torch.distributed.get_rank() == 0:
-            diff = sorted(set(seen) ^ set(ref))
-            mismatched = [
-                n
-                for n in ref
-                if n in seen and not (seen[n].dtype == ref[n].dtype and torch.equal(seen[n], ref[n]))
-            ]
-            res[str(bucket_bytes)] = dict(
-                key_diff=diff[:5], mismatched=mismatched[:5], over=over, buckets=n_buckets
-            )
-        else:
-            res[str(bucket_bytes)] = dict(buckets=n_buckets)
+        diff = sorted(set(seen) ^ set(ref))
+        bad = [
+            n
+            for n in ref
+            if n in seen and not (seen[n].dtype == ref[n].dtype and torch.equal(seen[n], ref[n]))
+        ]
+        res[str(bucket_bytes)] = dict(key_diff=diff[:5], mismatched=bad[:5], over=over, buckets=n_buckets)
+    # the exporter of each model-parallel replica (DP replicas beyond EP export independently)
+    res["exporter"] = all(g.rank() == 0 for g in (groups.tp, groups.etp, groups.ep, groups.pp))
     return res
 
 
@@ -138,7 +135,7 @@ def worker(rank: int, world: int, outdir: Path, *, models: dict, cases: list, re
 
     from megagrpo.config.model import ModelArch
     from megagrpo.learner.mesh import DistEnv, MeshConfig, destroy_mesh, init_mesh
-    from tools.convert_hf_to_megatron import convert, read_marker
+    from tools.convert_hf_to_megatron import convert, read_checkpoint_info
     from tools.convert_megatron_to_hf import layer_offset, load_model
 
     env = DistEnv.from_environ()
@@ -154,7 +151,7 @@ def worker(rank: int, world: int, outdir: Path, *, models: dict, cases: list, re
     for model_name, mesh_name in cases:
         mesh_cfg = MeshConfig(**MESH_KW[mesh_name])
         init_mesh(mesh_cfg, env)
-        arch = ModelArch.from_dict(read_marker(ckpts[model_name])["arch"])
+        arch = ModelArch.from_dict(read_checkpoint_info(ckpts[model_name])["arch"])
         (model,) = load_model(ckpts[model_name], arch, mesh_cfg, torch.float32)
         logits = _forward_logits(model, ids, arch.vocab_size)
         r: dict = {"last_stage": logits is not None}
@@ -205,21 +202,21 @@ def test_logits_match_transformers(results, case):
         assert r["logits_err"] <= 1e-4, f"{case}: max |logits - HF logits| = {r['logits_err']}"
 
 
-
 @pytest.mark.parametrize("case", sorted(f"{m}/{mesh}" for m, mesh in EXPORTS))
 def test_streaming_export_is_the_hf_state_dict(results, case):
-    exp0 = results[0][case]["export"]
-    for bucket_bytes in BUCKETS:
-        r = exp0[str(bucket_bytes)]
-        assert r["key_diff"] == [], f"{case} bucket {bucket_bytes}: key sets differ {r['key_diff']}"
-        assert r["mismatched"] == [], f"{case} bucket {bucket_bytes}: values differ {r['mismatched']}"
-        assert r["over"] == 0, (
-            f"{case} bucket {bucket_bytes}: {r['over']} multi-tensor buckets over the bound"
-        )
-    # 1-byte buckets hold one tensor each; an unbounded bucket holds everything
-    assert exp0["1"]["buckets"] > exp0[str(1 << 40)]["buckets"] == 1
-    for rank in range(1, 4):
-        for bucket_bytes in BUCKETS:
-            assert results[rank][case]["export"][str(bucket_bytes)]["buckets"] == 0, (
-                f"rank {rank} got buckets"
+    exports = [res[case]["export"] for res in results]
+    assert exports[0]["exporter"], f"{case}: rank 0 is not an exporter"
+    for rank, exp in enumerate(exports):
+        if not exp["exporter"]:
+            assert all(exp[str(b)]["buckets"] == 0 for b in BUCKETS), (
+                f"{case}: non-exporter rank {rank} got buckets"
             )
+            continue
+        for bucket_bytes in BUCKETS:
+            r = exp[str(bucket_bytes)]
+            ctx = f"{case} rank {rank} bucket {bucket_bytes}"
+            assert r["key_diff"] == [], f"{ctx}: key sets differ {r['key_diff']}"
+            assert r["mismatched"] == [], f"{ctx}: values differ {r['mismatched']}"
+            assert r["over"] == 0, f"{ctx}: {r['over']} multi-tensor buckets over the bound"
+        # 1-byte buckets hold one tensor each; an unbounded bucket holds everything
+        assert exp["1"]["buckets"] > exp[str(1 << 40)]["buckets"] == 1

@@ -13,7 +13,9 @@ from megagrpo.rollout import NO_ROUTE, SamplingConfig
 
 
 def test_generate_with_logprobs_and_routes(sglang_engine):
-    groups = sglang_engine.generate([[5, 6, 7, 8]], SamplingConfig(max_new_tokens=6, ignore_eos=True), group_size=2)
+    groups = sglang_engine.generate(
+        [[5, 6, 7, 8]], SamplingConfig(max_new_tokens=6, ignore_eos=True), group_size=2
+    )
     assert len(groups) == 1 and len(groups[0]) == 2
     for c in groups[0]:
         assert c.output_ids.shape == (6,) and c.logprobs.shape == (6,)
@@ -62,7 +64,12 @@ def test_compat_patches_in_process(sglang_engine):
     before = HITS["sgl_kernel.assign_req_to_token_pool_cpu"]
     req_to_token = torch.zeros(3, 8, dtype=torch.int32)
     sgl_kernel.assign_req_to_token_pool_cpu(
-        torch.tensor([2, 0]), req_to_token, torch.tensor([1, 0]), torch.tensor([3, 3]), torch.arange(10, 20), 8
+        torch.tensor([2, 0]),
+        req_to_token,
+        torch.tensor([1, 0]),
+        torch.tensor([3, 3]),
+        torch.arange(10, 20),
+        8,
     )
     assert HITS["sgl_kernel.assign_req_to_token_pool_cpu"] == before + 1
     assert req_to_token[2, 1:3].tolist() == [10, 11] and req_to_token[0, 0:3].tolist() == [12, 13, 14]

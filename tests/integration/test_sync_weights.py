@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync import bucketize, sync_weights
 
-LOGPROB_TOL_FP32 = 2e-4  # fp32 engine vs fp32 transformers; measured max |delta| ~1e-5 here
+LOGPROB_TOL_FP32 = 2e-4  # fp32 engine vs fp32 transformers; measured max |delta| 4.8e-7 here
 SEQS = [[5, 17, 33, 2, 90, 14, 200, 7, 61, 8], [1, 307, 260, 202, 90, 301, 314, 224]]
 
 

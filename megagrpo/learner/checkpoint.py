@@ -1,0 +1,458 @@
+"""Learner checkpoints: megatron-core `dist_checkpointing` (torch_dist backend), atomic, mesh-independent.
+
+A checkpoint is one directory (by convention `<root>/step_<8 digits>`):
+  * the torch_dist files of ONE sharded state dict `{"model<i>": chunk i, "optimizer": ..., "scheduler":
+    ...}` (megatron's `metadata.json`, `.metadata`, `__*.distcp`). Tensors are stored by global key and
+    shape, and the DistributedOptimizer state in its `fully_reshardable` form, so a checkpoint saved on
+    any TP x PP x EP x DP mesh loads on any other;
+  * `rng/rank<r>.pt`: python, numpy, torch (and CUDA) generator states and megatron's RNG-tracker states
+    of each global rank; restored only on the same mesh (a different mesh has different streams);
+  * `meta.json`, written last: format tag, step, consumed samples, ModelArch, mesh, megagrpo version,
+    the caller's JSON `extra`, and the size of every file (a cheap check for truncated copies).
+
+Atomicity: everything is written into `<dir>.tmp-<uuid>`; after a barrier rank 0 writes `meta.json` and
+renames the directory to `<dir>`. A save killed at any point leaves at worst a `*.tmp-*` directory, which
+`latest_checkpoint` ignores and the next save of the same name removes; the previous checkpoint is
+untouched. Every user-facing failure (missing, corrupt, foreign or mismatched checkpoint) raises
+`MegagrpoError` naming the path and the fix.
+
+Scripts that save must have an `if __name__ == "__main__":` guard: megatron's writer starts a `spawn`
+multiprocessing manager, which re-imports the main module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.errors import MegagrpoError
+
+FORMAT = "megagrpo-dist-ckpt-v1"
+META = "meta.json"
+RNG_DIR = "rng"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+_MEGATRON_META = "metadata.json"  # written by dist_checkpointing when its save completes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """The contents of `meta.json`."""
+
+    step: int
+    consumed_samples: int
+    arch: dict[str, Any] | None  # ModelArch.to_dict()
+    mesh: dict[str, int]  # tp, pp, ep, etp, cp, dp, vpp, world_size at save time
+    has_optimizer: bool
+    has_scheduler: bool
+    megagrpo_version: str
+    format: str = FORMAT
+    created_unix: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # the caller's JSON state (trainer, data order)
+    files: dict[str, int] = field(default_factory=dict)  # relative path -> size in bytes
+
+
+def step_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """The conventional directory of the checkpoint at `step` under `root`."""
+    return Path(root) / f"step_{step:08d}"
+
+
+# -- save ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model_chunks: list[Any],
+    *,
+    optimizer: Any | None = None,
+    scheduler: Any | None = None,
+    step: int,
+    consumed_samples: int = 0,
+    arch: Any | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save atomically to `path` (collective: every rank calls it with the same arguments).
+
+    model_chunks: the model chunks of this rank (DDP-wrapped or not; VPP gives several).
+    optimizer / scheduler: megatron's optimizer and `OptimizerParamScheduler`, or None for weights only.
+    arch: the `ModelArch` (stored so a load can check it and tools can rebuild the model).
+    extra: JSON-serialisable caller state (e.g. the trainer's data position), returned by `read_meta`.
+    Returns the final path. An existing checkpoint at `path` is replaced only once the new one is complete.
+    """
+    from megatron.core import dist_checkpointing
+
+    _require_dist()
+    final = Path(path).absolute()
+    try:
+        extra_json = json.loads(json.dumps(extra or {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra must be JSON-serialisable: {e}") from e
+    rank = dist.get_rank()
+
+    box = [None]
+    if rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(f"{final.name}.tmp-*"):  # left by an interrupted save
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = final.parent / f"{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        box = [str(tmp)]
+    dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    try:
+        sd, content_meta = _sharded_state_dict(model_chunks, optimizer, scheduler, is_loading=False)
+        dist_checkpointing.save(sd, str(tmp), content_metadata=content_meta)
+        (tmp / RNG_DIR).mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / RNG_DIR / f"rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            meta = CheckpointMeta(
+                step=int(step),
+                consumed_samples=int(consumed_samples),
+                arch=arch.to_dict() if arch is not None else None,
+                mesh=_mesh_now(len(model_chunks)),
+                has_optimizer=optimizer is not None,
+                has_scheduler=scheduler is not None,
+                megagrpo_version=_version(),
+                created_unix=time.time(),
+                extra=extra_json,
+                files=_file_sizes(tmp),
+            )
+            _write_json_durably(tmp / META, dataclasses.asdict(meta))
+            _replace_dir(tmp, final)
+        dist.barrier()
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` is moved aside first and removed after."""
+    old = None
+    if final.exists():
+        old = final.parent / f"{final.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- load ---------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model_chunks: list[Any],
+    *,
+    optimizer: Any | None = None,
+    scheduler: Any | None = None,
+    arch: Any | None = None,
+    load_rng: bool = True,
+) -> CheckpointMeta:
+    """Load the checkpoint at `path` into this rank's model (and optimizer, scheduler), on any mesh.
+
+    Collective. With `optimizer=None` only the weights are read (e.g. a reference model). RNG states
+    are restored when `load_rng` and the mesh equals the one that saved; otherwise they keep their
+    seeded values (logged). Raises MegagrpoError for a missing, foreign, corrupt or mismatched checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _require_dist()
+    path = Path(path).absolute()
+    meta = read_meta(path)
+    want = json.loads(json.dumps(arch.to_dict())) if arch is not None else None  # tuples -> lists, as saved
+    if want is not None and meta.arch is not None and meta.arch != want:
+        diff = {k: (meta.arch.get(k), v) for k, v in want.items() if meta.arch.get(k) != v}
+        raise MegagrpoError(
+            f"checkpoint {path} was saved for a different model architecture: {diff} "
+            "(field: (checkpoint, current)); load it with the model config it was trained with"
+        )
+    if optimizer is not None and not meta.has_optimizer:
+        raise MegagrpoError(
+            f"checkpoint {path} holds no optimizer state (it was saved with weights only); load it as "
+            "initial weights (optimizer=None) or resume from a checkpoint saved during training"
+        )
+    if scheduler is not None and not meta.has_scheduler:
+        scheduler = None  # a weights-only or scheduler-less save: the schedule starts afresh
+    _check_files(path, meta)
+
+    sd, _ = _sharded_state_dict(model_chunks, optimizer, scheduler, is_loading=True)
+    try:
+        loaded = dist_checkpointing.load(sd, str(path))
+    except (Exception, CheckpointException) as e:  # many types for unreadable data; DCP's is a BaseException
+        raise MegagrpoError(
+            f"checkpoint {path} could not be read ({type(e).__name__}: {str(e)[:300]}); it is corrupt or "
+            "incomplete, or its keys do not match this model. Delete it and resume from an earlier "
+            f"checkpoint under {path.parent} (--resume auto picks the newest complete one)"
+        ) from e
+    for i, chunk in enumerate(model_chunks):
+        _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if load_rng:
+        _restore_rng(path, meta, len(model_chunks))
+    return meta
+
+
+def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
+    """Validate that `path` is a complete megagrpo checkpoint and return its `meta.json` (no torch.distributed
+    needed). Raises MegagrpoError naming the path and the fix otherwise."""
+    path = Path(path)
+    if not path.exists():
+        hint = ""
+        if path.parent.is_dir():
+            latest = latest_checkpoint(path.parent)
+            hint = f" (the newest complete checkpoint there is {latest})" if latest else ""
+        raise MegagrpoError(
+            f"checkpoint {path} does not exist{hint}; pass an existing checkpoint directory, or "
+            "--resume auto to pick the newest complete one under the checkpoint root"
+        )
+    if not path.is_dir():
+        raise MegagrpoError(
+            f"checkpoint {path} is not a directory; pass a checkpoint directory such as <root>/step_00000010"
+        )
+    if ".tmp-" in path.name:
+        raise MegagrpoError(
+            f"{path} is an interrupted, incomplete save; delete it and use the checkpoint it would have replaced"
+        )
+    meta_file = path / META
+    if not meta_file.is_file():
+        if (path / _MEGATRON_META).is_file():
+            what = "a megatron dist checkpoint without megagrpo's meta.json (not written by megagrpo, or its save was interrupted)"
+        elif any(STEP_DIR.match(p.name) for p in path.iterdir()):
+            what = "a checkpoint ROOT, not a checkpoint; pass one of its step_* directories or --resume auto"
+        else:
+            what = "not a megagrpo checkpoint (no meta.json)"
+        raise MegagrpoError(
+            f"{path} is {what}; point at a directory written by megagrpo's save_checkpoint "
+            "(e.g. <root>/step_00000010); HF weights are converted with tools/convert_hf_to_megatron.py"
+        )
+    try:
+        raw = json.loads(meta_file.read_text())
+        if raw.get("format") != FORMAT:
+            raise MegagrpoError(
+                f"{path} has checkpoint format {raw.get('format')!r}, this megagrpo reads {FORMAT!r}; "
+                "use the megagrpo version that wrote it (meta.json megagrpo_version) or re-save it"
+            )
+        known = {f.name for f in dataclasses.fields(CheckpointMeta)}
+        meta = CheckpointMeta(**{k: v for k, v in raw.items() if k in known})
+    except MegagrpoError:
+        raise
+    except (ValueError, TypeError, AttributeError) as e:
+        raise MegagrpoError(
+            f"{meta_file} is corrupt ({type(e).__name__}: {e}); the checkpoint {path} cannot be trusted: "
+            "delete it and resume from an earlier one"
+        ) from e
+    if not (path / _MEGATRON_META).is_file():
+        raise MegagrpoError(
+            f"checkpoint {path} lacks megatron's {_MEGATRON_META}: it is incomplete or was damaged; "
+            "delete it and resume from an earlier checkpoint"
+        )
+    return meta
+
+
+def _check_files(path: Path, meta: CheckpointMeta) -> None:
+    for rel, size in meta.files.items():
+        f = path / rel
+        if not f.is_file():
+            raise MegagrpoError(
+                f"checkpoint {path} is incomplete: {rel} is missing; delete it and resume from an earlier checkpoint"
+            )
+        if f.stat().st_size != size:
+            raise MegagrpoError(
+                f"checkpoint {path} is corrupt: {rel} has {f.stat().st_size} bytes, {size} were written; "
+                "delete it and resume from an earlier checkpoint"
+            )
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint with the highest step under `root` (`--resume auto`), or None if none.
+
+    Only `step_*` directories with a valid `meta.json` count: interrupted saves (`*.tmp-*`) and
+    damaged directories are skipped (logged)."""
+    root = Path(root)
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        raise MegagrpoError(
+            f"checkpoint root {root} is a file, not a directory; set checkpoint.dir to a directory"
+        )
+    best: tuple[int, Path] | None = None
+    for child in root.iterdir():
+        if not (child.is_dir() and STEP_DIR.match(child.name)):
+            continue
+        try:
+            meta = read_meta(child)
+        except MegagrpoError as e:
+            log.warning("skipping %s: %s", child, e)
+            continue
+        if best is None or meta.step > best[0]:
+            best = (meta.step, child)
+    return best[1] if best else None
+
+
+def prune_checkpoints(root: str | os.PathLike[str], keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints under `root` (call on one rank, after a
+    save). Returns the removed paths. Incomplete directories are left for the next save to clean."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    found = []
+    for child in Path(root).iterdir():
+        if child.is_dir() and STEP_DIR.match(child.name) and (child / META).is_file():
+            found.append((int(STEP_DIR.match(child.name).group(1)), child))
+    removed = [p for _, p in sorted(found)[:-keep_last]]
+    for p in removed:
+        shutil.rmtree(p)
+    return removed
+
+
+# -- the sharded state dict ---------------------------------------------------------------------------
+
+
+def _unwrap(module: Any) -> Any:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _sharded_state_dict(
+    model_chunks: list[Any], optimizer: Any | None, scheduler: Any | None, *, is_loading: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    from megatron.core import parallel_state
+
+    # fully_reshardable: the DistributedOptimizer state is stored per parameter in model space, so it
+    # reshards over TP/PP/EP/DP (dp_reshardable would tie it to the saving DP layout). Its gather runs
+    # over NCCL on a GPU; on the CPU the memory-efficient variant gathers over gloo to DP rank 0 (the
+    # other one moves tensors with hard-coded `.cuda()`). Both read back interchangeably.
+    content = {
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available(),
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
+    sd_meta = {**content, "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    sd: dict[str, Any] = {}
+    for i, chunk in enumerate(model_chunks):
+        sd[f"model{i}"] = _unwrap(chunk).sharded_state_dict(metadata=sd_meta)
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=sd_meta)
+    if scheduler is not None:
+        sd["scheduler"] = scheduler.state_dict()
+    return sd, content
+
+
+def _mesh_now(num_chunks: int) -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "vpp": num_chunks,
+        "world_size": dist.get_world_size(),
+    }
+
+
+# -- RNG ----------------------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(path: Path, meta: CheckpointMeta, num_chunks: int) -> bool:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    now = _mesh_now(num_chunks)
+    if meta.mesh != now:
+        log.warning(
+            "RNG states not restored: checkpoint %s was saved on mesh %s, this is %s", path, meta.mesh, now
+        )
+        return False
+    f = path / RNG_DIR / f"rank{dist.get_rank()}.pt"
+    try:
+        state = torch.load(f, weights_only=False)  # our own file: python/numpy generator tuples
+    except Exception as e:
+        raise MegagrpoError(
+            f"checkpoint {path}: RNG state {f} is unreadable ({type(e).__name__}: {e}); delete the checkpoint "
+            "and resume from an earlier one, or load with load_rng=False"
+        ) from e
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    return True
+
+
+# -- small helpers ------------------------------------------------------------------------------------
+
+
+def _require_dist() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("checkpoints are collective: initialise the mesh (learner.mesh.init_mesh) first")
+
+
+def _version() -> str:
+    import megagrpo
+
+    return getattr(megagrpo, "__version__", "unknown")
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != META
+    }
+
+
+def _write_json_durably(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

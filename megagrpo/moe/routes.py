@@ -1,0 +1,131 @@
+"""Route tables for routing replay: validation of the sampler's routes, lookup in router order, and the
+cross-rank merge of partially filled tables. Pure torch (+ torch.distributed for the merge).
+
+A route table is int `[B, T, L, K]` in the learner's padded layout (`megagrpo.learner.layout`):
+`table[i, t, l]` holds the K expert ids (global ids in [0, E)) that MoE layer l (0-based among the MoE
+layers) used for token `input_ids[i, t]` as an input, or -1 (NO_ROUTE) where there is none (padding, the
+last token of a sampled sequence, a rank's unfilled entries before the merge).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.moe.stats import check_routes
+
+NO_ROUTE = -1
+
+
+def real_tokens(seq_lens: Tensor, T: int) -> Tensor:
+    """`[B, T]` bool: positions inside each sequence."""
+    return torch.arange(T, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+
+
+def validate_sampler_routes(
+    routes: Tensor,
+    seq_lens: Tensor,
+    *,
+    T: int,
+    moe_layers: list[int],
+    num_layers: int,
+    topk: int,
+    num_experts: int,
+) -> Tensor:
+    """Check the batch's `routes` (R3 input) and return them as int64 `[B, T, L_moe, K]`.
+
+    routes: int `[B, T, L, K]`, L = the number of MoE layers, or the total layer count (then the rows of
+    the MoE layers `moe_layers` are taken). At a real token a row is either complete (K ids in [0, E), no
+    repeats) or entirely -1 (no route: the last token, or a route the sampler did not return; such tokens
+    are replayed with a filler route and counted as fallback). Raises MegagrpoError naming the problem.
+    """
+    B = int(seq_lens.numel())
+    if not isinstance(routes, Tensor) or routes.dtype.is_floating_point or routes.dtype == torch.bool:
+        raise MegagrpoError(
+            "batch['routes'] must be an integer tensor [B, T, layers, topk] of expert ids (from the "
+            "sampler's routed_experts); got " + (str(routes.dtype) if isinstance(routes, Tensor) else "none")
+        )
+    if routes.dim() != 4 or tuple(routes.shape[:2]) != (B, T):
+        raise MegagrpoError(
+            f"batch['routes'] has shape {tuple(routes.shape)}; expected [B, T, layers, topk] with "
+            f"B={B}, T={T} (the input_ids shape); rebuild the batch from the rollout's routes"
+        )
+    L, K = int(routes.shape[2]), int(routes.shape[3])
+    if L == len(moe_layers):
+        r = routes
+    elif L == num_layers:
+        r = routes[:, :, moe_layers]
+    else:
+        raise MegagrpoError(
+            f"batch['routes'] has {L} layers; the learner's model has {len(moe_layers)} MoE layers "
+            f"({num_layers} layers in all): the sampler and the learner run different models (check "
+            "model.path and the engine's model directory)"
+        )
+    if K != topk:
+        raise MegagrpoError(
+            f"batch['routes'] has top-k {K}; the learner's model routes to moe_topk={topk} experts: the "
+            "sampler and the learner run different models"
+        )
+    r = r.to(torch.int64)
+    real = real_tokens(seq_lens.to(r.device), T)
+    sel = r[real]  # [n, L, K]
+    if sel.numel() and int(sel.min()) < NO_ROUTE:
+        raise MegagrpoError(f"batch['routes'] holds expert id {int(sel.min())}; ids must be in [0, {num_experts})")
+    missing = sel == NO_ROUTE
+    partial = missing.any(-1).any(-1) & ~missing.all(-1).all(-1)
+    if partial.any():
+        raise MegagrpoError(
+            f"batch['routes'] has {int(partial.sum())} token(s) whose route is missing in some layers or "
+            "slots but not all; a token's route must be complete or entirely -1"
+        )
+    present = real.clone()
+    present[real] = ~missing.all(-1).all(-1)
+    try:
+        check_routes(r, present, n_experts=num_experts, name="batch['routes']", k=topk)
+    except ValueError as e:
+        raise MegagrpoError(f"{e}; the routes do not come from this model (num_experts={num_experts})") from e
+    return r
+
+
+def filler_routes(n: int, k: int, num_experts: int, device: torch.device, offset: int = 0) -> Tensor:
+    """int64 `[n, k]`: distinct experts (offset + i + j) mod E for token i -- a valid route for tokens that
+    have none (padding, a last token); rotated so that filler tokens spread over the experts (EP ranks)."""
+    i = torch.arange(n, device=device).unsqueeze(1) + offset
+    return (i + torch.arange(k, device=device).unsqueeze(0)) % num_experts
+
+
+def lookup(table: Tensor, rows: Tensor, pos: Tensor, layer: int, *, num_experts: int) -> tuple[Tensor, Tensor]:
+    """Routes of router tokens: `table [B, T, L, K]`, `rows [n]` global rows (-1 = padding slot),
+    `pos [n]` positions. Returns (int64 `[n, K]` routes with fillers where there is none, bool `[n]` True
+    where the token is real but the table has no route)."""
+    valid = rows >= 0
+    got = table[rows.clamp_min(0), pos, layer].to(torch.int64)
+    missing = valid & (got[:, 0] == NO_ROUTE)
+    fill = ~valid | missing
+    if fill.any():
+        filler = filler_routes(rows.numel(), table.shape[-1], num_experts, got.device)
+        got = torch.where(fill.unsqueeze(1), filler, got)
+    return got, missing
+
+
+def merge_routes(local: Tensor, num_experts: int, group=None) -> Tensor:
+    """All-reduce a route table that every rank filled for its own tokens/layers only (-1 elsewhere) into
+    the full table on every rank. Exact when each entry is filled by at most one rank (or identically)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return local
+    # ids + 1 >= 0, so MAX keeps the one filled entry; uint8 when the ids fit (NCCL has no int16).
+    dt = torch.uint8 if num_experts + 1 <= 255 else torch.int32
+    buf = (local + 1).to(dt)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    return buf.to(torch.int64) - 1
+
+
+def all_reduce_sum(x: Tensor, group=None) -> Tensor:
+    """Sum over ranks (a copy); the identity without torch.distributed."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return x
+    y = x.clone()
+    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+    return y

@@ -1,0 +1,55 @@
+"""Trainer checkpoints: the learner's atomic dist checkpoint plus the trainer's own JSON state.
+
+The trainer state (step, data-loader position, adaptive caps, ...) travels inside the learner checkpoint's
+`meta.json` (`extra`), so one atomic rename publishes both and they can never disagree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.learner.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    read_meta,
+    save_checkpoint,
+    step_dir,
+)
+
+
+def save(learner: Any, root: str | Path, step: int, extra: dict, *, keep_last: int) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    path = save_checkpoint(step_dir(root, step), learner.model, optimizer=learner.optimizer,
+                           scheduler=learner.scheduler, step=step, arch=learner.arch, extra=extra)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        prune_checkpoints(root, keep_last)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def resolve(root: str | Path, resume: str) -> Path | None:
+    """`auto`: the newest complete checkpoint under `root` (None when there is none); else a path."""
+    if resume == "auto":
+        return latest_checkpoint(root)
+    path = Path(resume)
+    read_meta(path)  # raises a MegagrpoError naming the path when it is not a usable checkpoint
+    return path
+
+
+def load(learner: Any, path: str | Path) -> dict:
+    """Load weights, optimizer, scheduler and RNG into `learner`; return the trainer state saved with them."""
+    meta = load_checkpoint(path, learner.model, optimizer=learner.optimizer, scheduler=learner.scheduler,
+                           arch=learner.arch)
+    if "step" not in meta.extra:
+        raise MegagrpoError(
+            f"checkpoint {path} has no trainer state (it was not written by megagrpo train/sft); "
+            "use it as initial weights instead of --resume"
+        )
+    learner.step = meta.step
+    return meta.extra

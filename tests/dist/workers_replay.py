@@ -1,0 +1,306 @@
+"""Issue 7 routing replay on CPU meshes, in ONE 2-process launch (see test_replay.py for the assertions).
+
+R2, per mesh (DP2 without model parallelism, EP2, TP2*EP2 with SP; plus full activation recompute):
+record in the old pass, perturb the router weights so that routing changes, replay in a training
+forward+backward. Checked: the routing megatron actually applied (the router's routing_map) equals the
+recorded routes at every token; replay of unperturbed weights reproduces the old logprobs; replay vs no
+replay logprobs differ after the perturbation; router weights get gradients; accounting is clean.
+
+R3: a synthetic sampler route table (recorded from a differently perturbed copy, last token and padding
+-1), replayed packed, padded, with 2 micro-batches in balanced (reordered) order, and on PP2: identical
+logprobs; the applied routing equals the table; bad inputs raise MegagrpoError before any pass.
+Each rank writes rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.algo.aggregation import loss_normaliser
+from megagrpo.algo.losses import policy_loss
+from megagrpo.errors import MegagrpoError
+from megagrpo.learner import forward as fwd
+from megagrpo.learner import train_step as ts
+from megagrpo.learner.learner import Learner, LearnerConfig
+from megagrpo.learner.mesh import MeshConfig
+from megagrpo.moe.replay import StepReplay
+from megagrpo.moe.routers import router_taps
+from tests.dist._common import TINY_MOE, load_params, make_batch, save_params, write_json
+
+R2_MESHES = {
+    "dp2": (MeshConfig(), None),
+    "ep2": (MeshConfig(ep=2), None),
+    "tp2_ep2_sp": (MeshConfig(tp=2, ep=2, sequence_parallel=True), None),
+    "tp2_ep2_sp_recompute": (MeshConfig(tp=2, ep=2, sequence_parallel=True), "full"),
+}
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    b = make_batch(B=8, T=20, seed=3)
+    b["row"] = torch.arange(8)
+    return b
+
+
+def _learner(mesh: MeshConfig, recompute: str | None = None, **kw: Any) -> Learner:
+    cfg = LearnerConfig(mesh=mesh, routing_replay=True, recompute=recompute, seed=5, **kw)
+    return Learner(TINY_MOE, cfg)
+
+
+def _perturb_routers(learner: Learner, scale: float, seed: int) -> None:
+    """Replicated router weights += noise (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    for slot in sorted(router_taps(learner).slots, key=lambda s: s.moe):
+        w = slot.module.weight
+        noise = torch.randn(w.shape, generator=g) * scale
+        with torch.no_grad():
+            w.add_(noise.to(w.device, w.dtype))
+
+
+class _Applied:
+    """Test-side router hooks: the routing megatron applied (routing_map) vs the replay's table."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.taps = router_taps(learner)
+        self.table: torch.Tensor | None = None
+        self.checked = self.mismatched = 0
+        self.handles = [
+            s.module.register_forward_hook(lambda m, a, out, s=s: self._post(s, out)) for s in self.taps.slots
+        ]
+
+    def _post(self, slot, out) -> None:
+        p = self.taps.active
+        if self.table is None or p is None or p.ctx is None:
+            return
+        _, routing_map = out
+        c = p.ctx
+        keep = c.valid & ~c.last
+        want = self.table[c.grow[keep], c.pos[keep], slot.moe]  # [n, K]
+        onehot = torch.zeros_like(routing_map[keep], dtype=torch.bool).scatter_(1, want, True)
+        self.checked += int(keep.sum())
+        self.mismatched += int((onehot != routing_map[keep].bool()).any(-1).sum())
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _loss_fn(norm: float, store: torch.Tensor, replay: StepReplay | None = None, gammas: list | None = None):
+    def fn(logp, ent, data):
+        tw = None
+        if replay is not None and gammas is not None:
+            tw = replay.token_weights(data)
+            gammas.append((data["row"].clone(), tw.clone()))
+        store[data["row"]] = logp.detach()
+        return policy_loss(
+            logp, data["old_logp"], data["advantages"], data["loss_mask"], variant="grpo", clip_low=0.2,
+            clip_high=0.28, agg="token-mean", normaliser=norm, token_weights=tw,
+        )  # fmt: skip
+
+    return fn
+
+
+def _gather_rows(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """Rows filled on some ranks (identically where several did) -> the full tensor on every rank."""
+    n = filled.to(x.dtype).clone()
+    y = x * n.view(-1, *([1] * (x.dim() - 1)))
+    dist.all_reduce(y)
+    dist.all_reduce(n)
+    return y / n.clamp_min(1).view(-1, *([1] * (x.dim() - 1)))
+
+
+def _train_pass(learner: Learner, batch, replay: StepReplay | None, rows, *, gammas=None):
+    """forward+backward of the mini-batch `rows` (hooks given to the schedule directly: Learner.train_step
+    does not forward them yet). Returns the logprobs [b, T] (every rank)."""
+    mb = {k: v[rows] for k, v in batch.items()}
+    mb["row"] = torch.arange(len(rows))
+    store = torch.zeros(len(rows), batch["input_ids"].shape[1])
+    norm = loss_normaliser(mb["loss_mask"], "token-mean")
+    hooks = replay.train_hooks(rows) if replay is not None else None
+    n0 = len(gammas) if gammas is not None else 0
+    ts.forward_backward(
+        learner.model, mb, _loss_fn(norm, store, replay, gammas), learner.run_options(num_micro_batches=2),
+        hooks=hooks,
+    )  # fmt: skip
+    if gammas is not None:
+        gammas[n0:] = [(rows[r], g) for r, g in gammas[n0:]]
+    filled = (store != 0).any(-1)
+    return _gather_rows(store, filled)
+
+
+def _router_grad_norm(learner: Learner) -> float:
+    tot = 0.0
+    for slot in router_taps(learner).slots:
+        g = slot.module.weight.main_grad
+        tot += float(g.float().pow(2).sum())
+    return tot**0.5
+
+
+def run_r2(name: str, mesh: MeshConfig, recompute: str | None) -> dict[str, Any]:
+    learner = _learner(mesh, recompute, num_micro_batches=2)
+    batch = _batch()
+    applied = _Applied(learner)
+    rows = torch.arange(8)
+    out: dict[str, Any] = {}
+
+    # 1. no perturbation: replaying the recorded routes reproduces the old pass
+    rep = StepReplay.for_step("R2", learner, batch)
+    old = learner.forward(batch, hooks=rep.old_pass_hooks())["logprobs"]
+    rep.old_pass_metrics()
+    applied.table = rep.old_used
+    lp_same = _train_pass(learner, batch, rep, rows)
+    m0 = rep.step_metrics()
+    out["same_weights_max_diff"] = float((lp_same - old)[batch["loss_mask"]].abs().max())
+    out["same_weights_agreement"] = m0["moe/agreement_old_current"]
+
+    # 2. perturb the routers: routing changes, replay keeps the recorded experts
+    rep = StepReplay.for_step("R2", learner, batch)
+    old = learner.forward(batch, hooks=rep.old_pass_hooks())["logprobs"]
+    rep.old_pass_metrics()
+    applied.table = rep.old_used
+    applied.checked = applied.mismatched = 0
+    _perturb_routers(learner, 0.5, seed=1)
+    gammas: list = []
+    lp_replay = _train_pass(learner, batch, rep, torch.arange(4), gammas=gammas)
+    lp_replay2 = _train_pass(learner, batch, rep, torch.arange(4, 8), gammas=gammas)
+    m = rep.step_metrics()
+    grad = _router_grad_norm(learner)
+    applied.table = None
+    lp_free = learner.forward(batch)["logprobs"]
+    lp_replay = torch.cat([lp_replay, lp_replay2])
+    mask = batch["loss_mask"]
+    out.update(
+        applied_checked=applied.checked,
+        applied_mismatched=applied.mismatched,
+        replay_vs_free_max_diff=float((lp_replay - lp_free)[mask].abs().max()),
+        replay_vs_old_max_diff=float((lp_replay - old)[mask].abs().max()),
+        router_grad_norm=grad,
+        metrics=m,
+        gamma_min_seen=min(float(g.min()) for _, g in gammas),
+        gamma_col0=max(float((g[:, 0] - 1).abs().max()) for _, g in gammas),
+        gamma_lossmean=_gamma_mean(gammas, batch),
+    )
+    applied.remove()
+    learner.close()
+    return out
+
+
+def _gamma_mean(gammas, batch) -> float:
+    """Mean token weight over the loss tokens, over all ranks' micro-batches (each TP rank has a copy)."""
+    s = torch.zeros(2, dtype=torch.float64)
+    for r, g in gammas:
+        sel = batch["loss_mask"][r][:, : g.shape[1]]
+        s[0] += g[sel].double().sum()
+        s[1] += sel.sum()
+    dist.all_reduce(s)
+    return float(s[0] / s[1])
+
+
+def run_r3(outdir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    batch = _batch()
+    base = _learner(MeshConfig(), num_micro_batches=2)
+    ck = outdir / "r3_weights"
+    save_params(base.chunks, ck)
+    # synthetic sampler routes: the routes of a perturbed copy, last token and padding -1
+    _perturb_routers(base, 0.7, seed=2)
+    rec = StepReplay.for_step("R2", base, batch)
+    base.forward(batch, hooks=rec.old_pass_hooks())
+    routes = rec.old_used.clone()
+    load_params(base.chunks, ck)
+    real = torch.arange(20).unsqueeze(0) < batch["seq_lens"].unsqueeze(1)
+    last = torch.arange(20).unsqueeze(0) == (batch["seq_lens"] - 1).unsqueeze(1)
+    routes[~real | last] = -1
+    batch["routes"] = routes.to(torch.int32)
+    lb = {k: v for k, v in batch.items() if k != "routes"}
+
+    results = {}
+    applied = _Applied(base)
+    for layout, opts in (
+        ("packed", base.run_options()),
+        ("padded", dataclasses.replace(base.run_options(), packed=False)),
+        ("packed_1mb", base.run_options(num_micro_batches=1)),
+    ):
+        rep = StepReplay.for_step("R3", base, batch)
+        applied.table = rep.sampler_routes
+        results[layout] = fwd.forward_logprobs(base.model, lb, opts, hooks=rep.old_pass_hooks())["logprobs"]
+        mets = {**rep.old_pass_metrics(), **rep.step_metrics()}
+        out[f"metrics_{layout}"] = mets
+    out["applied_checked"], out["applied_mismatched"] = applied.checked, applied.mismatched
+    applied.remove()
+    free = base.forward(lb)["logprobs"]
+    mask = batch["loss_mask"]
+    out["packed_vs_padded"] = float((results["packed"] - results["padded"])[mask].abs().max())
+    out["packed_vs_1mb"] = float((results["packed"] - results["packed_1mb"])[mask].abs().max())
+    out["r3_vs_free"] = float((results["packed"] - free)[mask].abs().max())
+
+    # R3 training pass (replay in forward and backward) with RSPO weights: same weights -> gamma 1
+    rep = StepReplay.for_step("R3", base, batch)
+    old = base.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    rep.old_pass_metrics()
+    gammas: list = []
+    lb["old_logp"] = old
+    lp_train = _train_pass(base, lb, rep, torch.arange(8), gammas=gammas)
+    m = rep.step_metrics()
+    out["r3_train_vs_old"] = float((lp_train - old)[mask].abs().max())
+    out["r3_train_metrics"] = m
+    out["r3_gamma_min_same_weights"] = min(float(g.min()) for _, g in gammas)
+
+    # a route missing at a real, non-last token: counted as fallback, not silently replaced
+    bad = dict(batch)
+    bad["routes"] = batch["routes"].clone()
+    bad["routes"][1, 3] = -1
+    rep = StepReplay.for_step("R3", base, bad)
+    base.forward(lb, hooks=rep.old_pass_hooks())
+    out["fallback_metrics"] = rep.step_metrics()
+
+    # bad input: clear errors at for_step, before any pass
+    errors = {}
+    cases = {
+        "wrong_shape": batch["routes"][:, :10],
+        "wrong_layers": batch["routes"][:, :, :3],
+        "wrong_topk": batch["routes"][..., :1],
+        "out_of_range": torch.where(real[..., None, None], torch.full_like(batch["routes"], 4), batch["routes"]),
+        "float": batch["routes"].float(),
+        "partial": torch.where(
+            torch.arange(2).view(1, 1, 1, 2) == 0, torch.full_like(batch["routes"], -1), batch["routes"]
+        ),
+    }
+    for case, r in cases.items():
+        try:
+            StepReplay.for_step("R3", base, {**batch, "routes": r})
+            errors[case] = None
+        except MegagrpoError as e:
+            errors[case] = str(e)
+    try:
+        StepReplay.for_step("R3", base, lb)
+        errors["missing"] = None
+    except MegagrpoError as e:
+        errors["missing"] = str(e)
+    out["errors"] = errors
+    base.close()
+
+    # PP2: the same weights, the same routes -> the same logprobs
+    pp = _learner(MeshConfig(pp=2), num_micro_batches=2)
+    load_params(pp.chunks, ck)
+    rep = StepReplay.for_step("R3", pp, batch)
+    lp_pp = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    out["metrics_pp2"] = {**rep.old_pass_metrics(), **rep.step_metrics()}
+    out["pp2_vs_packed"] = float((lp_pp - results["packed"])[mask].abs().max())
+    pp.close()
+    return out
+
+
+def main(rank: int, world: int, outdir: Path, only: str | None = None) -> None:
+    res: dict[str, Any] = {}
+    for name, (mesh, recompute) in R2_MESHES.items():
+        if only and only != name:
+            continue
+        res[f"r2_{name}"] = run_r2(name, mesh, recompute)
+    if not only or only == "r3":
+        res["r3"] = run_r3(outdir)
+    write_json(outdir / f"rank{rank}.json", res)

@@ -1,0 +1,109 @@
+"""HF checkpoint reading/writing: validation up front, errors that name the file/key, atomic output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, write_hf_checkpoint
+from megagrpo.bridge.maps import hf_names
+from megagrpo.errors import MegagrpoError
+
+
+def _sharded_copy(src, dst):
+    """The tiny model re-saved as two shards with an index (the layout of real hub checkpoints)."""
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    names = sorted(sd)
+    half = len(names) // 2
+    files = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
+    weight_map = {}
+    for f, ns in files.items():
+        save_file({n: sd[n] for n in ns}, str(dst / f))
+        weight_map.update({n: f for n in ns})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst, files
+
+
+def test_sharded_checkpoint_reads(tiny_model, tmp_path):
+    d, _ = _sharded_copy(tiny_model("qwen3_moe"), tmp_path / "m")
+    ck = HFCheckpoint(d)
+    ref = load_file(str(tiny_model("qwen3_moe") / "model.safetensors"))
+    for name in ("model.layers.1.mlp.experts.7.down_proj.weight", "lm_head.weight"):
+        assert torch.equal(ck.get(name), ref[name])
+
+
+def test_missing_shard_file_named(tiny_model, tmp_path):
+    d, files = _sharded_copy(tiny_model("qwen3"), tmp_path / "m")
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(MegagrpoError, match="model-00002-of-00002.safetensors"):
+        HFCheckpoint(d)
+
+
+def test_shape_disagreeing_with_config_named(tiny_model, tmp_path):
+    d = shutil.copytree(tiny_model("mixtral"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MegagrpoError, match=r"model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight"):
+        HFCheckpoint(d)
+
+
+def test_missing_and_extra_tensors_named(tiny_model, tmp_path):
+    d = shutil.copytree(tiny_model("qwen2"), tmp_path / "m")
+    sd = load_file(str(d / "model.safetensors"))
+    sd.pop("model.layers.1.self_attn.k_proj.bias")
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(MegagrpoError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        HFCheckpoint(d)
+    sd = load_file(str(tiny_model("qwen2") / "model.safetensors"))
+    sd["model.layers.0.mystery.weight"] = torch.zeros(3)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(MegagrpoError, match="mystery"):
+        HFCheckpoint(d)
+
+
+def test_unsupported_model_type_named(tiny_model, tmp_path):
+    d = shutil.copytree(tiny_model("llama"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "deepseek_v3"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MegagrpoError, match="model_type='deepseek_v3'"):
+        HFCheckpoint(d)
+
+
+def test_atomic_output_dir_leaves_nothing_on_failure(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"), atomic_output_dir(out) as tmp:
+        (tmp / "half.safetensors").write_bytes(b"x")
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+    (out / "keep").mkdir(parents=True)
+    with pytest.raises(MegagrpoError, match="not empty"), atomic_output_dir(out):
+        pass
+    assert (out / "keep").is_dir()
+
+
+def test_write_hf_checkpoint_shards_and_index(tiny_model, tmp_path):
+    from megagrpo.bridge.hf_config import arch_from_hf
+
+    src = tiny_model("qwen3")
+    sd = load_file(str(src / "model.safetensors"))
+    names = sorted(sd)
+    buckets = [[(n, sd[n]) for n in names[i : i + 7]] for i in range(0, len(names), 7)]
+    with atomic_output_dir(tmp_path / "out") as tmp:
+        wm = write_hf_checkpoint(tmp, iter(buckets), expected_names=hf_names(arch_from_hf(src)))
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == wm and len(set(wm.values())) == len(buckets)
+    got = {}
+    for f in set(wm.values()):
+        got.update(load_file(str(tmp_path / "out" / f)))
+    assert set(got) == set(sd) and all(torch.equal(got[n], sd[n]) for n in sd)

@@ -1,0 +1,154 @@
+"""Parameter maps and transforms: exact round trips, megatron's layouts, shard-aware names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megagrpo.bridge.export import iter_hf_buckets
+from megagrpo.bridge.hf_config import arch_from_hf
+from megagrpo.bridge.maps import Placement, hf_names, megatron_name, param_maps
+from megagrpo.bridge.transforms import to_hf, to_megatron, tp_shard, tp_unshard
+from megagrpo.errors import MegagrpoError
+
+CASES = {
+    "llama": dict(arch="llama"),
+    "llama_tied": dict(arch="llama", tie=True),
+    "qwen2": dict(arch="qwen2"),
+    "qwen3": dict(arch="qwen3"),
+    "qwen3_moe": dict(arch="qwen3_moe"),
+    "mixtral": dict(arch="mixtral"),
+}
+
+
+def _model(tiny_model, case):
+    d = tiny_model(**CASES[case])
+    return arch_from_hf(d), load_file(str(d / "model.safetensors"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_bit_identical(tiny_model, case, tp):
+    arch, hf = _model(tiny_model, case)
+    assert set(hf_names(arch)) == set(hf)
+    out = {}
+    for pm in param_maps(arch):
+        full = to_megatron(pm, [hf[n] for n in pm.hf], arch, padded_vocab=1152)
+        shards = [tp_shard(pm, full, r, tp) for r in range(tp)]
+        if pm.tp_axis is not None and tp > 1:
+            assert all(s.shape[pm.tp_axis] * tp == full.shape[pm.tp_axis] for s in shards)
+        out.update(zip(pm.hf, to_hf(pm, tp_unshard(pm, shards), arch), strict=True))
+    assert set(out) == set(hf)
+    for name, t in hf.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
+
+
+def test_qkv_layout_is_megatrons_group_interleave(tiny_model):
+    """linear_qkv rows: per KV group g, its q heads, then k_g, then v_g (SelfAttention's [ng, (np/ng+2)*hn])."""
+    arch, _ = _model(tiny_model, "qwen3")
+    hd, heads, groups = arch.head_dim, arch.num_attention_heads, arch.num_kv_heads
+    q = torch.arange(heads * hd, dtype=torch.float32).repeat_interleave(2).reshape(heads * hd, 2)
+    k = 1000 + torch.arange(groups * hd, dtype=torch.float32).repeat_interleave(2).reshape(groups * hd, 2)
+    v = 2000 + torch.arange(groups * hd, dtype=torch.float32).repeat_interleave(2).reshape(groups * hd, 2)
+    pm = next(p for p in param_maps(arch) if p.mcore.endswith("0.self_attention.linear_qkv.weight"))
+    pm = type(pm)(pm.mcore, pm.hf, pm.kind, pm.tp_axis, ((heads * hd, 2), (groups * hd, 2), (groups * hd, 2)))
+    fused = to_megatron(pm, [q, k, v], arch, 0)
+    per = heads // groups
+    expect = []
+    for g in range(groups):
+        expect += [q[(g * per + h) * hd : (g * per + h + 1) * hd] for h in range(per)]
+        expect += [k[g * hd : (g + 1) * hd], v[g * hd : (g + 1) * hd]]
+    assert torch.equal(fused, torch.cat(expect))
+    # TP rank r holds whole groups: rank 1 of 2 starts with group 1's first q head
+    assert torch.equal(tp_shard(pm, fused, 1, 2)[:hd], q[per * hd : (per + 1) * hd])
+
+
+def test_gate_up_tp_shard_is_gate_r_then_up_r():
+    arch = arch_from_hf(
+        dict(
+            model_type="llama",
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            intermediate_size=4,
+            vocab_size=16,
+            max_position_embeddings=8,
+        )
+    )
+    pm = next(p for p in param_maps(arch) if p.kind == "gate_up")
+    gate, up = torch.randn(4, 8), torch.randn(4, 8)
+    full = to_megatron(pm, [gate, up], arch, 128)
+    assert torch.equal(tp_shard(pm, full, 1, 2), torch.cat([gate[2:], up[2:]]))
+
+
+def test_vocab_padding_is_zero_and_cut_back(tiny_model):
+    arch, hf = _model(tiny_model, "llama")
+    pm = param_maps(arch)[0]
+    full = to_megatron(pm, [hf[pm.hf[0]]], arch, padded_vocab=1280)
+    assert full.shape == (1280, 64) and not full[1024:].any()
+    assert torch.equal(to_hf(pm, full, arch)[0], hf[pm.hf[0]])
+    with pytest.raises(MegagrpoError, match="padded vocab"):
+        to_megatron(pm, [hf[pm.hf[0]]], arch, padded_vocab=512)
+
+
+def test_shape_disagreeing_with_config_names_key(tiny_model):
+    arch, hf = _model(tiny_model, "qwen3")
+    pm = next(p for p in param_maps(arch) if p.kind == "qkv")
+    bad = [hf[pm.hf[0]][:-1], hf[pm.hf[1]], hf[pm.hf[2]]]
+    with pytest.raises(MegagrpoError, match="q_proj.weight"):
+        to_megatron(pm, bad, arch, 1024)
+
+
+def test_tied_has_no_output_layer(tiny_model):
+    arch, hf = _model(tiny_model, "llama_tied")
+    assert "lm_head.weight" not in hf
+    assert all(pm.mcore != "output_layer.weight" for pm in param_maps(arch))
+
+
+def test_names_for_ranks(tiny_model):
+    arch, _ = _model(tiny_model, "qwen3_moe")
+    maps = {pm.mcore: pm for pm in param_maps(arch)}
+    e5 = maps["decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"]
+    assert megatron_name(e5, arch, Placement(ep_rank=0, ep_size=2)) is None
+    assert megatron_name(e5, arch, Placement(ep_rank=1, ep_size=2)) == (
+        "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"
+    )
+    grouped = Placement(layer_offset=1, ep_rank=1, ep_size=2, grouped_experts=True)
+    assert megatron_name(e5, arch, grouped) == "decoder.layers.0.mlp.experts.linear_fc1.weight1"
+    te = Placement(te_norms=True)
+    norm0 = maps["decoder.layers.0.input_layernorm.weight"]
+    mlp_norm = maps["decoder.layers.0.pre_mlp_layernorm.weight"]
+    assert megatron_name(norm0, arch, te) == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    # MoE layers keep a separate pre-MLP norm under the TE spec (only dense fc1 fuses it)
+    assert megatron_name(mlp_norm, arch, te) == "decoder.layers.0.pre_mlp_layernorm.weight"
+    dense, _ = _model(tiny_model, "qwen3")
+    dmaps = {pm.mcore: pm for pm in param_maps(dense)}
+    assert megatron_name(dmaps["decoder.layers.0.pre_mlp_layernorm.weight"], dense, te) == (
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    )
+    assert maps["decoder.layers.0.mlp.router.weight"].hf == ("model.layers.0.mlp.gate.weight",)
+
+
+@pytest.mark.parametrize("case", ["llama_tied", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("bucket_bytes", [1, 5000, 1 << 30])
+def test_single_process_export_buckets(tiny_model, case, bucket_bytes):
+    arch, hf = _model(tiny_model, case)
+    params = {pm.mcore: to_megatron(pm, [hf[n] for n in pm.hf], arch, 1152) for pm in param_maps(arch)}
+    got = {}
+    buckets = list(iter_hf_buckets(params, arch, bucket_bytes=bucket_bytes))
+    for b in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in b)
+        assert size <= bucket_bytes or len(b) == 1
+        got.update(b)
+    assert set(got) == set(hf) and all(torch.equal(got[n], hf[n]) for n in hf)
+    if bucket_bytes == 1:
+        assert len(buckets) == len(hf)
+
+
+def test_export_refuses_unknown_parameter(tiny_model):
+    arch, hf = _model(tiny_model, "qwen3")
+    params = {pm.mcore: to_megatron(pm, [hf[n] for n in pm.hf], arch, 1024) for pm in param_maps(arch)}
+    params["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"] = torch.zeros(2, 2)
+    with pytest.raises(MegagrpoError, match="shared_experts"):
+        list(iter_hf_buckets(params, arch, bucket_bytes=1 << 20))

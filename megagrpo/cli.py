@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sp = sub.add_parser(name, help=help_, description=help_, add_help=False)
         sp.add_argument("args", nargs=argparse.REMAINDER)
+    from megagrpo.submit.command import add_submit_parser
+
+    add_submit_parser(sub)
     return parser
 
 
@@ -95,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             return _forward(tool, rest[1:])
         if args.cmd == "probe":
             return _forward("mismatch_probe.py", args.args)
+        if args.cmd == "submit":
+            from megagrpo.submit.command import run_submit
+
+            return run_submit(args)
         from megagrpo.config import load_config
 
         cfg = load_config(args.config, args.overrides, stage=args.cmd)  # validates before anything starts

@@ -48,7 +48,9 @@ def load_model(ckpt_dir: Path, arch: ModelArch, mesh_cfg, dtype: torch.dtype) ->
             raise MegagrpoError(
                 f"{ckpt_dir}: cannot load the dist checkpoint into a {arch.family} model: {e}"
             ) from e
-        chunk.load_state_dict(state, strict=True)
+        # a learner checkpoint's common state adds top-level entries (content_metadata, other chunks)
+        own = set(chunk.state_dict())
+        chunk.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)
     return chunks
 
 

@@ -6,6 +6,7 @@ learner pass megatron objects in).
 
 from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
 from megagrpo.bridge.hf_config import arch_from_hf, hf_config_from_arch
+from megagrpo.bridge.load import iter_local_shards
 from megagrpo.bridge.maps import ParamMap, Placement, hf_names, megatron_name, param_maps
 from megagrpo.bridge.transforms import to_hf, to_megatron, tp_shard, tp_unshard
 
@@ -17,6 +18,7 @@ __all__ = [
     "hf_config_from_arch",
     "hf_names",
     "iter_hf_buckets",
+    "iter_local_shards",
     "megatron_name",
     "param_maps",
     "to_hf",

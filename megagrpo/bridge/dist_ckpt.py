@@ -123,8 +123,10 @@ class _StreamingPlanner(DefaultSavePlanner):
             raise RuntimeError(f"chunk of {c.key} has shape {tuple(out.shape)}, expected {c.sizes}")
         if self._on_chunk is not None:
             self._on_chunk(c)
-        # prepended layer / expert axes are size 1 in the chunk; the copy also gives a compact storage
-        return out.reshape(c.sizes).clone()
+        # prepended layer / expert axes are size 1 in the chunk; a part of a parameter (a SwiGLU half) is
+        # copied to a compact storage, a whole parameter is written as it is
+        whole = out.numel() == self._cache[1].numel()
+        return out.reshape(c.sizes) if whole else out.reshape(c.sizes).clone()
 
 
 def write_dist_checkpoint(

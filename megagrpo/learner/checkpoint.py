@@ -206,7 +206,7 @@ def load_checkpoint(
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(_regroup_optimizer_state(loaded["optimizer"], optimizer))
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     if load_rng:
@@ -359,6 +359,48 @@ def _sharded_state_dict(
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
     return sd, content
+
+
+def _regroup_optimizer_state(loaded: dict[Any, Any], optimizer: Any) -> Any:
+    """Fit the checkpoint's per-optimizer common state to THIS mesh's optimizer structure.
+
+    megatron builds one DistributedOptimizer per distinct (dense, expert) data-parallel group, chained
+    when there are several; whether there are one or two depends on the mesh (one process: one; TP2
+    without EP: two). The tensors are stored per parameter and load on any structure, but the common
+    part (param_groups with lr and step) is nested per optimizer of the SAVING mesh. `loaded` is the
+    merge of that saved nesting with the current one, e.g. `{"optimizer": ..., 0: {...}, 1: {...}}`.
+    Every current optimizer gets the union of the saved param_groups; megatron pairs groups by their
+    identifying fields (expert or not, lr/wd multipliers), not by position, so the union is exact.
+    """
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    nested = {k: v for k, v in loaded.items() if isinstance(k, int)}
+    top = {k: v for k, v in loaded.items() if not isinstance(k, int)}
+    saved = ([top] if "optimizer" in top else []) + [v for _, v in sorted(nested.items()) if "optimizer" in v]
+    if not saved:
+        raise MegagrpoError(
+            "the checkpoint's optimizer state has no param_groups; it is damaged, resume from an earlier one"
+        )
+    groups = [g for s in saved for g in s["optimizer"]["param_groups"]]
+    # On a mesh where expert and dense params share one optimizer, no saved group is flagged
+    # is_expert_parallel; a mesh that separates them needs such groups. Their hyper-parameters are the
+    # same (megagrpo sets no expert-specific overrides), so a flipped copy of each group stands in.
+    have = {_group_id(g) for g in groups}
+    for g in list(groups):
+        flipped = {**g, "is_expert_parallel": not g.get("is_expert_parallel", False)}
+        if _group_id(flipped) not in have:
+            groups.append(flipped)
+            have.add(_group_id(flipped))
+    common = {**saved[0], "optimizer": {**saved[0]["optimizer"], "param_groups": groups}}
+    common = {k: v for k, v in common.items() if k != "param_state"}
+    if len(subs) == 1:
+        return {**common, "param_state": top.get("param_state", nested.get(0, {}).get("param_state"))}
+    return {i: {**common, "param_state": nested[i]["param_state"]} for i in range(len(subs))}
+
+
+def _group_id(group: dict[str, Any]) -> tuple[Any, ...]:
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
 
 
 def _mesh_now(num_chunks: int) -> dict[str, int]:

@@ -7,8 +7,11 @@ learner shards it over data-parallel ranks and returns results identical on ever
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,8 +20,10 @@ from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 from megagrpo.learner import forward as fwd
 from megagrpo.learner import train_step as ts
+from megagrpo.learner.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from megagrpo.learner.mesh import DistEnv, Mesh, MeshConfig, destroy_mesh, init_mesh
 from megagrpo.learner.model import build_gpt_model, wrap_ddp
+from megagrpo.learner.optimizer import OptimizerConfig, build_optimizer
 
 # optimizer_factory(ddp_chunks) -> (MegatronOptimizer, OptimizerParamScheduler or None)
 OptimizerFactory = Callable[[list[Any]], tuple[Any, Any]]
@@ -45,13 +50,18 @@ class LearnerConfig:
 
 
 class Learner:
-    """Policy (+ reference) model on a mesh. `optimizer_factory` comes from `learner.optimizer`."""
+    """Policy (+ reference) model on a mesh.
+
+    optimizer: a `learner.optimizer.OptimizerConfig` (megatron Adam/DistributedOptimizer + LR schedule);
+    None builds a forward-only learner. `optimizer_factory` replaces the standard construction.
+    """
 
     def __init__(
         self,
         arch: ModelArch,
         cfg: LearnerConfig,
         *,
+        optimizer: OptimizerConfig | None = None,
         optimizer_factory: OptimizerFactory | None = None,
         env: DistEnv | None = None,
     ) -> None:
@@ -68,11 +78,21 @@ class Learner:
         self.chunks = build_gpt_model(arch, cfg.mesh, **build)
         self.model = wrap_ddp(self.chunks, distributed_optimizer=cfg.distributed_optimizer)
         self.optimizer, self.scheduler = (None, None)
+        if optimizer is not None and optimizer_factory is None:
+            if optimizer.use_distributed_optimizer != cfg.distributed_optimizer:
+                optimizer = dataclasses.replace(
+                    optimizer, use_distributed_optimizer=cfg.distributed_optimizer
+                )
+            optimizer_factory = functools.partial(build_optimizer, cfg=optimizer)
         if optimizer_factory is not None:
             self.optimizer, self.scheduler = optimizer_factory(self.model)
         self.reference: list[Any] | None = None
         if cfg.reference_model:
-            self.reference = build_gpt_model(arch, cfg.mesh, **{**build, "recompute": None})
+            # No routing replay for the reference: megatron's RouterReplay keeps ONE process-global list of
+            # router instances, which must hold only the policy's layers.
+            self.reference = build_gpt_model(
+                arch, cfg.mesh, **{**build, "recompute": None, "routing_replay": False}
+            )
             for chunk in self.reference:
                 chunk.requires_grad_(False)
                 chunk.eval()
@@ -167,6 +187,40 @@ class Learner:
             return  # already on the CPU
         for chunk in self.reference or []:
             chunk.to(device)
+
+    # -- checkpoints (learner.checkpoint: atomic dist checkpoints, loadable on any mesh) -------------
+
+    def save(
+        self, path: str | Path, *, consumed_samples: int = 0, extra: dict[str, Any] | None = None
+    ) -> Path:
+        """Save policy weights, optimizer, scheduler, RNG and `self.step` to `path` (collective)."""
+        return save_checkpoint(
+            path,
+            self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            step=self.step,
+            consumed_samples=consumed_samples,
+            arch=self.arch,
+            extra=extra,
+        )
+
+    def load(self, path: str | Path, *, weights_only: bool = False) -> CheckpointMeta:
+        """Resume from `path` (weights, optimizer, scheduler, RNG, step); `weights_only` loads just the
+        weights (initial weights from a converted model), into the reference model too when present."""
+        meta = load_checkpoint(
+            path,
+            self.model,
+            optimizer=None if weights_only else self.optimizer,
+            scheduler=None if weights_only else self.scheduler,
+            arch=self.arch,
+            load_rng=not weights_only,
+        )
+        if weights_only:
+            self.copy_policy_to_reference()
+        else:
+            self.step = meta.step
+        return meta
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -42,7 +42,9 @@ class MeshConfig:
         if self.vpp is not None and self.vpp > 1 and not torch.cuda.is_available():
             # Seen here: megatron's interleaved 1F1B with variable sequence lengths stalls in a gloo p2p
             # send during the training pass (forward-only works). Not supported on CPU meshes.
-            raise MegagrpoError(f"mesh.vpp={self.vpp}: the interleaved pipeline schedule is GPU-only here; set vpp to null")
+            raise MegagrpoError(
+                f"mesh.vpp={self.vpp}: the interleaved pipeline schedule is GPU-only here; set vpp to null"
+            )
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP inferred as world / (tp*cp*pp); raises MegagrpoError naming the sizes if it does not divide."""
@@ -70,7 +72,8 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
-    launcher: str  # "torchrun" | "srun" | "mpirun" | "single"
+    launcher: str  # "torchrun" | "srun" | "mpirun" | "mpi4py" | "single"
+    node_rank: int = 0  # index of this process's node (torchrun GROUP_RANK, SLURM_NODEID, MPI node)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -78,23 +81,37 @@ class DistEnv:
 
         torchrun (and any launcher that exports RANK/WORLD_SIZE) wins because under Slurm or MPI a
         torchrun child still sees the outer SLURM_*/OMPI_* variables of its parent step. No variables at
-        all means one process on 127.0.0.1.
+        all means one process on 127.0.0.1. `MEGAGRPO_BOOTSTRAP=mpi4py` asks for MPI itself (any MPI, e.g.
+        under `srun --mpi=pmix`): ranks from COMM_WORLD, rank 0's host and a free port broadcast to all.
         """
         env = dict(os.environ if environ is None else environ)
-        if "RANK" in env and "WORLD_SIZE" in env:
+        node = 0
+        bootstrap = env.get(BOOTSTRAP_ENV, "auto")
+        if bootstrap not in ("auto", "mpi4py"):
+            raise MegagrpoError(
+                f"{BOOTSTRAP_ENV}={bootstrap!r}: expected 'auto' (launcher variables) or 'mpi4py'"
+            )
+        if bootstrap == "mpi4py":
+            launcher = "mpi4py"
+            rank, world, local, node = _mpi4py_bootstrap(env)  # also fills MASTER_ADDR/PORT in `env`
+        elif "RANK" in env and "WORLD_SIZE" in env:
             launcher = "torchrun"
             rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
             local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+            node = _int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0
         elif "OMPI_COMM_WORLD_RANK" in env:
             launcher = "mpirun"
             rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
             local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0
+            if "OMPI_COMM_WORLD_LOCAL_SIZE" in env:  # by-slot mapping (mpirun's default) fills nodes in order
+                node = rank // max(1, _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
         elif "SLURM_PROCID" in env:
             launcher = "srun"
             rank = _int(env, "SLURM_PROCID")
             world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
             world = _int(env, world_key)
             local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+            node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
         else:
             launcher, rank, world, local = "single", 0, 1, 0
         if not 0 <= rank < world:
@@ -105,8 +122,58 @@ class DistEnv:
                 f"{launcher} started {world} processes but MASTER_ADDR is not set; export MASTER_ADDR "
                 "(and MASTER_PORT) to the address of rank 0"
             )
-        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500
-        return cls(rank, world, local, addr, port, launcher)
+        if "MASTER_PORT" in env:
+            port = _int(env, "MASTER_PORT")
+        elif world == 1:
+            port = _free_port()  # a lone process needs no agreed port; a fixed one collides with other jobs
+        else:
+            port = 29500
+        return cls(rank, world, local, addr, port, launcher, node)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+BOOTSTRAP_ENV = "MEGAGRPO_BOOTSTRAP"
+
+
+def _mpi4py_bootstrap(env: dict[str, str]) -> tuple[int, int, int, int]:
+    """(rank, world, local rank, node index) from mpi4py's COMM_WORLD; sets MASTER_ADDR/PORT in `env`
+    from rank 0 (its host name and a free port) unless they are set already."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise MegagrpoError(
+            f"{BOOTSTRAP_ENV}=mpi4py but mpi4py cannot be imported ({e}); `pip install mpi4py` (the 'mpi' "
+            f"extra) or unset {BOOTSTRAP_ENV} to use the launcher's variables"
+        ) from None
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local = local_comm.Get_rank()
+    # node index = rank of this node's first process among all nodes' first processes
+    leaders = comm.allgather(rank if local == 0 else None)
+    node = sorted(r for r in leaders if r is not None).index(local_comm.bcast(rank if local == 0 else None))
+    local_comm.Free()
+    addr, port = None, None
+    if rank == 0:
+        import socket
+
+        addr = env.get("MASTER_ADDR") or socket.gethostname()
+        if "MASTER_PORT" in env:
+            port = _int(env, "MASTER_PORT")
+        else:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+    addr, port = comm.bcast((addr, port), root=0)
+    env["MASTER_ADDR"], env["MASTER_PORT"] = addr, str(port)
+    return rank, world, local, node
 
 
 def _int(env: Mapping[str, str], key: str) -> int:

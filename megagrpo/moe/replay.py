@@ -73,9 +73,11 @@ class _Pass:
             self.logr = torch.zeros(B, T, L, K, dtype=torch.float32, device=dev)
         else:
             self.dlogr = torch.zeros(B, T, L, dtype=torch.float32, device=dev)  # |d log r| mean over K
+        self.full_dlogr: Tensor | None = None  # RSPO under PP: [Bp, T, L] from a pre-pass
         self.ctx: _Ctx | None = None
         self.armed: set[int] = set()  # routers given this micro-batch's routes (REPLAY_FORWARD)
         self.by_data: dict[int, Any] = {}  # id(mb.data) -> mb, for token_weights
+        self.backward = kind == "train"  # runs a backward (recompute replays); False for RSPO pre-passes
         self.leftover = 0  # recompute routes never consumed (set when the pass ends)
         self.ended = False
 
@@ -97,7 +99,9 @@ class _Pass:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         sp = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
         T_mb = None if mb.packed is not None else int(mb.input_ids.shape[1])
-        sample, pos = router_token_positions(mb.seq_lens, T=T_mb, packed=mb.packed, tp_rank=tp_rank, sp_size=sp)
+        sample, pos = router_token_positions(
+            mb.seq_lens, T=T_mb, packed=mb.packed, tp_rank=tp_rank, sp_size=sp
+        )
         dev = s.device
         sample, pos = sample.to(dev), pos.to(dev)
         valid = sample >= 0
@@ -183,7 +187,7 @@ class _Pass:
             return
         self.ended = True
         taps = self.step.taps
-        if self.mode == "replay" and self.kind == "train" and self.step.recompute_routers:
+        if self.mode == "replay" and self.backward and self.step.recompute_routers:
             self.leftover = sum(max(sl.pushes - sl.pops, 0) for sl in taps.slots)
         if taps.active is self:
             taps.active = None
@@ -215,11 +219,18 @@ class StepReplay:
         device: torch.device,
         gamma_min: float = stats.DEFAULT_GAMMA_MIN,
         pipeline_parallel: int = 1,
+        router_shift: bool = False,
+        learner: Any = None,
     ) -> None:
         if mode not in MODES:
             raise MegagrpoError(f"replay={mode!r}; use one of {MODES}")
+        if not 0.0 <= gamma_min <= 1.0:
+            raise MegagrpoError(f"algo.router_shift_gamma_min={gamma_min} must be in [0, 1]")
         self.mode, self.taps, self.device, self.gamma_min = mode, taps, device, gamma_min
-        self.pp = pipeline_parallel
+        self.pp, self.router_shift, self.learner = pipeline_parallel, router_shift, learner
+        if router_shift and pipeline_parallel > 1 and learner is None:
+            raise MegagrpoError("RSPO with pipeline parallelism needs the learner (use StepReplay.for_step)")
+        self._inputs = {k: batch[k] for k in ("input_ids", "seq_lens", "attention_mask") if k in batch}
         if "input_ids" not in batch or batch["input_ids"].dim() != 2:
             raise MegagrpoError("StepReplay.for_step needs the global batch with 'input_ids' [B, T]")
         self.B, self.T = (int(x) for x in batch["input_ids"].shape)
@@ -269,17 +280,26 @@ class StepReplay:
         self.old_own: Tensor | None = None  # [B, T, L, K] merged own top-k of the old pass
         self.old_logr: Tensor | None = None  # [B, T, L, K] log r_old at old_used
         self.train: list[_Pass] = []
+        self._prepasses: list[_Pass] = []  # RSPO under PP: forward-only passes that measure gamma
         self._own_passes: list[_Pass] = []  # the first and the latest training pass (agreement)
         self._old_metrics: dict[str, float] | None = None
 
     @classmethod
     def for_step(
-        cls, mode: str, learner: Any, batch: dict[str, Tensor], *, gamma_min: float = stats.DEFAULT_GAMMA_MIN
+        cls,
+        mode: str,
+        learner: Any,
+        batch: dict[str, Tensor],
+        *,
+        gamma_min: float = stats.DEFAULT_GAMMA_MIN,
+        router_shift: bool = False,
     ) -> StepReplay:
         """The step's replay: mode "R2", "R3" or "none" (statistics and RSPO weights only, no replay; works
         on a model built without routing replay). `batch` is the global batch (every rank the same), with
         `routes` int `[B, T, L, K]` when the sampler returned them (required for R3). Bad routes raise
-        MegagrpoError here, before any pass."""
+        MegagrpoError here, before any pass. `router_shift` (RSPO) announces that the loss will call
+        `token_weights`: under pipeline parallelism each mini-batch then gets a forward-only pre-pass that
+        measures gamma over all stages (its layers live on other ranks than the loss)."""
         from megatron.core import parallel_state
 
         taps = router_taps(learner)
@@ -291,6 +311,8 @@ class StepReplay:
             device=device,
             gamma_min=gamma_min,
             pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
+            router_shift=router_shift,
+            learner=learner,
         )
 
     # -- passes --------------------------------------------------------------------------------------
@@ -322,6 +344,12 @@ class StepReplay:
         self.old_own = rt.merge_routes(p.own, self.E)
         self.old_logr = rt.all_reduce_sum(p.logr)
 
+    def old_routes(self) -> Tensor | None:
+        """Collective. int64 `[B, T, L, K]`: the routes the old pass used (R2: recorded, R3: the sampler's
+        with fillers, none: the router's own), -1 at padding; None before the old pass."""
+        self._finish_old()
+        return self.old_used
+
     def train_hooks(self, rows: Tensor) -> _Hooks:
         """Hooks for the training step of the mini-batch made of global-batch rows `rows` `[b]`."""
         self._finish_old()
@@ -341,7 +369,11 @@ class StepReplay:
             source, mode = self.sampler_routes, "replay"
         else:
             source, mode = None, "observe"
+        full_dlogr = None
+        if self.router_shift and self.pp > 1 and self.old_used is not None:
+            full_dlogr = self._measure_shift(mode, rows, source)
         p = _Pass(self, "train", mode, rows, source)
+        p.full_dlogr = full_dlogr
         self.train.append(p)
         if p.own is not None:
             # keep the first pass's own routes and the latest one's (the last mini-batch at the end)
@@ -349,6 +381,22 @@ class StepReplay:
             for q in self.train[1:-1]:
                 q.own = None
         return _Hooks(p)
+
+    def _measure_shift(self, mode: str, rows: Tensor, source: Tensor | None) -> Tensor:
+        """Forward-only pass over the mini-batch with the same routes: per-layer |d log r| `[b, T, L]`
+        summed over all ranks (every stage's layers), for token_weights under pipeline parallelism."""
+        from megagrpo.learner.forward import forward_logprobs
+
+        pre = _Pass(self, "train", mode, rows, source)
+        pre.own, pre.backward = None, False
+        self._prepasses.append(pre)
+        cpu_rows = rows.cpu()
+        sub = {k: v[cpu_rows.to(v.device)] for k, v in self._inputs.items()}
+        forward_logprobs(
+            self.learner.model, sub, self.learner.run_options(with_entropy=False), hooks=_Hooks(pre)
+        )
+        pre.end()
+        return rt.all_reduce_sum(pre.dlogr)
 
     # -- RSPO ------------------------------------------------------------------------------------------
 
@@ -364,30 +412,39 @@ class StepReplay:
         experts e_k the old pass used; 1.0 at padding and at tokens without an old route.
 
         Collective over the tensor-parallel group (every TP rank's loss function calls it). Needs the
-        old-policy pass and pipeline parallel size 1 (the layers of other stages are out of reach here).
+        old-policy pass. With pipeline parallelism the last stage cannot see the other stages' routers
+        within the same forward: for_step(..., router_shift=True) measures gamma in a forward-only
+        pre-pass per mini-batch (same weights and routes, so the same values; costs one forward).
         """
         from megatron.core import parallel_state
 
         p = self.taps.active
         if p is None or p.kind != "train" or id(data) not in p.by_data:
-            raise RuntimeError("token_weights(data) must be called from the loss function of a hooked train step")
+            raise RuntimeError(
+                "token_weights(data) must be called from the loss function of a hooked train step"
+            )
         if self.old_used is None:
             raise MegagrpoError("algo.router_shift needs the old-policy pass: set algo.old_logp=recompute")
-        if self.pp > 1:
-            raise MegagrpoError(
-                "algo.router_shift (RSPO) runs with mesh.pp=1 only: a pipeline stage's loss cannot see the "
-                "router shift of the other stages' layers within the same forward; set mesh.pp=1"
-            )
         mb = p.by_data[id(data)]
         rows = mb.samples.to(self.device)
-        d = p.dlogr[rows]  # [b, T, L], this TP rank's sequence slice only
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        d = rt.all_reduce_sum(d, tp_group)
+        if p.full_dlogr is not None:
+            d = p.full_dlogr[rows]  # [b, T, L] measured by the pre-pass over every stage
+        elif self.pp > 1:
+            raise MegagrpoError(
+                "algo.router_shift with mesh.pp > 1: create the step's replay with "
+                "StepReplay.for_step(..., router_shift=True) so gamma is measured over every pipeline stage"
+            )
+        else:
+            d = p.dlogr[rows]  # [b, T, L], this TP rank's sequence slice only
+            d = rt.all_reduce_sum(d, parallel_state.get_tensor_model_parallel_group())
         g = p.rows[rows]
         have = self.real[g] & (self.old_used[g][..., 0] != rt.NO_ROUTE).all(-1)
-        gamma = torch.where(have, torch.exp(-d.mean(-1)).clamp_min(self.gamma_min), torch.ones_like(d[..., 0]))
-        # position t - 1 predicts token t: move the weights onto the token columns of logp
-        return torch.cat([torch.ones_like(gamma[:, :1]), gamma[:, :-1]], dim=1).detach()
+        gamma = torch.where(
+            have, torch.exp(-d.mean(-1)).clamp_min(self.gamma_min), torch.ones_like(d[..., 0])
+        )
+        # position t - 1 predicts token t: move the weights onto the token columns of logp (1 beyond the end)
+        gamma = torch.cat([torch.ones_like(gamma[:, :1]), gamma[:, :-1]], dim=1)
+        return torch.where(self.real[g], gamma, torch.ones_like(gamma)).detach()
 
     # -- metrics ---------------------------------------------------------------------------------------
 
@@ -423,7 +480,7 @@ class StepReplay:
         out: dict[str, float] = {}
         if self.mode != "none":
             unconsumed = reused = fallback = 0
-            for p in ([self.old] if self.old is not None else []) + self.train:
+            for p in ([self.old] if self.old is not None else []) + self._prepasses + self.train:
                 if p.mode != "replay":
                     continue
                 counts = rt.all_reduce_sum(p.counts)

@@ -53,9 +53,9 @@ def validate_sampler_routes(
             f"B={B}, T={T} (the input_ids shape); rebuild the batch from the rollout's routes"
         )
     L, K = int(routes.shape[2]), int(routes.shape[3])
-    if L == len(moe_layers):
+    if len(moe_layers) == L:
         r = routes
-    elif L == num_layers:
+    elif num_layers == L:
         r = routes[:, :, moe_layers]
     else:
         raise MegagrpoError(
@@ -63,7 +63,7 @@ def validate_sampler_routes(
             f"({num_layers} layers in all): the sampler and the learner run different models (check "
             "model.path and the engine's model directory)"
         )
-    if K != topk:
+    if topk != K:
         raise MegagrpoError(
             f"batch['routes'] has top-k {K}; the learner's model routes to moe_topk={topk} experts: the "
             "sampler and the learner run different models"
@@ -72,7 +72,9 @@ def validate_sampler_routes(
     real = real_tokens(seq_lens.to(r.device), T)
     sel = r[real]  # [n, L, K]
     if sel.numel() and int(sel.min()) < NO_ROUTE:
-        raise MegagrpoError(f"batch['routes'] holds expert id {int(sel.min())}; ids must be in [0, {num_experts})")
+        raise MegagrpoError(
+            f"batch['routes'] holds expert id {int(sel.min())}; ids must be in [0, {num_experts})"
+        )
     missing = sel == NO_ROUTE
     partial = missing.any(-1).any(-1) & ~missing.all(-1).all(-1)
     if partial.any():
@@ -89,14 +91,16 @@ def validate_sampler_routes(
     return r
 
 
-def filler_routes(n: int, k: int, num_experts: int, device: torch.device, offset: int = 0) -> Tensor:
-    """int64 `[n, k]`: distinct experts (offset + i + j) mod E for token i -- a valid route for tokens that
-    have none (padding, a last token); rotated so that filler tokens spread over the experts (EP ranks)."""
-    i = torch.arange(n, device=device).unsqueeze(1) + offset
-    return (i + torch.arange(k, device=device).unsqueeze(0)) % num_experts
+def filler_routes(keys: Tensor, k: int, num_experts: int) -> Tensor:
+    """int64 `[n, k]`: distinct experts (key + j) mod E for a token with int64 key `[n]` -- a valid route for
+    tokens that have none (padding, a last token). Keyed by the token (not by its slot in a micro-batch),
+    so every layout and mesh gives a token the same filler; rotating spreads fillers over the experts."""
+    return (keys.unsqueeze(1) + torch.arange(k, device=keys.device).unsqueeze(0)) % num_experts
 
 
-def lookup(table: Tensor, rows: Tensor, pos: Tensor, layer: int, *, num_experts: int) -> tuple[Tensor, Tensor]:
+def lookup(
+    table: Tensor, rows: Tensor, pos: Tensor, layer: int, *, num_experts: int
+) -> tuple[Tensor, Tensor]:
     """Routes of router tokens: `table [B, T, L, K]`, `rows [n]` global rows (-1 = padding slot),
     `pos [n]` positions. Returns (int64 `[n, K]` routes with fillers where there is none, bool `[n]` True
     where the token is real but the table has no route)."""
@@ -105,8 +109,8 @@ def lookup(table: Tensor, rows: Tensor, pos: Tensor, layer: int, *, num_experts:
     missing = valid & (got[:, 0] == NO_ROUTE)
     fill = ~valid | missing
     if fill.any():
-        filler = filler_routes(rows.numel(), table.shape[-1], num_experts, got.device)
-        got = torch.where(fill.unsqueeze(1), filler, got)
+        keys = torch.where(valid, rows * table.shape[1] + pos, pos)
+        got = torch.where(fill.unsqueeze(1), filler_routes(keys, table.shape[-1], num_experts), got)
     return got, missing
 
 

@@ -207,8 +207,21 @@ class RolloutEngine:
         """
         tags = [t for t in self._check_tags(tags) if t not in self._released]
         if tags:
+            self._wait_idle()
             self.engine.release_memory_occupation(tags=tags)
             self._released.update(tags)
+
+    def _wait_idle(self, timeout_s: float = 120.0) -> None:
+        """Block until the scheduler is fully idle. SGLang asserts idleness in release_memory_occupation (and
+        the failed assertion kills the scheduler), yet after the last output is returned the scheduler may
+        still hold its finished batch for one more loop turn; flush_cache succeeds only once it is idle."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not getattr(self.engine.flush_cache(), "success", True):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the SGLang scheduler did not become idle within {timeout_s:.0f} s")
+            time.sleep(0.02)
 
     def resume(self, tags: Sequence[str] | None = None) -> None:
         """Undo `release` for `tags` (default both). On the CPU nothing was freed, so nothing is reallocated."""

@@ -99,7 +99,7 @@ class GRPOTrainer(Session):
         def reward_fn(flat):
             prompts = [self.prompt_text[id(c)] for c in flat]
             samples = [self.prompt_sample[id(c)] for c in flat]
-            rb = self.rewards.score(prompts, [c.text for c in flat], samples, G)
+            rb = self.rewards.score(prompts, [self.response_text(c) for c in flat], samples, G)
             for i, c in enumerate(flat):
                 scored[id(c)] = (
                     rb.per_reward.view(-1, rb.per_reward.shape[-1])[i],

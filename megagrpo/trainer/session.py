@@ -147,6 +147,14 @@ class Session:
                 self._pending[id(ids)] = (p.text, sample)
                 yield ids
 
+    def response_text(self, c) -> str:
+        """The completion as verifiers should see it: without the EOS token that ended it (the engine keeps
+        special tokens in `text` so that text and output_ids agree)."""
+        eos = self.tokenizer.eos_token
+        if c.finish_reason == "stop" and eos and c.text.endswith(eos):
+            return c.text[: -len(eos)]
+        return c.text
+
     def generate_tracked(self, draw, sampling, group_size):
         groups = self.engine.generate(draw, sampling, group_size)
         for ids, group in zip(draw, groups):
@@ -190,7 +198,7 @@ class Session:
                 [p.input_ids for p in prompts], sampling_config(self.cfg, eval=True), 1
             )
             comps = [g[0] for g in groups]
-            rb = self.rewards.score([p.text for p in prompts], [c.text for c in comps], samples, 1)
+            rb = self.rewards.score([p.text for p in prompts], [self.response_text(c) for c in comps], samples, 1)
             first = rb.per_reward.view(len(comps), -1)[:, 0]
             metrics = {
                 "eval/accuracy": float((first >= 1.0 - 1e-6).float().mean()),

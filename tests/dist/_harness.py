@@ -8,6 +8,7 @@ results under outdir. A non-zero exit (any rank raised) fails the test with the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -46,25 +47,29 @@ def launch(target: str, nprocs: int, outdir: Path, *, timeout: float = 600, **kw
     with open(log, "w") as sink:
         # Output goes to a file, not a pipe: dist_checkpointing's writer spawns helper processes that
         # outlive the ranks and would hold a pipe open. The whole process group is killed at the end.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid)
             proc.wait()
-            raise AssertionError(f"{target} on {nprocs} ranks timed out after {timeout}s:\n{_tail(log, 8000)}") from None
+            raise AssertionError(
+                f"{target} on {nprocs} ranks timed out after {timeout}s:\n{_tail(log, 8000)}"
+            ) from None
         finally:
             _kill_group(proc.pid)
     if proc.returncode != 0:
-        raise AssertionError(f"{target} on {nprocs} ranks failed (exit {proc.returncode}):\n{_tail(log, 12000)}")
+        raise AssertionError(
+            f"{target} on {nprocs} ranks failed (exit {proc.returncode}):\n{_tail(log, 12000)}"
+        )
     return log.read_text(errors="replace")
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _tail(path: Path, n: int) -> str:

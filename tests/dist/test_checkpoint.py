@@ -37,25 +37,32 @@ SCHED = dict(warmup_steps=1, decay_style="cosine", total_steps=10)
 
 
 def _adamw_step_patch() -> None:
-    """TEMPORARY, until megagrpo/compat/megatron_cpu.py carries it (reported to its owner): without
-    apex/TE megatron falls back to torch AdamW, whose per-param state has a tensor `step`;
-    `DistributedOptimizer._set_main_param_and_optimizer_states` then looks `step` up in the loaded
-    tensors, which never contain it (megatron restores it from param_groups), and raises KeyError when
-    a `fully_reshardable` optimizer checkpoint is loaded."""
+    """TEMPORARY, until megagrpo/compat/megatron_cpu.py carries it next to its fact-10 patches (reported
+    to its owner). Without apex/TE megatron wraps torch AdamW, whose per-param state holds a tensor
+    `step`; `DistributedOptimizer.state_dict()` asserts one common `step` over that state, so it fails
+    on an optimizer that has not stepped yet, i.e. a fresh one about to load a checkpoint. Initialise
+    that state first (zeros, step 0): the load overwrites all of it.
+    """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from megagrpo.compat.patching import APPLIED, replace
 
-    name = "DistributedOptimizer._set_main_param_and_optimizer_states"
-    if any(k.endswith(name) for k in APPLIED):
+    if any(k.endswith("DistributedOptimizer.state_dict") for k in APPLIED):
         return
-    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+    upstream = DistributedOptimizer.state_dict
 
-    def set_states(self, model_param, tensors):
-        return orig(self, model_param, {"step": None, **tensors})  # None: skipped by upstream
+    def state_dict(self):
+        inner = self.optimizer
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and not inner.state:
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].update(
+                        exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0)
+                    )
+        return upstream(self)
 
-    why = "torch AdamW keeps a tensor `step` that fully_reshardable loading looks up and never has"
-    replace(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_states, reason=why)
+    why = "torch AdamW (no apex/TE): state_dict() asserts a common per-param `step`, absent before step 1"
+    replace(DistributedOptimizer, "state_dict", state_dict, reason=why)
 
 
 def _batch(seed: int) -> torch.Tensor:
@@ -306,9 +313,9 @@ def two_processes(rank: int, world: int, outdir: Path, l1: str) -> None:
     )
     res["tp2_lr_after_load"] = optimizer.param_groups[0]["lr"]
     res["tp2_loss2"] = _train_step(model, optimizer, scheduler, _batch(2))
-    res["tp2_param_err"] = max_abs_diff(
+    res["tp2_param_err"], res["tp2_param_err_where"] = max_abs_diff(
         local_values(chunks, source="data"), read_as_local(chunks, l1 / "p2")
-    )[0]
+    )
 
     path = ck.save_checkpoint(
         ck.step_dir(outdir / "ckpt", 2),
@@ -352,9 +359,9 @@ def two_processes(rank: int, world: int, outdir: Path, l1: str) -> None:
     chunks, model, optimizer, scheduler = _setup({}, seed=9)
     ck.load_checkpoint(latest, model, optimizer=optimizer, scheduler=scheduler)
     res["dp2_loss2"] = _train_step(model, optimizer, scheduler, _batch(2))
-    res["dp2_param_err"] = max_abs_diff(
+    res["dp2_param_err"], res["dp2_param_err_where"] = max_abs_diff(
         local_values(chunks, source="data"), read_as_local(chunks, l1 / "p2")
-    )[0]
+    )
     _write(outdir, "two_processes", res)
 
 
@@ -376,9 +383,9 @@ def one_process_load(rank: int, world: int, outdir: Path, l2: str) -> None:
         (_logits(model, _batch(100)) - torch.load(l2 / "l2_logits_step2.pt")).abs().max()
     )
     res["loss3"] = _train_step(model, optimizer, scheduler, _batch(3))
-    res["param_err_step3"] = max_abs_diff(
+    res["param_err_step3"], res["param_err_step3_where"] = max_abs_diff(
         local_values(chunks, source="data"), read_as_local(chunks, l2 / "p3_tp2")
-    )[0]
+    )
     _write(outdir, "one_process_load", res)
 
 
@@ -386,24 +393,28 @@ def one_process_load(rank: int, world: int, outdir: Path, l2: str) -> None:
 
 
 def _launch(target: str, nprocs: int, outdir: Path, timeout: float = 400, **kwargs: Any) -> tuple[int, str]:
-    """Like tests.dist._harness.launch, but returns the exit code and always kills the whole process
-    group afterwards: a SIGKILLed rank leaves megatron's checkpoint-writer manager process behind."""
+    """Like tests.dist._harness.launch, but returns the exit code, and always kills the whole process
+    group afterwards: a SIGKILLed rank leaves megatron's checkpoint-writer manager process behind
+    (which is also why the output goes to a file: that orphan would hold a pipe open)."""
     outdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tests.dist._harness", target, str(nprocs), str(free_port()), str(outdir)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(
-        [*cmd, json.dumps(kwargs)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out = "TIMEOUT"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return proc.returncode, out
+    log = outdir / f"launch_{target.rsplit(':', 1)[-1]}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [*cmd, json.dumps(kwargs)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = log.read_text()
+    return (proc.returncode if rc is not None else -999), out + ("" if rc is not None else "\nTIMEOUT")
 
 
 def _read(outdir: Path, phase: str, n: int) -> list[dict[str, Any]]:

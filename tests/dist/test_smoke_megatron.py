@@ -31,8 +31,10 @@ def test_tp2_sequence_parallel_matches_single_model(smoke):
 
 
 def test_compat_patches_are_the_ones_hit(smoke):
-    hits = smoke[0]["hits"]
+    hits = smoke[0]["hits_all"]
     expected = [
+        "DistributedOptimizer._set_main_param_and_optimizer_states",  # fact 10 (Learner resume)
+        "DistributedOptimizer.load_state_dict",
         "torch.cuda.current_device",  # fact 1
         "torch.cuda.Stream",  # fact 2 (alltoall dispatcher)
         "torch.cuda.stream",
@@ -73,6 +75,8 @@ def test_learner_with_frozen_reference(smoke):
         m = lrn["metrics"]
         assert m["loss/update_skipped"] == 0.0 and m["loss/grad_norm"] > 0
         assert "loss/policy" in m
+        assert lrn["resumed_step"] == 1
+        assert lrn["resume_logp_err"] == 0.0 and lrn["resume_loss_err"] == 0.0
 
 
 def test_router_order_maps_recorded_routes_back_to_tokens(smoke):

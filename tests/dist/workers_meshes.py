@@ -147,13 +147,13 @@ def reference(outdir: Path, env: DistEnv) -> dict[str, Any]:
 
 
 def build_optimizer(model):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megagrpo.learner.optimizer import OptimizerConfig, build_optimizer
 
     cfg = OptimizerConfig(
-        optimizer="adam", lr=LR, min_lr=LR, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-        clip_grad=CLIP, use_distributed_optimizer=True, params_dtype=torch.float32,
-    )  # fmt: skip
-    return get_megatron_optimizer(cfg, model)
+        lr=LR, min_lr=LR, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=CLIP, total_steps=10
+    )
+    optimizer, _ = build_optimizer(model, cfg)
+    return optimizer
 
 
 def check_mesh(

@@ -156,8 +156,19 @@ def learner(rank: int, world: int, outdir: Path) -> dict:
     metrics = lrn.train_step(batch, loss_fn)
     pol1 = lrn.forward(batch)
     ref1 = lrn.forward(batch, reference=True)
+    # Save after one step, train on, then resume: the resumed learner repeats the second step exactly.
+    lrn.save(outdir / "learner_ckpt")
+    m2 = lrn.train_step(batch, loss_fn)
+    pol2 = lrn.forward(batch)
+    lrn.load(outdir / "learner_ckpt")
+    resumed_step = lrn.step
+    m2b = lrn.train_step(batch, loss_fn)
+    pol2b = lrn.forward(batch)
     lrn.close()
     return {
+        "resume_logp_err": float((pol2b["logprobs"] - pol2["logprobs"]).abs().max()),
+        "resume_loss_err": abs(m2b["loss/total"] - m2["loss/total"]),
+        "resumed_step": resumed_step,
         "ref_eq_policy_before": float((pol0["logprobs"] - ref0["logprobs"]).abs().max()),
         "ref_unchanged": float((ref1["logprobs"] - ref0["logprobs"]).abs().max()),
         "policy_moved": float((pol1["logprobs"] - pol0["logprobs"]).abs().max()),
@@ -172,6 +183,7 @@ def all_checks(rank: int, world: int, outdir: Path) -> None:
         "learner": learner(rank, world, outdir),
         "routes": routes(rank, world, outdir),
     }
+    res["hits_all"] = dict(HITS)
     write_json(outdir / f"extra_rank{rank}.json", res)
     destroy_mesh(process_group=True)
 

@@ -66,6 +66,23 @@ def ensure_packages(log: Path | None = None) -> str | None:
     return f"installed {APT_PACKAGES} but {still} are still missing" if still else None
 
 
+def ensure_mpi4py(python: str = sys.executable) -> str | None:
+    """Make mpi4py importable by `python` (its binary wheel, via pip). None when ready, else why not.
+
+    mpi4py belongs to the `mpi` extra (pyproject.toml), so a fresh environment may lack it.
+    """
+    probe = [python, "-c", "import mpi4py.MPI"]
+    if subprocess.run(probe, capture_output=True, timeout=60).returncode == 0:
+        return None
+    cmd = [python, "-m", "pip", "install", "-q", "--only-binary=:all:", "mpi4py>=4.0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        return f"mpi4py is not installed and `{' '.join(cmd)}` failed: {r.stderr.strip()[-500:]}"
+    if subprocess.run(probe, capture_output=True, timeout=60).returncode != 0:
+        return "mpi4py was installed but `import mpi4py.MPI` fails (no MPI library? install openmpi-bin)"
+    return None
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free TCP ports (bound together so they differ, then released)."""
     socks = []

@@ -152,3 +152,41 @@ def test_export_refuses_unknown_parameter(tiny_model):
     params["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"] = torch.zeros(2, 2)
     with pytest.raises(MegagrpoError, match="shared_experts"):
         list(iter_hf_buckets(params, arch, bucket_bytes=1 << 20))
+
+
+def test_local_shards_of_a_tp2_ep2_pp2_mesh_reassemble(tiny_model):
+    """Every rank's shards, gathered back (TP, then EP, then PP), give exactly the HF state dict."""
+    from megagrpo.bridge.load import iter_local_shards
+
+    arch, hf = _model(tiny_model, "qwen3_moe")
+    params: dict[tuple, torch.Tensor] = {}
+    for pp in range(2):
+        for ep in range(2):
+            for tp in range(2):
+                place = Placement(layer_offset=pp, ep_rank=ep, ep_size=2)
+                for name, shard in iter_local_shards(
+                    hf.__getitem__,
+                    arch,
+                    padded_vocab=1152,
+                    place=place,
+                    tp_rank=tp,
+                    tp_size=2,
+                    etp_rank=tp,
+                    etp_size=2,
+                    layers={pp},
+                    first_stage=pp == 0,
+                    last_stage=pp == 1,
+                ):
+                    params[(pp, ep, tp, name)] = shard
+    out = {}
+    for pm in param_maps(arch):
+        pp = 0 if pm.mcore.startswith("embedding.") else (1 if pm.layer is None else pm.layer)
+        place = Placement(layer_offset=pp, ep_rank=pm.expert // 4 if pm.is_expert else 0, ep_size=2)
+        name = megatron_name(pm, arch, place)
+        shards = [params[(pp, place.ep_rank, tp, name)] for tp in range(2)]
+        if pm.tp_axis is None:
+            assert torch.equal(shards[0], shards[1])
+        out.update(zip(pm.hf, to_hf(pm, tp_unshard(pm, shards), arch), strict=True))
+    assert set(out) == set(hf) and all(torch.equal(out[n], hf[n]) for n in hf)
+    # layer 1's expert 6 lives on EP rank 1 as local expert 2, named with the stage-local layer 0
+    assert (1, 1, 0, "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight") in params

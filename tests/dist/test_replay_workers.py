@@ -1,4 +1,4 @@
-"""Issue 7 routing replay on CPU meshes, in ONE 2-process launch (see test_replay.py for the assertions).
+"""Workers of test_replay.py (no tests here): issue 7 routing replay on CPU meshes, in ONE 2-process launch.
 
 R2, per mesh (DP2 without model parallelism, EP2, TP2*EP2 with SP; plus full activation recompute):
 record in the old pass, perturb the router weights so that routing changes, replay in a training
@@ -52,10 +52,10 @@ def _learner(mesh: MeshConfig, recompute: str | None = None, **kw: Any) -> Learn
 
 
 def _perturb_routers(learner: Learner, scale: float, seed: int) -> None:
-    """Replicated router weights += noise (the same on every rank)."""
-    g = torch.Generator().manual_seed(seed)
-    for slot in sorted(router_taps(learner).slots, key=lambda s: s.moe):
+    """Replicated router weights += noise, seeded per MoE layer (the same on every rank and mesh)."""
+    for slot in router_taps(learner).slots:
         w = slot.module.weight
+        g = torch.Generator().manual_seed(1000 * seed + slot.moe)
         noise = torch.randn(w.shape, generator=g) * scale
         with torch.no_grad():
             w.add_(noise.to(w.device, w.dtype))
@@ -163,7 +163,7 @@ def run_r2(name: str, mesh: MeshConfig, recompute: str | None) -> dict[str, Any]
     rep.old_pass_metrics()
     applied.table = rep.old_used
     applied.checked = applied.mismatched = 0
-    _perturb_routers(learner, 0.5, seed=1)
+    _perturb_routers(learner, 0.03, seed=1)
     gammas: list = []
     lp_replay = _train_pass(learner, batch, rep, torch.arange(4), gammas=gammas)
     lp_replay2 = _train_pass(learner, batch, rep, torch.arange(4, 8), gammas=gammas)
@@ -173,6 +173,7 @@ def run_r2(name: str, mesh: MeshConfig, recompute: str | None) -> dict[str, Any]
     lp_free = learner.forward(batch)["logprobs"]
     lp_replay = torch.cat([lp_replay, lp_replay2])
     mask = batch["loss_mask"]
+    out["replay_logp_sum"] = float(lp_replay[mask].sum())
     out.update(
         applied_checked=applied.checked,
         applied_mismatched=applied.mismatched,
@@ -210,7 +211,7 @@ def run_r3(outdir: Path) -> dict[str, Any]:
     _perturb_routers(base, 0.7, seed=2)
     rec = StepReplay.for_step("R2", base, batch)
     base.forward(batch, hooks=rec.old_pass_hooks())
-    routes = rec.old_used.clone()
+    routes = rec.old_routes().clone()
     load_params(base.chunks, ck)
     real = torch.arange(20).unsqueeze(0) < batch["seq_lens"].unsqueeze(1)
     last = torch.arange(20).unsqueeze(0) == (batch["seq_lens"] - 1).unsqueeze(1)
@@ -264,7 +265,9 @@ def run_r3(outdir: Path) -> dict[str, Any]:
         "wrong_shape": batch["routes"][:, :10],
         "wrong_layers": batch["routes"][:, :, :3],
         "wrong_topk": batch["routes"][..., :1],
-        "out_of_range": torch.where(real[..., None, None], torch.full_like(batch["routes"], 4), batch["routes"]),
+        "out_of_range": torch.where(
+            real[..., None, None], torch.full_like(batch["routes"], 4), batch["routes"]
+        ),
         "float": batch["routes"].float(),
         "partial": torch.where(
             torch.arange(2).view(1, 1, 1, 2) == 0, torch.full_like(batch["routes"], -1), batch["routes"]
@@ -282,6 +285,21 @@ def run_r3(outdir: Path) -> dict[str, Any]:
     except MegagrpoError as e:
         errors["missing"] = str(e)
     out["errors"] = errors
+
+    gamma_pp1 = _rspo_gamma(base, batch, ck)
+
+    # stats-only mode ("none"): no replay, but agreement, load and RSPO weights
+    rep = StepReplay.for_step("none", base, batch)
+    lb["old_logp"] = base.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    m = rep.old_pass_metrics()
+    _perturb_routers(base, 0.03, seed=4)
+    gammas = []
+    lp_none = _train_pass(base, lb, rep, torch.arange(8), gammas=gammas)
+    m.update(rep.step_metrics())
+    load_params(base.chunks, ck)
+    out["none_metrics"] = m
+    out["none_vs_free_perturbed"] = float((lp_none - _free_perturbed(base, lb, ck))[mask].abs().max())
+    out["none_gamma_below_one"] = sum(int((g < 1).sum()) for _, g in gammas)
     base.close()
 
     # PP2: the same weights, the same routes -> the same logprobs
@@ -291,8 +309,38 @@ def run_r3(outdir: Path) -> dict[str, Any]:
     lp_pp = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
     out["metrics_pp2"] = {**rep.old_pass_metrics(), **rep.step_metrics()}
     out["pp2_vs_packed"] = float((lp_pp - results["packed"])[mask].abs().max())
+    gamma_pp2 = _rspo_gamma(pp, batch, ck)
+    out["rspo_pp2_vs_pp1"] = float((gamma_pp2 - gamma_pp1).abs().max())
+    out["rspo_gamma_below_one"] = int((gamma_pp1 < 1).sum())
     pp.close()
     return out
+
+
+def _free_perturbed(learner: Learner, lb, ck: Path) -> torch.Tensor:
+    _perturb_routers(learner, 0.03, seed=4)
+    out = learner.forward(lb)["logprobs"]
+    load_params(learner.chunks, ck)
+    return out
+
+
+def _rspo_gamma(learner: Learner, batch, ck: Path) -> torch.Tensor:
+    """RSPO token weights [B, T] after an R3 old pass and a router perturbation (weights restored after)."""
+    load_params(learner.chunks, ck)
+    lb = {k: v for k, v in batch.items() if k != "routes"}
+    rep = StepReplay.for_step("R3", learner, batch, router_shift=True)
+    lb["old_logp"] = learner.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    rep.old_pass_metrics()
+    _perturb_routers(learner, 0.03, seed=4)
+    gammas: list = []
+    _train_pass(learner, lb, rep, torch.arange(8), gammas=gammas)
+    rep.step_metrics()
+    load_params(learner.chunks, ck)
+    dense = torch.zeros(8, batch["input_ids"].shape[1])
+    filled = torch.zeros(8, dtype=torch.bool)
+    for r, g in gammas:
+        dense[r] = g
+        filled[r] = True
+    return _gather_rows(dense, filled)
 
 
 def main(rank: int, world: int, outdir: Path, only: str | None = None) -> None:

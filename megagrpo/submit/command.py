@@ -1,0 +1,214 @@
+"""`megagrpo submit CONFIG --nodes N --gpus-per-node G [...]`: check, render, submit, report.
+
+Everything that can be checked before submission is: the config (schema and paths), the mesh against
+N x G, the partition (exists, is up, has the nodes, GPUs or CPUs), and the log directory (writable). The
+rendered script and a snapshot of the resolved config go to the log directory, so a requeue runs what was
+submitted. `--dry-run` does all of this, prints the script, and submits nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.submit.render import LAYOUTS, TEMPLATE_DIR, render_layout
+
+REPO = TEMPLATE_DIR.parent
+STAGES = ("train", "sft", "eval", "check")  # check: launch/mesh_check.py on the config's mesh and model
+_SAFE = re.compile(r"^[A-Za-z0-9_./+@:,=-]+$")  # no spaces or shell syntax in #SBATCH paths and names
+
+
+def add_submit_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    help_ = "render an sbatch script for CONFIG, check it against the cluster and submit it"
+    p = sub.add_parser("submit", help=help_, description=help_ + ". See docs/slurm.md.")
+    p.add_argument("config", help="YAML config file (see docs/config.md)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, applied before the snapshot is saved")
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        required=True,
+        help="GPUs per node; in CPU mode (--device cpu) the number of processes per node",
+    )
+    p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's default)")
+    p.add_argument("--time", default=None, help="time limit, e.g. 2-00:00:00 (default: the partition's)")
+    p.add_argument(
+        "--stage",
+        choices=STAGES,
+        default="train",
+        help="what the job runs (default: train); check: the distributed bring-up check (launch/mesh_check.py: "
+        "collectives, group sizes, sharded logprobs vs a single-process reference) on the same shape",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("auto", *LAYOUTS),
+        default="auto",
+        help="single: one node, torchrun; torchrun: a torchrun per node; srun: one srun task per rank "
+        "(default: single for 1 node, torchrun for more)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "gpu", "cpu"),
+        default="auto",
+        help="gpu: request --gres=gpu:G and use NCCL; cpu: G CPU processes per node with gloo, no GPUs "
+        "requested (default: gpu when the partition's nodes have gpu gres, else cpu)",
+    )
+    p.add_argument("--cpus-per-proc", type=int, default=None, help="CPUs per process (default: gpu 8, cpu 1)")
+    p.add_argument("--job-name", default=None, help="job name (default: mg-<config file stem>)")
+    p.add_argument("--log-dir", default=None, help="log directory (default: <logging.out_dir>/slurm)")
+    p.add_argument("--signal-seconds", type=int, default=120, help="USR1 this long before the time limit")
+    p.add_argument(
+        "--sbatch", action="append", default=[], metavar="OPT", help="extra sbatch option, e.g. --account=x"
+    )
+    p.add_argument("--env", action="append", default=[], metavar="K=V", help="export K=V in the job")
+    p.add_argument("--dry-run", action="store_true", help="check and print the script; submit nothing")
+    return p
+
+
+def _log_dir(arg: str | None, out_dir: str) -> Path:
+    path = Path(arg) if arg else Path(out_dir) / "slurm"
+    path = path if path.is_absolute() else Path.cwd() / path
+    if not _SAFE.match(str(path)):
+        raise MegagrpoError(f"--log-dir {str(path)!r}: use a path without spaces or shell characters")
+    if path.exists() and not path.is_dir():
+        raise MegagrpoError(f"--log-dir {path}: exists and is not a directory; pick another path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".megagrpo-write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise MegagrpoError(
+            f"--log-dir {path}: not writable ({e.strerror or e}); pick a directory you can write"
+        ) from None
+    return path
+
+
+def _env_lines(pairs: list[str]) -> str:
+    lines = []
+    for kv in pairs:
+        k, sep, v = kv.partition("=")
+        if not sep or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+            raise MegagrpoError(f"--env {kv!r}: expected NAME=VALUE, e.g. --env NCCL_SOCKET_IFNAME=ib0")
+        lines.append(f"export {k}={shlex.quote(v)}")
+    return "\n".join(lines)
+
+
+def _sbatch_lines(args: argparse.Namespace, shape, partition: str | None) -> str:
+    lines = []
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if args.time:
+        lines.append(f"#SBATCH --time={args.time}")
+    if shape.device == "gpu":
+        lines.append(f"#SBATCH --gres=gpu:{shape.procs_per_node}")
+    for opt in args.sbatch:
+        if not opt.startswith("-") or "\n" in opt:
+            raise MegagrpoError(f"--sbatch {opt!r}: expected one sbatch option, e.g. --sbatch=--account=x")
+        lines.append(f"#SBATCH {opt}")
+    return "\n".join(lines)
+
+
+def _program(stage: str, cfg, snapshot: Path, log_dir: Path, job_name: str) -> str:
+    """The per-rank program and its arguments, as they appear on the launcher's command line."""
+    if stage == "check":
+        m = cfg.mesh
+        out = f'"{log_dir}/{job_name}-$SLURM_JOB_ID.check.json"'
+        model = shlex.quote(str(Path(cfg.model.hf_path).resolve()))
+        return f"{shlex.quote(str(REPO / 'launch' / 'mesh_check.py'))} --out {out} --tp {m.tp} --ep {m.ep} --pp {m.pp} --model {model}"
+    run = shlex.quote(str(REPO / "launch" / "run.py"))
+    return f"{run} {stage} {shlex.quote(str(snapshot))} --resume auto"
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from megagrpo.config import dump_config, load_config
+    from megagrpo.submit.resources import JobShape, check_mesh_fits, check_partition_fits, mesh_warnings
+    from megagrpo.submit.slurm import have_slurm, partitions, pick_partition, sbatch
+
+    cfg = load_config(args.config, args.overrides, stage="eval" if args.stage == "check" else args.stage)
+    for name in ("nodes", "gpus_per_node", "signal_seconds"):
+        if getattr(args, name) < 1:
+            raise MegagrpoError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    parts = partitions() if have_slurm() else None
+    part = pick_partition(args.partition, parts) if parts is not None else None
+    device = args.device
+    if device == "auto":
+        device = "gpu" if part is None or part.gpus_per_node > 0 else "cpu"
+    cpus_per_proc = args.cpus_per_proc or (8 if device == "gpu" else 1)
+    if cpus_per_proc < 1:
+        raise MegagrpoError(f"--cpus-per-proc must be >= 1, got {cpus_per_proc}")
+    shape = JobShape(args.nodes, args.gpus_per_node, device, cpus_per_proc)
+    sizes = check_mesh_fits(cfg, shape)
+    if part is not None:
+        check_partition_fits(shape, part)
+    elif not args.dry_run:
+        raise MegagrpoError(
+            "sinfo/sbatch not found: run `megagrpo submit` on a Slurm login node, or use --dry-run"
+        )
+    else:
+        print("megagrpo submit: no Slurm client here; partition and node sizes not checked", file=sys.stderr)
+    for w in mesh_warnings(cfg, shape):
+        print(f"megagrpo submit: warning: {w}", file=sys.stderr)
+    layout = args.layout if args.layout != "auto" else ("single" if args.nodes == 1 else "torchrun")
+    if layout == "single" and args.nodes != 1:
+        raise MegagrpoError(
+            f"--layout single runs on one node; got --nodes {args.nodes} (use torchrun or srun)"
+        )
+
+    job_name = args.job_name or f"mg-{Path(args.config).stem}"
+    if not _SAFE.match(job_name):
+        raise MegagrpoError(f"--job-name {job_name!r}: use letters, digits and . _ - only")
+    log_dir = _log_dir(args.log_dir, cfg.logging.out_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    snapshot = log_dir / f"{job_name}-{stamp}.yaml"
+    snapshot.write_text(dump_config(cfg))
+    venv = Path(sys.prefix) if sys.prefix != sys.base_prefix else None
+    values = dict(
+        job_name=job_name,
+        nodes=str(shape.nodes),
+        procs_per_node=str(shape.procs_per_node),
+        cpus_per_proc=str(cpus_per_proc),
+        cpus_per_node=str(shape.procs_per_node * cpus_per_proc),
+        log_dir=str(log_dir),
+        signal_seconds=str(args.signal_seconds),
+        sbatch_lines=_sbatch_lines(args, shape, args.partition),
+        env_lines=_env_lines(args.env),
+        workdir=shlex.quote(str(Path.cwd())),
+        venv=shlex.quote(str(venv)) if venv else '""',
+        python=shlex.quote(sys.executable),
+        device=device,
+        stage=args.stage,
+        program=_program(args.stage, cfg, snapshot, log_dir, job_name),
+    )
+    script = render_layout(layout, values)
+    script_path = log_dir / f"{job_name}-{stamp}.sbatch"
+    script_path.write_text(script)
+    summary = (
+        f"{layout} layout, {shape.describe()} ({device}), world {sizes.world_size}, DP {sizes.dp}, "
+        f"{sizes.num_engines} SGLang engine(s)"
+    )
+    if args.dry_run:
+        sys.stdout.write(script)
+        print(f"megagrpo submit: dry run, nothing submitted; {summary}", file=sys.stderr)
+        print(f"megagrpo submit: script {script_path}; config snapshot {snapshot}", file=sys.stderr)
+        return 0
+    job_id = sbatch(script_path)
+    log = log_dir / f"{job_name}-{job_id}.out"
+    print(f"submitted job {job_id}: {summary}")
+    print(f"  log:      {log}")
+    print(f"  script:   {script_path}")
+    print(f"  config:   {snapshot}")
+    if args.stage == "check":
+        print(f"  result:   {log_dir / f'{job_name}-{job_id}.check.json'}")
+    else:
+        print(f"  metrics:  {Path(cfg.logging.out_dir).resolve()}")
+        print(f"  checkpoints: {Path(cfg.checkpoint.dir).resolve()}")
+        print(f"  preempt (checkpoint + requeue): scancel --batch --signal=USR1 {job_id}")
+    print(f"  watch:    tail -f {log}")
+    return 0

@@ -1,0 +1,128 @@
+"""`megagrpo train` end to end: real SGLang engine, real megatron learner, tiny Qwen3-MoE, through the CLI.
+
+The runs are module-scoped and shared by the assertions, because each one starts an engine (tens of
+seconds here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+GROUPS = ("rollout/", "reward/", "adv/", "loss/", "mismatch/", "moe/", "sync/", "perf/", "eval/")
+
+
+def write_config(tmp: Path, model: Path, **over) -> Path:
+    cfg = {
+        "model": {"hf_path": str(model), "dtype": "float32"},
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8, "max_rounds": 2},
+        "algo": {"variant": "gspo", "agg": "seq-mean-token-mean",
+                 "tis": {"enabled": True, "cap": "auto"}},
+        "replay": "none",
+        "data": {"synthetic": {"task": "addition", "min_digits": 1, "max_digits": 2, "num_train": 200,
+                               "num_eval": 8, "seed": 3}},
+        "rewards": {"functions": [
+            {"name": "tests.integration.trainer_rewards:output_parity", "weight": 1.0},
+            {"name": "tests.integration.trainer_rewards:always_raises", "weight": 0.5},
+        ]},
+        "optimizer": {"lr": 1e-4, "weight_decay": 0.0},
+        "schedule": {"steps": 2, "micro_batch_size": 16, "eval_every": 2, "save_every": 1, "seed": 0},
+        "checkpoint": {"dir": str(tmp / "ckpt")},
+        "logging": {"out_dir": str(tmp / "run"), "tensorboard": True},
+    }
+    for dotted, value in over.items():
+        node = cfg
+        *path, leaf = dotted.split("__")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def cli(*args: str, timeout: float = 900, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "megagrpo.cli", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=timeout, **popen)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "m", "qwen3_moe", seed=1)
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory, moe_model):
+    tmp = tmp_path_factory.mktemp("run1")
+    res = cli("train", str(write_config(tmp, moe_model)))
+    return tmp, res
+
+
+def test_two_steps_log_every_metric_group(two_step_run):
+    tmp, res = two_step_run
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = records(tmp / "run")
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    keys = set().union(*recs)
+    for group in GROUPS:
+        assert any(k.startswith(group) for k in keys), f"no {group} metric in {sorted(keys)}"
+    assert (tmp / "run" / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((tmp / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir() if p.name.startswith("step_"))[-1] == "step_00000002"
+
+
+def test_a_raising_reward_is_counted_and_never_stops_the_run(two_step_run):
+    tmp, res = two_step_run
+    assert res.returncode == 0
+    steps = [r for r in records(tmp / "run") if r["step"] > 0]
+    assert all(r["reward/errors"] > 0 for r in steps)
+    assert all(r["loss/tokens"] > 0 or r.get("rollout/skipped_step") == 1 for r in steps)
+
+
+def test_sigterm_checkpoints_and_exits_for_requeue(tmp_path, moe_model):
+    cfg = write_config(tmp_path, moe_model, schedule__steps=200, schedule__save_every=0, schedule__eval_every=0)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "megagrpo.cli", "train", str(cfg)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "no step finished in 600 s"
+            time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out[-3000:]
+    last = records(tmp_path / "run")[-1]["step"]
+    assert "SIGTERM: saved" in out
+    assert (tmp_path / "ckpt" / f"step_{last:08d}" / "meta.json").is_file()
+    assert last < 200
+
+
+def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
+    cfg = write_config(tmp_path, moe_model, rollout__group_size=1, algo__variant="ppo")
+    res = cli("train", str(cfg), "mesh.tp=3", timeout=120)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert "algo.variant: 'ppo' is not one of" in res.stderr and "group_size" in res.stderr
+    assert not (tmp_path / "run").exists()  # nothing started: validation comes before any process group

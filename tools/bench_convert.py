@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -106,7 +105,6 @@ def child(mode: str, model_dir: str, out_dir: str) -> dict:
         "peak_rss_mib": s.peak_rss / 1024,
         "peak_rss_above_start_mib": (s.peak_rss - base_rss) / 1024,
         "peak_anon_above_start_mib": (s.peak_anon - base_anon) / 1024,
-        "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 

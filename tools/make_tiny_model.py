@@ -66,8 +66,18 @@ def train_tokenizer(vocab_size: int):
     return fast
 
 
-def make_config(arch: str, vocab_size: int, tok, *, hidden: int, layers: int, experts: int, topk: int,
-                tie: bool, max_pos: int):
+def make_config(
+    arch: str,
+    vocab_size: int,
+    tok,
+    *,
+    hidden: int,
+    layers: int,
+    experts: int,
+    topk: int,
+    tie: bool,
+    max_pos: int,
+):
     from transformers import AutoConfig
 
     heads, kv_heads, head_dim = 4, 2, hidden // 4
@@ -91,9 +101,16 @@ def make_config(arch: str, vocab_size: int, tok, *, hidden: int, layers: int, ex
     if arch == "qwen3":
         common["head_dim"] = head_dim
     if arch == "qwen3_moe":
-        common.update(head_dim=head_dim, num_experts=experts, num_experts_per_tok=topk,
-                      moe_intermediate_size=hidden, decoder_sparse_step=1, mlp_only_layers=[],
-                      norm_topk_prob=True, output_router_logits=False)
+        common.update(
+            head_dim=head_dim,
+            num_experts=experts,
+            num_experts_per_tok=topk,
+            moe_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
     if arch == "mixtral":
         common.update(num_local_experts=experts, num_experts_per_tok=topk, output_router_logits=False)
     if arch == "qwen2":
@@ -101,9 +118,20 @@ def make_config(arch: str, vocab_size: int, tok, *, hidden: int, layers: int, ex
     return AutoConfig.for_model(arch, **common)
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_moe", *, hidden: int = 64, layers: int = 2,
-                    experts: int = 8, topk: int = 2, vocab_size: int = 1024, tie: bool = False,
-                    max_pos: int = 512, seed: int = 0, init_std: float = 0.02) -> Path:
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen3_moe",
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    experts: int = 8,
+    topk: int = 2,
+    vocab_size: int = 1024,
+    tie: bool = False,
+    max_pos: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+) -> Path:
     """Create the model directory atomically (written beside it, then renamed) and return its path."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -114,13 +142,27 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3_moe", *, hidden: int
     tok = train_tokenizer(min(vocab_size, 1024))
     if len(tok) > vocab_size:
         raise SystemExit(f"error: --vocab-size {vocab_size} is smaller than the tokenizer ({len(tok)})")
-    cfg = make_config(arch, vocab_size, tok, hidden=hidden, layers=layers, experts=experts, topk=topk,
-                      tie=tie, max_pos=max_pos)
+    cfg = make_config(
+        arch,
+        vocab_size,
+        tok,
+        hidden=hidden,
+        layers=layers,
+        experts=experts,
+        topk=topk,
+        tie=tie,
+        max_pos=max_pos,
+    )
     cfg.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                                               do_sample=True, temperature=1.0, top_p=1.0)
+    model.generation_config = GenerationConfig(
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)
@@ -149,8 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-pos", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    out = make_tiny_model(a.out_dir, a.arch, hidden=a.hidden, layers=a.layers, experts=a.experts,
-                          topk=a.topk, vocab_size=a.vocab_size, tie=a.tie, max_pos=a.max_pos, seed=a.seed)
+    out = make_tiny_model(
+        a.out_dir,
+        a.arch,
+        hidden=a.hidden,
+        layers=a.layers,
+        experts=a.experts,
+        topk=a.topk,
+        vocab_size=a.vocab_size,
+        tie=a.tie,
+        max_pos=a.max_pos,
+        seed=a.seed,
+    )
     print(json.dumps({"out_dir": str(out), "arch": a.arch}))
     return 0
 

@@ -48,8 +48,8 @@ def _rope_theta(cfg: dict[str, Any], where: str) -> float:
     if params is not None:
         if not isinstance(params, dict):
             raise MegagrpoError(f"{where}: rope_parameters must be a mapping, got {params!r}")
-        if "rope_type" in params and not isinstance(params.get("rope_theta"), (int, float)):
-            # per-layer-type mappings ({"full_attention": {...}}) are not used by these families
+        if not isinstance(params.get("rope_theta"), (int, float)):
+            # e.g. per-layer-type mappings ({"full_attention": {...}}), which these families do not use
             raise MegagrpoError(f"{where}: rope_parameters without a numeric rope_theta: {params!r}")
         rope_type = params.get("rope_type", "default")
         if rope_type != "default":

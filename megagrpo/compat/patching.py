@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 HITS: Counter[str] = Counter()
 

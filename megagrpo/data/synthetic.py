@@ -29,7 +29,8 @@ def addition_problem(rng: random.Random, min_digits: int, max_digits: int, rever
     a, b = _operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits)
     answer = str(a + b)[::-1] if reverse else str(a + b)
     return {
-        "prompt": f"What is {a} + {b}?" + (" Write the digits of the sum in reverse order." if reverse else ""),
+        "prompt": f"What is {a} + {b}?"
+        + (" Write the digits of the sum in reverse order." if reverse else ""),
         "answer": answer,
         "completion": f"<answer>{answer}</answer>",
         "task": "addition",

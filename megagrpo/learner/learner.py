@@ -164,6 +164,7 @@ class Learner:
             batch,
             loss_fn,
             self.run_options(num_micro_batches=num_micro_batches),
+            hooks=hooks,
         )
         self.step += 1
         return metrics

@@ -121,7 +121,8 @@ def _program(stage: str, cfg, snapshot: Path, log_dir: Path, job_name: str) -> s
         m = cfg.mesh
         out = f'"{log_dir}/{job_name}-$SLURM_JOB_ID.check.json"'
         model = shlex.quote(str(Path(cfg.model.hf_path).resolve()))
-        return f"{shlex.quote(str(REPO / 'launch' / 'mesh_check.py'))} --out {out} --tp {m.tp} --ep {m.ep} --pp {m.pp} --model {model}"
+        check = shlex.quote(str(REPO / "launch" / "mesh_check.py"))
+        return f"{check} --out {out} --tp {m.tp} --ep {m.ep} --pp {m.pp} --model {model}"
     run = shlex.quote(str(REPO / "launch" / "run.py"))
     return f"{run} {stage} {shlex.quote(str(snapshot))} --resume auto"
 
@@ -166,6 +167,10 @@ def run_submit(args: argparse.Namespace) -> int:
         raise MegagrpoError(f"--job-name {job_name!r}: use letters, digits and . _ - only")
     log_dir = _log_dir(args.log_dir, cfg.logging.out_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    n = 0
+    while (log_dir / f"{job_name}-{stamp}.yaml").exists():  # two submissions within one second
+        n += 1
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}.{n}"
     snapshot = log_dir / f"{job_name}-{stamp}.yaml"
     snapshot.write_text(dump_config(cfg))
     venv = Path(sys.prefix) if sys.prefix != sys.base_prefix else None

@@ -24,8 +24,15 @@ from megagrpo.learner.checkpoint import (
 
 def save(learner: Any, root: str | Path, step: int, extra: dict, *, keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
-    path = save_checkpoint(step_dir(root, step), learner.model, optimizer=learner.optimizer,
-                           scheduler=learner.scheduler, step=step, arch=learner.arch, extra=extra)
+    path = save_checkpoint(
+        step_dir(root, step),
+        learner.model,
+        optimizer=learner.optimizer,
+        scheduler=learner.scheduler,
+        step=step,
+        arch=learner.arch,
+        extra=extra,
+    )
     if not dist.is_initialized() or dist.get_rank() == 0:
         prune_checkpoints(root, keep_last)
     if dist.is_initialized():
@@ -44,8 +51,9 @@ def resolve(root: str | Path, resume: str) -> Path | None:
 
 def load(learner: Any, path: str | Path) -> dict:
     """Load weights, optimizer, scheduler and RNG into `learner`; return the trainer state saved with them."""
-    meta = load_checkpoint(path, learner.model, optimizer=learner.optimizer, scheduler=learner.scheduler,
-                           arch=learner.arch)
+    meta = load_checkpoint(
+        path, learner.model, optimizer=learner.optimizer, scheduler=learner.scheduler, arch=learner.arch
+    )
     if "step" not in meta.extra:
         raise MegagrpoError(
             f"checkpoint {path} has no trainer state (it was not written by megagrpo train/sft); "

@@ -220,8 +220,11 @@ class GRPOTrainer(Session):
             # Every group had equal rewards in every round: all advantages are 0, so there is nothing to
             # learn from; the step is counted and logged (rollout/skipped_step) but no update is made.
             if self.rank0:
-                print(f"warning: step {self.step + 1}: dynamic sampling kept no group in "
-                      f"{int(metrics['rollout/dynamic_rounds'])} rounds; no update this step", flush=True)
+                print(
+                    f"warning: step {self.step + 1}: dynamic sampling kept no group in "
+                    f"{int(metrics['rollout/dynamic_rounds'])} rounds; no update this step",
+                    flush=True,
+                )
             metrics["perf/step_seconds"] = time.perf_counter() - t_step
             return metrics
         metrics["rollout/skipped_step"] = 0.0
@@ -249,7 +252,7 @@ class GRPOTrainer(Session):
                 learner_batch, reference=True, with_entropy=False
             )["logprobs"]
         if replay is not None:
-            metrics.update(replay.old_pass_metrics(old_logp.new_ones(1)))
+            metrics.update(replay.old_pass_metrics())
 
         with timer("train"):
             metrics.update(self._updates(learner_batch, replay))
@@ -277,7 +280,7 @@ class GRPOTrainer(Session):
             for rows in torch.chunk(order, n_mini):
                 mb = select_rows(batch, rows)
                 norm = loss_normaliser(mb["loss_mask"], a.agg, a.agg_constant)
-                loss_fn = self._loss_fn(norm)
+                loss_fn = self._loss_fn(norm, replay)
                 hooks = replay.train_hooks(rows) if replay is not None else None
                 m = self.learner.train_step(
                     mb, loss_fn, num_micro_batches=self.micro_batches(mb), hooks=hooks
@@ -287,8 +290,9 @@ class GRPOTrainer(Session):
                 steps += 1
         return {k: v / steps for k, v in out.items()}
 
-    def _loss_fn(self, normaliser: float):
+    def _loss_fn(self, normaliser: float, replay=None):
         a = self.cfg.algo
+        rspo = a.router_shift and replay is not None
 
         def loss_fn(logp, entropy, data):
             return policy_loss(
@@ -306,7 +310,7 @@ class GRPOTrainer(Session):
                 ref_logp=data.get("ref_logp"),
                 kl_coef=a.kl.coef if a.kl.placement == "loss" else 0.0,
                 kl_estimator=a.kl.estimator,
-                token_weights=data.get("router_shift"),
+                token_weights=replay.token_weights(data) if rspo else None,  # RSPO: stop-gradient gamma
                 entropy=entropy,
                 entropy_coef=a.entropy_coef,
                 normaliser=normaliser,

@@ -130,12 +130,23 @@ class Session:
         return max(1, -(-rows // self.cfg.schedule.micro_batch_size))
 
     def replay_for(self, batch: dict[str, torch.Tensor]):
-        """Routing replay (R2/R3) for this step, or None; see megagrpo.moe.replay."""
-        if not self.learner.cfg.routing_replay:
+        """Routing replay (R2/R3) and router statistics for this step; None for a dense model.
+
+        With `replay: none` an MoE model still gets a stats-only `StepReplay` (it only observes), so the
+        `moe/` metrics and RSPO's router shift are available whatever the replay mode.
+        """
+        if not self.arch.is_moe:
             return None
         from megagrpo.moe.replay import StepReplay
 
-        return StepReplay.for_step(self.cfg.replay, self.learner, batch)
+        a = self.cfg.algo
+        return StepReplay.for_step(
+            self.cfg.replay,
+            self.learner,
+            batch,
+            gamma_min=a.router_shift_gamma_min,
+            router_shift=a.router_shift,
+        )
 
     # -- prompts and generation ---------------------------------------------------------------------
 
@@ -198,7 +209,9 @@ class Session:
                 [p.input_ids for p in prompts], sampling_config(self.cfg, eval=True), 1
             )
             comps = [g[0] for g in groups]
-            rb = self.rewards.score([p.text for p in prompts], [self.response_text(c) for c in comps], samples, 1)
+            rb = self.rewards.score(
+                [p.text for p in prompts], [self.response_text(c) for c in comps], samples, 1
+            )
             first = rb.per_reward.view(len(comps), -1)[:, 0]
             metrics = {
                 "eval/accuracy": float((first >= 1.0 - 1e-6).float().mean()),

@@ -170,7 +170,9 @@ def one_process(rank: int, world: int, outdir: Path) -> None:
 
     res: dict[str, Any] = {}
     chunks, model, optimizer, scheduler = _setup({})
+    save_params(chunks, outdir / "p0")
     res["loss1"] = _train_step(model, optimizer, scheduler, _batch(1))
+    save_params(chunks, outdir / "p1")
     root = outdir / "ckpt"
     path = ck.save_checkpoint(
         ck.step_dir(root, 1), model, optimizer=optimizer, scheduler=scheduler, step=1,
@@ -296,7 +298,14 @@ def two_processes(rank: int, world: int, outdir: Path, l1: str) -> None:
 
     from megagrpo.learner import checkpoint as ck
     from megagrpo.learner.mesh import destroy_mesh
-    from tests.dist._common import TINY_MOE, local_values, max_abs_diff, read_as_local, save_params
+    from tests.dist._common import (
+        TINY_MOE,
+        load_params,
+        local_values,
+        max_abs_diff,
+        read_as_local,
+        save_params,
+    )
 
     l1 = Path(l1)
     res: dict[str, Any] = {}
@@ -356,6 +365,14 @@ def two_processes(rank: int, world: int, outdir: Path, l1: str) -> None:
     destroy_mesh()
 
     # DP2: the DistributedOptimizer shards Adam's state over the two ranks; each rank sees half the batch.
+    # First one step from the same initial weights as L1 with a fresh optimizer, then the resume.
+    chunks, model, optimizer, scheduler = _setup({}, seed=9)
+    load_params(chunks, l1 / "p0")
+    res["dp2_loss1"] = _train_step(model, optimizer, scheduler, _batch(1))
+    res["dp2_fresh_param_err"], res["dp2_fresh_param_err_where"] = max_abs_diff(
+        local_values(chunks, source="data"), read_as_local(chunks, l1 / "p1")
+    )
+    destroy_mesh()
     chunks, model, optimizer, scheduler = _setup({}, seed=9)
     ck.load_checkpoint(latest, model, optimizer=optimizer, scheduler=scheduler)
     res["dp2_loss2"] = _train_step(model, optimizer, scheduler, _batch(2))

@@ -33,6 +33,12 @@ PARTITION = "debug"
 CPUS_PER_NODE = 2
 
 
+def parity_reward(prompt: str, completion: str, sample: dict) -> float:
+    """A reward that a random tiny model still earns on about half its completions (the parity of the
+    completion's length), so that the Slurm training jobs take real, non-zero policy-gradient steps."""
+    return float(len(completion) % 2)
+
+
 def missing_commands(commands: tuple[str, ...] = SLURM_COMMANDS + MPI_COMMANDS) -> list[str]:
     return [c for c in commands if shutil.which(c) is None]
 

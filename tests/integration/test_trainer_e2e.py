@@ -25,15 +25,24 @@ def write_config(tmp: Path, model: Path, **over) -> Path:
     cfg = {
         "model": {"hf_path": str(model), "dtype": "float32"},
         "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 8, "max_rounds": 2},
-        "algo": {"variant": "gspo", "agg": "seq-mean-token-mean",
-                 "tis": {"enabled": True, "cap": "auto"}},
+        "algo": {"variant": "gspo", "agg": "seq-mean-token-mean", "tis": {"enabled": True, "cap": "auto"}},
         "replay": "none",
-        "data": {"synthetic": {"task": "addition", "min_digits": 1, "max_digits": 2, "num_train": 200,
-                               "num_eval": 8, "seed": 3}},
-        "rewards": {"functions": [
-            {"name": "tests.integration.trainer_rewards:output_parity", "weight": 1.0},
-            {"name": "tests.integration.trainer_rewards:always_raises", "weight": 0.5},
-        ]},
+        "data": {
+            "synthetic": {
+                "task": "addition",
+                "min_digits": 1,
+                "max_digits": 2,
+                "num_train": 200,
+                "num_eval": 8,
+                "seed": 3,
+            }
+        },
+        "rewards": {
+            "functions": [
+                {"name": "tests.integration.trainer_rewards:output_parity", "weight": 1.0},
+                {"name": "tests.integration.trainer_rewards:always_raises", "weight": 0.5},
+            ]
+        },
         "optimizer": {"lr": 1e-4, "weight_decay": 0.0},
         "schedule": {"steps": 2, "micro_batch_size": 16, "eval_every": 2, "save_every": 1, "seed": 0},
         "checkpoint": {"dir": str(tmp / "ckpt")},
@@ -52,8 +61,15 @@ def write_config(tmp: Path, model: Path, **over) -> Path:
 
 def cli(*args: str, timeout: float = 900, **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "megagrpo.cli", *args], cwd=REPO, env=env, text=True,
-                          capture_output=True, timeout=timeout, **popen)
+    return subprocess.run(
+        [sys.executable, "-m", "megagrpo.cli", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        **popen,
+    )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -84,7 +100,9 @@ def test_two_steps_log_every_metric_group(two_step_run):
         assert any(k.startswith(group) for k in keys), f"no {group} metric in {sorted(keys)}"
     assert (tmp / "run" / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert list((tmp / "run" / "tensorboard").glob("events.out.tfevents.*"))
-    assert sorted(p.name for p in (tmp / "ckpt").iterdir() if p.name.startswith("step_"))[-1] == "step_00000002"
+    assert (
+        sorted(p.name for p in (tmp / "ckpt").iterdir() if p.name.startswith("step_"))[-1] == "step_00000002"
+    )
 
 
 def test_a_raising_reward_is_counted_and_never_stops_the_run(two_step_run):
@@ -96,10 +114,18 @@ def test_a_raising_reward_is_counted_and_never_stops_the_run(two_step_run):
 
 
 def test_sigterm_checkpoints_and_exits_for_requeue(tmp_path, moe_model):
-    cfg = write_config(tmp_path, moe_model, schedule__steps=200, schedule__save_every=0, schedule__eval_every=0)
+    cfg = write_config(
+        tmp_path, moe_model, schedule__steps=200, schedule__save_every=0, schedule__eval_every=0
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "megagrpo.cli", "train", str(cfg)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megagrpo.cli", "train", str(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 600

@@ -10,8 +10,12 @@ def test_tiny_model_loads_with_transformers(tiny_model, arch):
     path = tiny_model(arch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "what is 12 + 34?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "what is 12 + 34?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], 1024)
     assert torch.isfinite(logits).all()

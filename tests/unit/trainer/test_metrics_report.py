@@ -13,7 +13,9 @@ from megagrpo.trainer.signals import StopRequest
 def test_jsonl_tensorboard_and_truncate(tmp_path):
     log = MetricsLogger(tmp_path)
     for s in range(1, 5):
-        log.log(s, {"reward/mean": torch.tensor(0.1 * s), "loss/policy": s, "vec": torch.ones(3), "nan": math.nan})
+        log.log(
+            s, {"reward/mean": torch.tensor(0.1 * s), "loss/policy": s, "vec": torch.ones(3), "nan": math.nan}
+        )
     log.truncate_after(2)
     log.log(3, {"reward/mean": 9.0})
     log.close()
@@ -27,7 +29,12 @@ def test_jsonl_tensorboard_and_truncate(tmp_path):
 def test_report_png_and_md(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for s in range(6):
-            f.write(json.dumps({"step": s, "reward/mean": s / 6, "eval/accuracy": s / 10, "loss/entropy": 1 - s / 10}) + "\n")
+            f.write(
+                json.dumps(
+                    {"step": s, "reward/mean": s / 6, "eval/accuracy": s / 10, "loss/entropy": 1 - s / 10}
+                )
+                + "\n"
+            )
     png, md = write_report(tmp_path, title="t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = md.read_text()
@@ -41,11 +48,20 @@ def test_console_line_only_known_present_keys():
 
 def test_health_warnings():
     cfg = HealthConfig(window=2)
-    healthy = [{"loss/entropy": 1.0, "rollout/response_len_mean": 10, "reward/mean": 0.1 * i,
-                "loss/clip_frac_high": 0.01} for i in range(4)]
+    healthy = [
+        {
+            "loss/entropy": 1.0,
+            "rollout/response_len_mean": 10,
+            "reward/mean": 0.1 * i,
+            "loss/clip_frac_high": 0.01,
+        }
+        for i in range(4)
+    ]
     assert health_warnings(healthy, cfg) == []
-    sick = [{"loss/entropy": e, "rollout/response_len_mean": n, "reward/mean": 0.3, "loss/clip_frac_high": c}
-            for e, n, c in [(1, 10, 0.0), (1, 10, 0.0), (0.2, 40, 0.2), (0.2, 40, 0.2)]]
+    sick = [
+        {"loss/entropy": e, "rollout/response_len_mean": n, "reward/mean": 0.3, "loss/clip_frac_high": c}
+        for e, n, c in [(1, 10, 0.0), (1, 10, 0.0), (0.2, 40, 0.2), (0.2, 40, 0.2)]
+    ]
     w = health_warnings(sick, cfg)
     assert len(w) == 3 and w[0].startswith("entropy collapsing") and "length" in w[1] and "clip" in w[2]
 

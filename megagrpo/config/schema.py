@@ -152,6 +152,14 @@ class RolloutConfig(Section):
         description="SGLang's share of device memory for weights + KV cache. The learner shares the GPU, "
         "so this is lower than SGLang's standalone default.",
     )
+    max_total_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV-cache size of the engine in tokens. null: on GPU SGLang sizes it from "
+        "mem_fraction_static; on the CPU (where that fraction would be of all RAM, gigabytes for a tiny "
+        "model) it defaults to what one step can hold: prompts_per_step * oversample * group_size * "
+        "(data.max_prompt_tokens + max_new_tokens), at least 4096.",
+    )
     dtype: DType = Field(
         default="auto",
         description="Sampler dtype. auto = bfloat16 on GPU, float32 on CPU. A dtype differing from the "

@@ -78,8 +78,18 @@ def rollout_config(cfg: Config, model_path: str) -> RolloutConfig:
         dtype=dtype,
         fp8=r.fp8,
         return_routes=True,  # MoE routes feed R3 and the rollout-vs-learner agreement statistics
+        max_total_tokens=kv_cache_tokens(cfg),
         seed=cfg.schedule.seed,
     )
+
+
+def kv_cache_tokens(cfg: Config) -> int | None:
+    """The engine's KV-cache size (see `rollout.max_total_tokens`); None lets SGLang decide (GPU)."""
+    r = cfg.rollout
+    if r.max_total_tokens is not None or torch.cuda.is_available():
+        return r.max_total_tokens
+    per_seq = cfg.data.max_prompt_tokens + r.max_new_tokens
+    return max(4096, int(r.prompts_per_step * r.oversample * r.group_size * per_seq))
 
 
 def sampling_config(cfg: Config, *, eval: bool = False) -> SamplingConfig:

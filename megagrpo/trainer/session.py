@@ -311,7 +311,7 @@ class Session:
             return
         self.history = [h for h in self.history if h.get("_step", -1) < step] + [{**flat, "_step": step}]
         line = console_line(step, flat)
-        progress.console.print(line)
+        progress.console.print(line, soft_wrap=True)
         for w in health_warnings(self.history, HealthConfig(**self.cfg.logging.health.model_dump())):
             progress.console.print(f"[yellow]health warning[/yellow]: {w}")
 

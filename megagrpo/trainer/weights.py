@@ -17,8 +17,8 @@ import torch.distributed as dist
 from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
 from megagrpo.bridge.hf_config import hf_config_from_arch
 from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, copy_side_files, write_hf_checkpoint
-from megagrpo.bridge.maps import Placement, megatron_name, param_maps
-from megagrpo.bridge.transforms import tp_shard
+from megagrpo.bridge.load import iter_local_shards
+from megagrpo.bridge.maps import Placement
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 
@@ -62,28 +62,35 @@ def load_hf_into_learner(learner: Any, hf_dir: str | Path) -> ModelArch:
             f"{hf_dir}: its config.json describes a different model than the learner was built for; "
             "build the learner from this directory's config"
         )
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    etp_rank = ps.get_expert_tensor_parallel_rank()
-    etp_size = ps.get_expert_tensor_parallel_world_size()
+    tp_size = ps.get_tensor_model_parallel_world_size()
     padded = padded_vocab_size(arch, tp_size)
     for chunk in learner.chunks:
         chunk = _unwrap(chunk)
         params = dict(chunk.named_parameters())
-        place = _placement(chunk, list(params))
+        offset = _layer_offset(chunk)
+        n_layers = len(chunk.decoder.layers) if hasattr(chunk, "decoder") else 0
+        shards = iter_local_shards(
+            ckpt.get,
+            arch,
+            padded_vocab=padded,
+            place=_placement(chunk, list(params)),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=tp_size,
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            layers=range(offset, offset + n_layers),
+            first_stage=chunk.pre_process,
+            last_stage=chunk.post_process,
+        )
         filled = set()
-        for pm in param_maps(arch):
-            name = megatron_name(pm, arch, place)
-            if name is None or name not in params:
-                continue  # another pipeline stage's layer, or another EP rank's expert
-            full = ckpt.megatron_tensor(pm, padded, params[name].dtype)
-            rank, size = (etp_rank, etp_size) if pm.is_expert else (tp_rank, tp_size)
-            shard = tp_shard(pm, full, rank, size)
-            if shard.shape != params[name].shape:
+        for name, shard in shards:
+            if name not in params or shard.shape != params[name].shape:
+                got = tuple(params[name].shape) if name in params else "absent"
                 raise MegagrpoError(
-                    f"{hf_dir}: {pm.hf[0]!r} maps to {name} of shape {tuple(params[name].shape)} on this rank, "
-                    f"but the shard has shape {tuple(shard.shape)}"
+                    f"{hf_dir}: the map gives {name} of shape {tuple(shard.shape)} on this rank, but the "
+                    f"model holds {got}; the checkpoint and the learner's model config disagree"
                 )
-            params[name].copy_(shard)
+            params[name].copy_(shard.to(params[name].dtype))
             filled.add(name)
         if arch.tie_embeddings and "output_layer.weight" in params and "output_layer.weight" not in filled:
             # the last stage's copy of a tied embedding; megatron keeps it equal to the first stage's

@@ -31,4 +31,6 @@ def test_shipped_configs_validate():
         assert cfg.model.hf_path
     demo = load_config(gen.REPO / "configs" / "demo_qwen3_moe.yaml", check_paths=False)
     assert demo.algo.variant == "gspo" and demo.replay == "R3" and demo.algo.tis.cap == "auto"
-    assert demo.sft.data.synthetic.max_digits < demo.data.synthetic.max_digits  # RL on harder problems
+    sft, rl = demo.sft.data.synthetic, demo.data.synthetic  # RL on harder problems than SFT taught
+    assert sft.min_digits <= rl.min_digits and sft.max_digits <= rl.max_digits
+    assert (sft.min_digits, sft.max_digits) != (rl.min_digits, rl.max_digits)

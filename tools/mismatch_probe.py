@@ -363,6 +363,9 @@ def probe_results(
     return {"n_tokens": int(mask.sum()), "pairs": pairs, "attribution": attribution}
 
 
+_NEAR_ONE = ("token_ratio_p999", "ess_ratio")  # ratios near 1: fixed decimals show small departures
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -378,7 +381,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("| a | b | " + " | ".join(h for _, h in TABLE_KEYS) + " |")
         lines.append("|" + "---|" * (2 + len(TABLE_KEYS)))
         for p in res["pairs"]:
-            lines.append(f"| {p['a']} | {p['b']} | " + " | ".join(_fmt(p[k]) for k, _ in TABLE_KEYS) + " |")
+            cells = [f"{p[k]:.6f}" if k in _NEAR_ONE else _fmt(p[k]) for k, _ in TABLE_KEYS]
+            lines.append(f"| {p['a']} | {p['b']} | " + " | ".join(cells) + " |")
         if res["attribution"]:
             lines += [
                 "",
@@ -510,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megagrpo.rollout.config import SamplingConfig
 
         sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=True)
-        cfg = RolloutConfig(str(model_dir), dtype="float32", max_total_tokens=8192, seed=a.seed)
+        cfg = RolloutConfig(str(model_dir), dtype="float32", max_total_tokens=4096, seed=a.seed)
         with RolloutEngine(cfg) as engine:
             results = run_probe(
                 engine, model_dir, prompts, layouts, a.out, injections=injections, sampling=sampling,

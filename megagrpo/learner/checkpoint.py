@@ -208,6 +208,7 @@ def load_checkpoint(
     if optimizer is not None:
         optimizer.load_state_dict(_regroup_optimizer_state(loaded["optimizer"], optimizer))
     if scheduler is not None:
+        scheduler.num_steps = 0  # upstream load_state_dict ADDS the saved count to the current one
         scheduler.load_state_dict(loaded["scheduler"])
     if load_rng:
         _restore_rng(path, meta, len(model_chunks))

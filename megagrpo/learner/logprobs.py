@@ -100,6 +100,11 @@ def token_logprobs_and_entropy(
     return logp.view(lead), (entropy.view(lead) if with_entropy else None)
 
 
+# Below this, exp() is exactly 0 in fp32 and fp64; clamping log p here changes no result but keeps
+# p * log p finite for -inf logits.
+_LOG_P_FLOOR = -1e4
+
+
 def _default_chunk_tokens(logits: Tensor) -> int:
     if logits.device.type == "cpu":
         return max(1, (1 << 18) // max(1, logits.shape[-1]))
@@ -150,11 +155,17 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
                 z = z.to(cdt) * inv_temp
             lsm = torch.log_softmax(z, dim=-1)
             # lse_l = z_j - lsm_j at the argmax j, where lsm_j = -log(sum-exp) is small: no cancellation.
-            lse_l[lo:hi] = torch.amax(z, dim=-1) - torch.amax(lsm, dim=-1)
+            zmax = torch.amax(z, dim=-1)
+            empty = zmax == float("-inf")  # every token of this shard masked: no mass here (not nan)
+            lse_l[lo:hi] = torch.where(empty, zmax, zmax - torch.amax(lsm, dim=-1))
             lsm_t[lo:hi] = lsm.gather(-1, local_idx[lo:hi].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
-                h_l[lo:hi] = torch.linalg.vecdot(torch.exp(lsm), lsm).neg_()
-            del z, lsm
+                p = torch.exp(lsm)
+                # -inf logits (masked tokens) have p = 0; clamping keeps 0 * log 0 at 0 instead of nan.
+                h = torch.linalg.vecdot(p, lsm.clamp_min_(_LOG_P_FLOOR)).neg_()
+                h_l[lo:hi] = torch.where(empty, 0.0, h)
+                del p, h
+            del z, lsm, zmax, empty
 
         if tp_group is None:
             lse, entropy = lse_l, h_l
@@ -205,6 +216,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             logp_all = logits[lo:hi, :v_valid].to(cdt) * inv_temp
             logp_all.sub_(lse[lo:hi].unsqueeze(-1))  # log p_j
             p = torch.exp(logp_all)
+            logp_all.clamp_min_(_LOG_P_FLOOR)  # where p underflows to 0, keep p * (log p + H) finite
             # dL/dz_j = gl (1[j=t] - p_j) - gh p_j (log p_j + H), built in the log-p buffer.
             if grad_entropy is not None:
                 gh = grad_entropy[lo:hi].to(cdt).unsqueeze(-1)

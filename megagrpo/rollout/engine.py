@@ -138,6 +138,7 @@ class RolloutEngine:
             self._child_pids = [p.pid for p in after if p.pid not in before and not _is_mp_helper(p)]
             if self._engine is None:
                 _kill_pids(self._child_pids)
+        self._release_sigterm()
         hf = self._engine.tokenizer_manager.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.topk = int(getattr(hf, "num_experts_per_tok", 0) or 0)
@@ -145,6 +146,20 @@ class RolloutEngine:
         self.vocab_size = int(hf.vocab_size)
         self.tokenizer = self._engine.tokenizer_manager.tokenizer
         return self
+
+    def _release_sigterm(self) -> None:
+        """Leave SIGTERM to the host process. On its first request SGLang's tokenizer manager puts a
+        SIGTERM handler on its event loop that drains and then exits the whole process with status 0,
+        which would defeat the trainer's checkpoint-on-SIGTERM (Slurm preemption). So the loop is
+        created now and that one handler removed; SGLang's SIGQUIT handling (a child died) is kept."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # SGLang only installs it from the main thread
+        tm = self._engine.tokenizer_manager
+        tm.auto_create_handle_loop()
+        tm.event_loop.remove_signal_handler(signal.SIGTERM)
 
     def shutdown(self) -> None:
         """Stop the engine and every process it started; idempotent."""

@@ -277,7 +277,7 @@ class Session:
                 if self.step == 0 and self.needs_engine and cfg.schedule.eval_every > 0:
                     self._log(0, self.evaluate(), progress)
                 while self.step < total:
-                    if self.stop.requested:
+                    if self._stop_agreed():
                         break
                     metrics = step_fn()
                     self.step += 1
@@ -293,7 +293,7 @@ class Session:
                         self.step % cfg.schedule.save_every == 0 or self.step == total
                     ):
                         self.save()
-                if self.stop.requested:
+                if self._stop_agreed():
                     path = self.save()
                     if self.rank0:
                         print(
@@ -304,6 +304,14 @@ class Session:
         finally:
             self.stop.uninstall()
         return exit_code
+
+    def _stop_agreed(self) -> bool:
+        """True when any rank got a stop signal; every rank must see the same answer at the same step
+        boundary, or the ones that stop would leave the others waiting in a collective."""
+        flag = torch.tensor([1 if self.stop.requested else 0], dtype=torch.int64, device=self.learner.mesh.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _log(self, step: int, metrics: dict[str, float], progress) -> None:
         flat = self.logger.log(step, metrics)

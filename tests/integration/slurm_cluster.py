@@ -9,7 +9,7 @@ go, then sends SIGTERM to each daemon's PID (SIGKILL after a grace period); it n
 root) and otherwise returns the reason they cannot be had, which the fixture turns into a loud skip.
 
 Run by hand: `python tests/integration/slurm_cluster.py /tmp/cluster` starts it and prints the
-`SLURM_CONF` to export; Ctrl-C stops it.
+`SLURM_CONF` to export; Ctrl-C or SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -276,8 +276,15 @@ def main() -> int:
     if why:
         print(why, file=sys.stderr)
         return 1
+
+    def stop_request(signum, frame):
+        raise KeyboardInterrupt
+
+    # a background job of a non-interactive shell starts with SIGINT ignored: take SIGTERM too
+    signal.signal(signal.SIGINT, stop_request)
+    signal.signal(signal.SIGTERM, stop_request)
     cluster = SlurmCluster(root).start()
-    print(f"export SLURM_CONF={cluster.conf}", flush=True)
+    print(f"export SLURM_CONF={cluster.conf}; stop with: kill {os.getpid()}", flush=True)
     try:
         signal.pause()
     except KeyboardInterrupt:

@@ -31,6 +31,7 @@ def mpi_ready(tmp_path_factory):
         pytest.skip(f"!!! MPI bootstrap tests cannot run: {why}")
 
 
+@pytest.mark.slow
 def test_mesh_check_under_mpirun_env_and_mpi4py(mpi_ready, tmp_path):
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "SLURM_"))}
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGAGRPO_BOOTSTRAP"):

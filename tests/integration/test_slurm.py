@@ -195,6 +195,7 @@ def test_bad_input_fails_before_submission(cluster, model_dir, tmp_path, capsys,
 # -- real jobs -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_node_jobs_agree_with_the_single_process_reference(cluster, model_dir, tmp_path, capsys):
     """Both multi-node layouts, submitted together: TP2 across n1 and n2, logprobs vs transformers."""
     jobs = {}
@@ -244,6 +245,7 @@ def _deterministic(rec: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in rec.items() if not _TIMING.search(k)}
 
 
+@pytest.mark.slow
 def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(cluster, model_dir, tmp_path, capsys):
     """Two `megagrpo train` jobs from the same config, side by side: A runs through; B gets USR1 after its
     first step, checkpoints, requeues itself and resumes. Both must end with the same metrics."""
@@ -304,6 +306,7 @@ def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(cluster, mod
         assert not diff, f"step {step} differs after resume: {diff}"
 
 
+@pytest.mark.slow
 def test_mesh_check_under_srun_mpi_pmix_with_mpi4py(cluster, tmp_path):
     why = ensure_mpi4py()
     if why:

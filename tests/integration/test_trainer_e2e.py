@@ -152,3 +152,18 @@ def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
     assert "Traceback" not in res.stderr
     assert "algo.variant: 'ppo' is not one of" in res.stderr and "group_size" in res.stderr
     assert not (tmp_path / "run").exists()  # nothing started: validation comes before any process group
+
+
+def test_two_processes_expert_parallel(tmp_path, moe_model):
+    """The same loop on an EP2 mesh (torchrun, 2 ranks): rank 0 samples, both ranks train and export."""
+    cfg = write_config(
+        tmp_path, moe_model, schedule__steps=1, schedule__eval_every=0, schedule__save_every=1, replay="R3"
+    )
+    res = cli("train", str(cfg), "mesh.ep=2", "--nproc", "2")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    (rec,) = records(tmp_path / "run")
+    assert rec["step"] == 1 and rec["loss/tokens"] > 0
+    assert rec["moe/agreement_rollout_old"] > 0.99  # same weights: the learner routes as the sampler did
+    assert rec["moe/replay_fallback_tokens"] == 0 and rec["moe/replay_unconsumed"] == 0
+    assert rec["sync/bytes"] > 0
+    assert (tmp_path / "ckpt" / "step_00000001" / "meta.json").is_file()

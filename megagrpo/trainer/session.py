@@ -308,7 +308,9 @@ class Session:
     def _stop_agreed(self) -> bool:
         """True when any rank got a stop signal; every rank must see the same answer at the same step
         boundary, or the ones that stop would leave the others waiting in a collective."""
-        flag = torch.tensor([1 if self.stop.requested else 0], dtype=torch.int64, device=self.learner.mesh.device)
+        flag = torch.tensor(
+            [1 if self.stop.requested else 0], dtype=torch.int64, device=self.learner.mesh.device
+        )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

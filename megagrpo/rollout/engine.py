@@ -158,7 +158,11 @@ class RolloutEngine:
         if threading.current_thread() is not threading.main_thread():
             return  # SGLang only installs it from the main thread
         tm = self._engine.tokenizer_manager
-        tm.auto_create_handle_loop()
+
+        async def create_handle_loop() -> None:
+            tm.auto_create_handle_loop()  # inside the engine's own loop, the one generate() runs
+
+        self._engine.loop.run_until_complete(create_handle_loop())
         tm.event_loop.remove_signal_handler(signal.SIGTERM)
 
     def shutdown(self) -> None:

@@ -13,7 +13,8 @@ A checkpoint is one directory (by convention `<root>/step_<8 digits>`):
 Atomicity: everything is written into `<dir>.tmp-<uuid>`; after a barrier rank 0 writes `meta.json` and
 renames the directory to `<dir>`. A save killed at any point leaves at worst a `*.tmp-*` directory, which
 `latest_checkpoint` ignores and the next save of the same name removes; the previous checkpoint is
-untouched. Every user-facing failure (missing, corrupt, foreign or mismatched checkpoint) raises
+untouched. Re-saving an existing `<dir>` moves the old one to `<dir>.old-<uuid>` just before the final
+rename (a kill between those two renames leaves the old copy there, complete, to rename back by hand). Every user-facing failure (missing, corrupt, foreign or mismatched checkpoint) raises
 `MegagrpoError` naming the path and the fix.
 
 Scripts that save must have an `if __name__ == "__main__":` guard: megatron's writer starts a `spawn`
@@ -106,8 +107,11 @@ def save_checkpoint(
     box = [None]
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
-        for stale in final.parent.glob(f"{final.name}.tmp-*"):  # left by an interrupted save
-            shutil.rmtree(stale, ignore_errors=True)
+        stale = list(final.parent.glob(f"{final.name}.tmp-*"))  # left by interrupted saves
+        if final.is_dir():  # a replaced copy is garbage only once the replacement is in place
+            stale += final.parent.glob(f"{final.name}.old-*")
+        for d in stale:
+            shutil.rmtree(d, ignore_errors=True)
         tmp = final.parent / f"{final.name}.tmp-{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
         box = [str(tmp)]

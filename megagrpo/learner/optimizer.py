@@ -87,12 +87,10 @@ def build_optimizer(model_chunks: list[Any], cfg: OptimizerConfig) -> tuple[Any,
     Returns `(optimizer, scheduler)`: a `MegatronOptimizer` (a `ChainedOptimizer` when the model has
     expert and dense parameter groups) and an `OptimizerParamScheduler`. One training step is
     `optimizer.step()` (clips to `clip_grad`, steps, returns `(ok, grad_norm, zeros)`), then
-    `scheduler.step(1)`, then `optimizer.zero_grad()`. On checkpoint load the schedule's position
-    (`num_steps`) comes from the checkpoint and its hyper-parameters from `cfg` (override mode).
+    `scheduler.step(1)`, then `optimizer.zero_grad()`. The scheduler is `build_scheduler(optimizer, cfg)`.
     """
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     cfg.validate()
     tcfg = _check_ddp(model_chunks, cfg)
@@ -111,7 +109,20 @@ def build_optimizer(model_chunks: list[Any], cfg: OptimizerConfig) -> tuple[Any,
         params_dtype=tcfg.params_dtype,
     )
     optimizer = get_megatron_optimizer(mcfg, model_chunks)
-    scheduler = OptimizerParamScheduler(
+    return optimizer, build_scheduler(optimizer, cfg)
+
+
+def build_scheduler(optimizer: Any, cfg: OptimizerConfig) -> Any:
+    """megatron's `OptimizerParamScheduler` for `cfg` over any optimizer with `param_groups`.
+
+    LR: linear warm-up (step k < warmup_steps uses lr * (k+1) / (warmup_steps+1)), then `decay_style`
+    from lr to min_lr at total_steps. Weight decay is constant. On checkpoint load the position
+    (`num_steps`) comes from the checkpoint and the hyper-parameters from `cfg` (override mode).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    cfg.validate()
+    return OptimizerParamScheduler(
         optimizer,
         # megatron's warm-up is init + (max - init) * k / W; this init makes step 0 use lr / (W+1), not 0.
         init_lr=cfg.lr / (cfg.warmup_steps + 1),
@@ -124,11 +135,9 @@ def build_optimizer(model_chunks: list[Any], cfg: OptimizerConfig) -> tuple[Any,
         end_wd=cfg.weight_decay,
         wd_incr_steps=cfg.total_steps,
         wd_incr_style="constant",
-        # Resume keeps the step count from the checkpoint but the hyper-parameters of the current config.
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
-    return optimizer, scheduler
 
 
 def optimizer_factory(cfg: OptimizerConfig):

@@ -138,7 +138,6 @@ class RolloutEngine:
             self._child_pids = [p.pid for p in after if p.pid not in before and not _is_mp_helper(p)]
             if self._engine is None:
                 _kill_pids(self._child_pids)
-        self._release_sigterm()
         hf = self._engine.tokenizer_manager.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.topk = int(getattr(hf, "num_experts_per_tok", 0) or 0)
@@ -147,23 +146,18 @@ class RolloutEngine:
         self.tokenizer = self._engine.tokenizer_manager.tokenizer
         return self
 
-    def _release_sigterm(self) -> None:
-        """Leave SIGTERM to the host process. On its first request SGLang's tokenizer manager puts a
-        SIGTERM handler on its event loop that drains and then exits the whole process with status 0,
-        which would defeat the trainer's checkpoint-on-SIGTERM (Slurm preemption). So the loop is
-        created now and that one handler removed; SGLang's SIGQUIT handling (a child died) is kept."""
+    def _forget_sigterm(self) -> None:
+        """Leave SIGTERM to the host process. On its first request SGLang's tokenizer manager registers a
+        SIGTERM callback on its event loop that drains and then exits the whole process with status 0,
+        which would defeat the trainer's checkpoint-on-SIGTERM (Slurm preemption). Only that loop entry
+        is dropped: the process's signal disposition stays whatever the host installed, and SGLang's
+        SIGQUIT handling (a child died) is kept."""
         import signal
-        import threading
 
-        if threading.current_thread() is not threading.main_thread():
-            return  # SGLang only installs it from the main thread
-        tm = self._engine.tokenizer_manager
-
-        async def create_handle_loop() -> None:
-            tm.auto_create_handle_loop()  # inside the engine's own loop, the one generate() runs
-
-        self._engine.loop.run_until_complete(create_handle_loop())
-        tm.event_loop.remove_signal_handler(signal.SIGTERM)
+        loop = getattr(self._engine.tokenizer_manager, "event_loop", None)
+        handlers = getattr(loop, "_signal_handlers", None)
+        if isinstance(handlers, dict):
+            handlers.pop(signal.SIGTERM, None)
 
     def shutdown(self) -> None:
         """Stop the engine and every process it started; idempotent."""
@@ -337,6 +331,7 @@ class RolloutEngine:
                 return_routed_experts=want_routes,
             )
         )
+        self._forget_sigterm()
         if isinstance(outs, dict):
             outs = [outs]
         groups: list[list[Completion]] = []

@@ -308,6 +308,7 @@ class Session:
     def _stop_agreed(self) -> bool:
         """True when any rank got a stop signal; every rank must see the same answer at the same step
         boundary, or the ones that stop would leave the others waiting in a collective."""
+        self.stop.reassert()
         flag = torch.tensor(
             [1 if self.stop.requested else 0], dtype=torch.int64, device=self.learner.mesh.device
         )

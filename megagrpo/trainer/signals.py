@@ -32,6 +32,13 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def reassert(self) -> None:
+        """Put our handlers back if a library replaced them (SGLang's event loop claims SIGTERM on its
+        first request); called at every step boundary."""
+        for sig in self._previous:
+            if signal.getsignal(sig) is not self._handle:
+                signal.signal(sig, self._handle)
+
     def uninstall(self) -> None:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)

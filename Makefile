@@ -52,9 +52,13 @@ demo: setup
 demo-clean:
 	rm -rf outputs/demo
 
+# Integration files run one pytest process each: they start SGLang engines, megatron meshes and Slurm
+# daemons in-process, and a fresh process per file keeps one file's process state out of the next.
 test: setup
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest tests -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/dist tests/gpu -m "not gpu" $(PYTEST_ARGS)
+	@set -e; for f in tests/integration/test_*.py; do \
+	  echo "== $$f"; $(PY) -m pytest "$$f" -m "not gpu" $(PYTEST_ARGS); done
 
 test-fast: setup
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)

@@ -21,6 +21,8 @@ Formulas (z = logits / T, p = softmax(z), t = target):
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,6 +124,45 @@ def _local_target_index(targets: Tensor, vocab_start: int, v_local: int) -> tupl
     return local.clamp(0, v_local - 1), owned
 
 
+def _run_blocks(n: int, chunk: int, block: Callable[[int, int], None], device: torch.device) -> None:
+    """Call `block(lo, hi)` for every row block of `[0, n)`. Blocks write disjoint rows.
+
+    On the CPU the blocks are spread over `torch.get_num_threads()` Python threads, each running torch
+    single-threaded (OpenMP thread counts are per thread): a block is ~1 MiB, far too small to split
+    across cores, and thousands of tiny OpenMP regions stall whenever another process holds a core
+    (measured 20-70x slower on this shared 2-core machine). torch releases the GIL inside its kernels.
+    """
+    starts = range(0, n, chunk)
+    workers = min(torch.get_num_threads(), len(starts)) if device.type == "cpu" else 1
+
+    def run(first: int, step: int) -> None:
+        if workers > 1:
+            torch.set_num_threads(1)
+        with torch.no_grad():  # grad mode is per thread: autograd must not record the blocks
+            for lo in starts[first::step]:
+                block(lo, min(lo + chunk, n))
+
+    if workers <= 1:
+        run(0, 1)
+        return
+    errors: list[BaseException] = []
+
+    def guarded(first: int) -> None:
+        try:
+            run(first, workers)
+        except BaseException as e:  # re-raised in the caller below
+            errors.append(e)
+
+    # All blocks run in new threads: set_num_threads(1) must not leak into the caller's thread.
+    threads = [threading.Thread(target=guarded, args=(w,), daemon=True) for w in range(workers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -148,8 +189,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         lsm_t = torch.empty(n, dtype=cdt, device=logits.device)
         if v_valid == 0:  # a shard of padding only: no probability mass here
             lse_l.fill_(float("-inf"))
-        for lo in range(0, n if v_valid else 0, chunk):
-            hi = min(lo + chunk, n)
+
+        def block(lo: int, hi: int) -> None:
             z = logits[lo:hi, :v_valid]
             if z.dtype != cdt or inv_temp != 1.0:
                 z = z.to(cdt) * inv_temp
@@ -164,8 +205,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
                 # -inf logits (masked tokens) have p = 0; clamping keeps 0 * log 0 at 0 instead of nan.
                 h = torch.linalg.vecdot(p, lsm.clamp_min_(_LOG_P_FLOOR)).neg_()
                 h_l[lo:hi] = torch.where(empty, 0.0, h)
-                del p, h
-            del z, lsm, zmax, empty
+
+        if v_valid:
+            _run_blocks(n, chunk, block, logits.device)
 
         if tp_group is None:
             lse, entropy = lse_l, h_l
@@ -211,8 +253,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         onehot_coef = torch.where(owned, gl, 0.0)
         grad = torch.empty_like(logits) if v_valid == v_local else torch.zeros_like(logits)
         inv_temp = ctx.inv_temp
-        for lo in range(0, n if v_valid else 0, ctx.chunk):
-            hi = min(lo + ctx.chunk, n)
+
+        def block(lo: int, hi: int) -> None:
             logp_all = logits[lo:hi, :v_valid].to(cdt) * inv_temp
             logp_all.sub_(lse[lo:hi].unsqueeze(-1))  # log p_j
             p = torch.exp(logp_all)
@@ -228,5 +270,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             if inv_temp != 1.0:
                 g.mul_(inv_temp)
             grad[lo:hi, :v_valid].copy_(g)
-            del logp_all, p, g
+
+        if v_valid:
+            _run_blocks(n, ctx.chunk, block, logits.device)
         return (grad, *nones)

@@ -198,6 +198,8 @@ def load_checkpoint(
         scheduler = None  # a weights-only or scheduler-less save: the schedule starts afresh
     _check_files(path, meta)
 
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
     sd, _ = _sharded_state_dict(model_chunks, optimizer, scheduler, is_loading=True)
     try:
         loaded = dist_checkpointing.load(sd, str(path))
@@ -366,6 +368,27 @@ def _sharded_state_dict(
     return sd, content
 
 
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Give a never-stepped optimizer its (zero) state, so its sharded state dict can be built for a load.
+
+    megatron's DistributedOptimizer builds that dict from `state_dict()`, which for torch's Adam (the
+    fallback without apex/TE) asserts one common per-parameter `step`: absent before the first step.
+    `init_state_fn` is megatron's own initialiser (exp_avg, exp_avg_sq); torch Adam also needs `step`.
+    The load then overwrites every value.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or any(inner.state.values()):
+            continue
+        init = getattr(opt, "init_state_fn", None)
+        if init is not None:
+            init(inner, getattr(opt, "config", None))
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
 def _regroup_optimizer_state(loaded: dict[Any, Any], optimizer: Any) -> Any:
     """Fit the checkpoint's per-optimizer common state to THIS mesh's optimizer structure.
 
@@ -446,6 +469,9 @@ def _restore_rng(path: Path, meta: CheckpointMeta, num_chunks: int) -> bool:
     from megatron.core import tensor_parallel
 
     now = _mesh_now(num_chunks)
+    if not (path / RNG_DIR).is_dir():  # e.g. written by tools/convert_hf_to_megatron.py: weights only
+        log.info("checkpoint %s holds no RNG states; they keep their seeded values", path)
+        return False
     if meta.mesh != now:
         log.warning(
             "RNG states not restored: checkpoint %s was saved on mesh %s, this is %s", path, meta.mesh, now

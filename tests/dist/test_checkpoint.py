@@ -36,35 +36,6 @@ SCHED = dict(warmup_steps=1, decay_style="cosine", total_steps=10)
 # -- worker helpers (run inside the launched ranks) ----------------------------------------------------
 
 
-def _adamw_step_patch() -> None:
-    """TEMPORARY, until megagrpo/compat/megatron_cpu.py carries it next to its fact-10 patches (reported
-    to its owner). Without apex/TE megatron wraps torch AdamW, whose per-param state holds a tensor
-    `step`; `DistributedOptimizer.state_dict()` asserts one common `step` over that state, so it fails
-    on an optimizer that has not stepped yet, i.e. a fresh one about to load a checkpoint. Initialise
-    that state first (zeros, step 0): the load overwrites all of it.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    from megagrpo.compat.patching import APPLIED, replace
-
-    if any(k.endswith("DistributedOptimizer.state_dict") for k in APPLIED):
-        return
-    upstream = DistributedOptimizer.state_dict
-
-    def state_dict(self):
-        inner = self.optimizer
-        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and not inner.state:
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    inner.state[p].update(
-                        exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), step=torch.tensor(0.0)
-                    )
-        return upstream(self)
-
-    why = "torch AdamW (no apex/TE): state_dict() asserts a common per-param `step`, absent before step 1"
-    replace(DistributedOptimizer, "state_dict", state_dict, reason=why)
-
-
 def _batch(seed: int) -> torch.Tensor:
     from tests.dist._common import TINY_MOE
 
@@ -160,7 +131,6 @@ def _write(outdir: Path, phase: str, res: dict[str, Any]) -> None:
 
 
 def one_process(rank: int, world: int, outdir: Path) -> None:
-    _adamw_step_patch()
     import shutil
 
     from megatron.core import dist_checkpointing, tensor_parallel
@@ -335,7 +305,6 @@ def _logprobs_tp2(res: dict[str, Any]) -> None:
 
 
 def two_processes(rank: int, world: int, outdir: Path, l1: str) -> None:
-    _adamw_step_patch()
     from megatron.core import dist_checkpointing
 
     from megagrpo.learner import checkpoint as ck
@@ -428,7 +397,6 @@ def two_processes(rank: int, world: int, outdir: Path, l1: str) -> None:
 
 
 def one_process_load(rank: int, world: int, outdir: Path, l2: str) -> None:
-    _adamw_step_patch()
     from megagrpo.learner import checkpoint as ck
     from tests.dist._common import local_values, max_abs_diff, read_as_local
 

@@ -30,7 +30,7 @@ from megagrpo.learner.optimizer import OptimizerConfig, build_optimizer, build_s
     ],
 )
 def test_invalid_config_names_the_field(field, value):
-    cfg = OptimizerConfig(lr=1.0, total_steps=10, **{field: value})
+    cfg = OptimizerConfig(**{"lr": 1.0, "total_steps": 10, field: value})
     with pytest.raises(MegagrpoError, match=rf"optimizer\.{field}="):
         cfg.validate()
 

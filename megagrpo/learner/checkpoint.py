@@ -14,8 +14,9 @@ Atomicity: everything is written into `<dir>.tmp-<uuid>`; after a barrier rank 0
 renames the directory to `<dir>`. A save killed at any point leaves at worst a `*.tmp-*` directory, which
 `latest_checkpoint` ignores and the next save of the same name removes; the previous checkpoint is
 untouched. Re-saving an existing `<dir>` moves the old one to `<dir>.old-<uuid>` just before the final
-rename (a kill between those two renames leaves the old copy there, complete, to rename back by hand). Every user-facing failure (missing, corrupt, foreign or mismatched checkpoint) raises
-`MegagrpoError` naming the path and the fix.
+rename (a kill between those two renames leaves the old copy there, complete, to rename back by hand).
+Every user-facing failure (missing, corrupt, foreign or mismatched checkpoint) raises `MegagrpoError`
+naming the path and the fix.
 
 Scripts that save must have an `if __name__ == "__main__":` guard: megatron's writer starts a `spawn`
 multiprocessing manager, which re-imports the main module.
@@ -204,10 +205,12 @@ def load_checkpoint(
     try:
         loaded = dist_checkpointing.load(sd, str(path))
     except (Exception, CheckpointException) as e:  # many types for unreadable data; DCP's is a BaseException
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]  # DCP: per-rank tracebacks
+        reason = f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"
         raise MegagrpoError(
-            f"checkpoint {path} could not be read ({type(e).__name__}: {str(e)[:300]}); it is corrupt or "
-            "incomplete, or its keys do not match this model. Delete it and resume from an earlier "
-            f"checkpoint under {path.parent} (--resume auto picks the newest complete one)"
+            f"checkpoint {path} could not be read ({reason}); it is corrupt or incomplete, or its keys do "
+            "not match this model. Delete it and resume from an earlier checkpoint under "
+            f"{path.parent} (--resume auto picks the newest complete one)"
         ) from e
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
@@ -240,12 +243,16 @@ def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
         )
     if ".tmp-" in path.name:
         raise MegagrpoError(
-            f"{path} is an interrupted, incomplete save; delete it and use the checkpoint it would have replaced"
+            f"{path} is an interrupted, incomplete save; delete it and use the checkpoint it would "
+            "have replaced"
         )
     meta_file = path / META
     if not meta_file.is_file():
         if (path / _MEGATRON_META).is_file():
-            what = "a megatron dist checkpoint without megagrpo's meta.json (not written by megagrpo, or its save was interrupted)"
+            what = (
+                "a megatron dist checkpoint without megagrpo's meta.json (not written by megagrpo, "
+                "or its save was interrupted)"
+            )
         elif any(STEP_DIR.match(p.name) for p in path.iterdir()):
             what = "a checkpoint ROOT, not a checkpoint; pass one of its step_* directories or --resume auto"
         else:
@@ -283,7 +290,8 @@ def _check_files(path: Path, meta: CheckpointMeta) -> None:
         f = path / rel
         if not f.is_file():
             raise MegagrpoError(
-                f"checkpoint {path} is incomplete: {rel} is missing; delete it and resume from an earlier checkpoint"
+                f"checkpoint {path} is incomplete: {rel} is missing; delete it and resume from an "
+                "earlier checkpoint"
             )
         if f.stat().st_size != size:
             raise MegagrpoError(
@@ -482,8 +490,8 @@ def _restore_rng(path: Path, meta: CheckpointMeta, num_chunks: int) -> bool:
         state = torch.load(f, weights_only=False)  # our own file: python/numpy generator tuples
     except Exception as e:
         raise MegagrpoError(
-            f"checkpoint {path}: RNG state {f} is unreadable ({type(e).__name__}: {e}); delete the checkpoint "
-            "and resume from an earlier one, or load with load_rng=False"
+            f"checkpoint {path}: RNG state {f} is unreadable ({type(e).__name__}: {e}); delete the "
+            "checkpoint and resume from an earlier one, or load with load_rng=False"
         ) from e
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

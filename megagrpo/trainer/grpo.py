@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megagrpo.algo.advantages import gdpo, group_advantages
 from megagrpo.algo.aggregation import loss_normaliser
@@ -28,15 +27,7 @@ from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
 from megagrpo.diagnostics.mismatch import mismatch_metrics
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
 from megagrpo.trainer.batch import rollout_batch, select_rows
-from megagrpo.trainer.session import Session
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+from megagrpo.trainer.session import Session, broadcast_from_rank0
 
 
 class PhaseTimer:
@@ -215,7 +206,7 @@ class GRPOTrainer(Session):
                     self.engine.release(["kv_cache", "weights"])
         else:
             batch, metrics = None, {}
-        batch, metrics = _broadcast((batch, metrics))
+        batch, metrics = broadcast_from_rank0((batch, metrics))
         if batch is None:
             # Every group had equal rewards in every round: all advantages are 0, so there is nothing to
             # learn from; the step is counted and logged (rollout/skipped_step) but no update is made.

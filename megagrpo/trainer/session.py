@@ -30,7 +30,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _broadcast(obj: Any) -> Any:
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (rank 0 owns the engine and the rewards on a CPU mesh)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
@@ -193,7 +194,7 @@ class Session:
                 pass
         self.prompt_text.clear()
         self.prompt_sample.clear()
-        return _broadcast(metrics)
+        return broadcast_from_rank0(metrics)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy: one completion per held-out prompt at `rollout.eval_temperature`.
@@ -219,7 +220,7 @@ class Session:
                 "eval/response_len_mean": float(sum(c.output_ids.numel() for c in comps) / len(comps)),
                 "eval/prompts": float(len(comps)),
             }
-        return _broadcast(metrics)
+        return broadcast_from_rank0(metrics)
 
     # -- checkpoints --------------------------------------------------------------------------------
 

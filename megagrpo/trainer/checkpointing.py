@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from megagrpo.errors import MegagrpoError
@@ -50,32 +49,8 @@ def resolve(root: str | Path, resume: str) -> Path | None:
     return path
 
 
-def _init_adam_state(optimizer: Any) -> None:
-    """Give a fresh optimizer the zero Adam state it would have after construction on apex/TE.
-
-    Without apex or TE, megatron's DistributedOptimizer wraps torch Adam, whose state appears only at the
-    first step, and its `state_dict()` (needed to build the sharded state dict that a load fills) asserts
-    one common `step` over all parameters. A resume happens before any step, so the state is made here;
-    the load then overwrites every value.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if not inner.state.get(p):
-                    inner.state[p] = {
-                        "step": torch.zeros((), dtype=torch.float32),
-                        "exp_avg": torch.zeros_like(p),
-                        "exp_avg_sq": torch.zeros_like(p),
-                    }
-
-
 def load(learner: Any, path: str | Path) -> dict:
     """Load weights, optimizer, scheduler and RNG into `learner`; return the trainer state saved with them."""
-    if learner.optimizer is not None:
-        _init_adam_state(learner.optimizer)
     meta = load_checkpoint(
         path, learner.model, optimizer=learner.optimizer, scheduler=learner.scheduler, arch=learner.arch
     )

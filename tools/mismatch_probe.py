@@ -6,8 +6,9 @@
    round-trips ALL the sampler's weights through bfloat16 or `torch.float8_e4m3fn` (per-tensor scale)
    before sampling (synced into the running engine, then the original weights are put back). Several
    comma-separated injections reuse one engine start.
-2. Scores the same tokens with the megatron learner under every layout (`1`, `tpN`, `epN`, `ppN`, `etpN`
-   and combinations such as `tp2ep2`), each in its own `torchrun --standalone` run over all injections.
+2. Shuts the engine down (an idle SGLang scheduler busy-polls a core), then scores the same tokens with
+   the megatron learner under every layout (`1`, `tpN`, `epN`, `ppN`, `etpN` and combinations such as
+   `tp2ep2`), each in its own `torchrun --standalone` run over all injections.
    For MoE models each layout runs twice: free routing, and R3 (the sampler's routes replayed).
 3. Writes `DIR/mismatch_table.md`, `DIR/mismatch_table.json` (pairwise `mismatch_metrics` between the
    sampler and all layouts, per injection, plus routing/numeric attribution) and `DIR/dlogp.png`
@@ -406,18 +407,28 @@ def plot(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
+    lin = 1e-7  # fp32 rounding of a log-probability; below it Δlogp is noise
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 3.6), squeeze=False)
     for ax, (inject, batch) in zip(axes[0], batches.items()):
         mask = batch["loss_mask"].bool()
-        for layout, per in learner.items():
-            d = (per[inject]["free"] - batch["sampler_logp"])[mask].double()
-            # symlog x so fp32 noise (~1e-7) and fp8 errors (~1e-1) show on one axis
-            ax.hist(d.numpy(), bins=60, histtype="step", label=layout)
-        ax.set_xscale("symlog", linthresh=1e-6)
+        deltas = {
+            layout: (per[inject]["free"].double() - batch["sampler_logp"].double())[mask].numpy()
+            for layout, per in learner.items()
+        }
+        top = max([float(abs(d).max()) for d in deltas.values() if d.size] + [lin])
+        # log-spaced bins on both sides and one bin for |Δ| < lin: fp32 noise (~1e-7) and fp8 errors
+        # (~1e-2) show on one symlog axis
+        pos = np.logspace(np.log10(lin), np.log10(top * 1.01), 25) if top > lin else np.array([lin])
+        bins = np.concatenate([-pos[::-1], pos])
+        for layout, d in deltas.items():
+            ax.hist(d, bins=bins, histtype="step", label=layout)
+        ax.set_xscale("symlog", linthresh=lin)
         ax.set_yscale("log")
         ax.set_title(f"Δlogp learner − sampler, inject={inject}")
         ax.set_xlabel("log π − log μ")
+        ax.set_ylabel("tokens")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -425,6 +436,82 @@ def plot(
 
 
 # ---------------------------------------------------------------------------------------------- driver
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        raise MegagrpoError(f"--out {out}: the directory is not empty; pass a new or empty directory")
+
+
+def sample_batches(
+    engine: Any,
+    model_dir: str | Path,
+    prompts: Sequence[Any],
+    out: str | Path,
+    *,
+    injections: Sequence[str] = ("none",),
+    sampling: Any = None,
+    group_size: int = 1,
+    stall_report_s: float = 900.0,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Phase 1: one `rollout_batch` per injection with a started engine, each saved to
+    `out/rollouts/<inject>.pt`. If the sampling has not finished after `stall_report_s` seconds, every
+    thread's stack is written to stderr (the run goes on), so a stalled engine call says where it waits."""
+    import faulthandler
+
+    from megagrpo.rollout.config import SamplingConfig
+
+    out = Path(out)
+    sampling = sampling or SamplingConfig(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+    (out / "rollouts").mkdir(parents=True, exist_ok=True)
+    batches: dict[str, dict[str, torch.Tensor]] = {}
+    faulthandler.dump_traceback_later(stall_report_s, repeat=True, file=sys.stderr)
+    try:
+        for inject in injections:
+            batches[inject] = sample(
+                engine, model_dir, prompts, sampling, group_size=group_size, inject=inject
+            )
+            torch.save(batches[inject], out / "rollouts" / f"{inject}.pt")
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return batches
+
+
+def score_and_write(
+    model_dir: str | Path,
+    batches: dict[str, dict[str, torch.Tensor]],
+    layouts: Sequence[Layout],
+    out: str | Path,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Phase 2 (no engine needed; run it after the engine is shut down, since an idle SGLang scheduler
+    busy-polls a core): score the saved batches under every layout, write the table (md + json) and
+    the plot under `out`. Returns the JSON dict."""
+    from rich.progress import Progress
+
+    out = Path(out)
+    if not layouts:
+        raise MegagrpoError("--layouts is empty; pass e.g. --layouts 1,tp2,ep2")
+    paths = {inject: out / "rollouts" / f"{inject}.pt" for inject in batches}
+    learner: dict[str, dict[str, dict]] = {}
+    with Progress(disable=not progress, transient=False) as bar:
+        task = bar.add_task("learner", total=len(layouts))
+        for layout in layouts:
+            bar.update(task, description=f"learner layout {layout.name} ({layout.nproc} procs)")
+            learner[layout.name] = learner_logprobs(model_dir, paths, layout, out / "learner" / layout.name)
+            bar.advance(task)
+    results = {
+        "model_dir": str(model_dir),
+        "layouts": [asdict(lo) for lo in layouts],
+        "injections": {
+            inj: probe_results(batches[inj], {lo: learner[lo][inj] for lo in learner}) for inj in batches
+        },
+    }
+    (out / "mismatch_table.json").write_text(json.dumps(results, indent=1))
+    (out / "mismatch_table.md").write_text(markdown(results))
+    plot(batches, learner, out / "dlogp.png")
+    return results
 
 
 def run_probe(
@@ -439,47 +526,16 @@ def run_probe(
     group_size: int = 1,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Sample (one batch per injection) with a started engine, score under every layout, write the table
-    (md + json) and the plot under `out`. Returns the JSON dict."""
-    from rich.progress import Progress
-
-    from megagrpo.rollout.config import SamplingConfig
-
+    """Both phases with a started engine that stays up (library use); the CLI shuts its engine down
+    between them. Returns the JSON dict."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise MegagrpoError(f"--out {out}: the directory is not empty; pass a new or empty directory")
+    _check_out(out)
     if not layouts:
         raise MegagrpoError("--layouts is empty; pass e.g. --layouts 1,tp2,ep2")
-    sampling = sampling or SamplingConfig(max_new_tokens=16, temperature=1.0, ignore_eos=True)
-    (out / "rollouts").mkdir(parents=True)
-    batches: dict[str, dict[str, torch.Tensor]] = {}
-    paths: dict[str, Path] = {}
-    learner: dict[str, dict[str, dict]] = {}
-    with Progress(disable=not progress, transient=False) as bar:
-        task = bar.add_task("sampling", total=len(injections) + len(layouts))
-        for inject in injections:
-            bar.update(task, description=f"sampling (inject={inject})")
-            batches[inject] = sample(
-                engine, model_dir, prompts, sampling, group_size=group_size, inject=inject
-            )
-            paths[inject] = out / "rollouts" / f"{inject}.pt"
-            torch.save(batches[inject], paths[inject])
-            bar.advance(task)
-        for layout in layouts:
-            bar.update(task, description=f"learner layout {layout.name} ({layout.nproc} procs)")
-            learner[layout.name] = learner_logprobs(model_dir, paths, layout, out / "learner" / layout.name)
-            bar.advance(task)
-    results = {
-        "model_dir": str(model_dir),
-        "layouts": [asdict(lo) for lo in layouts],
-        "injections": {
-            inj: probe_results(batches[inj], {lo: learner[lo][inj] for lo in learner}) for inj in injections
-        },
-    }
-    (out / "mismatch_table.json").write_text(json.dumps(results, indent=1))
-    (out / "mismatch_table.md").write_text(markdown(results))
-    plot(batches, learner, out / "dlogp.png")
-    return results
+    batches = sample_batches(
+        engine, model_dir, prompts, out, injections=injections, sampling=sampling, group_size=group_size
+    )
+    return score_and_write(model_dir, batches, layouts, out, progress=progress)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -505,6 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise MegagrpoError(f"{model_dir}: no config.json; pass a Hugging Face model directory")
         layouts = parse_layouts(a.layouts)
         injections = parse_injections(a.inject)
+        out = Path(a.out)
+        _check_out(out)
         vocab = int(json.loads((model_dir / "config.json").read_text()).get("vocab_size", 1000))
         prompts = load_prompts(a.prompts, vocab_size=vocab, seed=a.seed)
         from megagrpo.compat import apply_cpu_compat
@@ -513,13 +571,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megagrpo.rollout import RolloutConfig, RolloutEngine
         from megagrpo.rollout.config import SamplingConfig
 
-        sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=True)
+        sampling = SamplingConfig(
+            max_new_tokens=a.max_new_tokens, temperature=a.temperature, ignore_eos=True, seed=a.seed
+        )
         cfg = RolloutConfig(str(model_dir), dtype="float32", max_total_tokens=4096, seed=a.seed)
         with RolloutEngine(cfg) as engine:
-            results = run_probe(
-                engine, model_dir, prompts, layouts, a.out, injections=injections, sampling=sampling,
-                group_size=a.group_size, progress=not a.no_progress,
+            batches = sample_batches(
+                engine, model_dir, prompts, out, injections=injections, sampling=sampling,
+                group_size=a.group_size,
             )  # fmt: skip
+        results = score_and_write(model_dir, batches, layouts, out, progress=not a.no_progress)
     except MegagrpoError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

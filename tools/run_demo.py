@@ -14,18 +14,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+STOPPED = 75  # megagrpo's exit code after a signal-triggered checkpoint (trainer.signals.REQUEUE_EXIT_CODE)
 sys.path.insert(0, str(REPO))
 
 
 def run(cmd: list[str]) -> int:
     print("$", " ".join(cmd), flush=True)
-    return subprocess.call(cmd, cwd=REPO)
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    # Ctrl-C reaches the child too (same process group); it checkpoints at the next step boundary and
+    # exits 75. This process must neither die first nor kill it, which subprocess.call would do.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (sft_out / "config.json").exists():
         code = run([*cli, "sft", a.config, *a.overrides, "--resume", "auto"])
         if code:
+            if code == STOPPED:
+                print("\nstopped with a checkpoint; `make demo` again resumes", flush=True)
             return code
     code = run([*cli, "train", a.config, *a.overrides, "--resume", "auto"])
     run_dir = REPO / cfg.logging.out_dir
@@ -67,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"report:      {run_dir / 'report.png'}  and  {run_dir / 'report.md'}")
     print(f"checkpoints: {REPO / cfg.checkpoint.dir}")
     print(f"wall time:   {time.time() - t0:.0f} s")
+    if code == STOPPED:
+        print("stopped with a checkpoint; `make demo` again resumes", flush=True)
     return code
 
 

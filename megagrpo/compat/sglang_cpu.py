@@ -19,6 +19,19 @@ What is patched, and why (each through `megagrpo.compat.patching.replace`, which
   accelerator" is still `cuda`, so `get_device_module()` returns `torch.cuda` and the scheduler's
   `release_memory_occupation` crashes on `torch.get_device_module().synchronize()`. Without an argument it
   now returns `torch.cpu` when no accelerator is available (what torch's own docstring promises).
+* `SamplingBatchInfo.from_schedule_batch`: SGLang honours a request's `sampling_seed` only under
+  `enable_deterministic_inference`, and that mode insists on a GPU attention backend (fa3, flashinfer,
+  triton), so the CPU engine cannot enable it. Its seeded sampler itself (`multinomial_with_seed`: a Gumbel
+  draw hashed from seed and position) is plain torch. The replacement fills the batch's seed tensor on
+  every batch, so a run's rollouts are a function of its seeds and a resumed run repeats them exactly; a
+  request without a seed gets one drawn from the scheduler's torch RNG (unseeded requests stay random
+  and independent of each other, instead of all sharing upstream's fallback seed 42).
+* `murmur_hash32` (in `sglang.kernels.ops.sampling.murmur_hash` and as imported by `sglang.srt.layers.sampler`):
+  the seeded sampler's hash of (seed, position, token id). On CPU tensors upstream calls the CPU sgl-kernel
+  op, absent here; `murmur_hash32_torch` computes the same MurmurHash3 (x86, 32-bit, seed 0) of the
+  16-byte key in int64 torch arithmetic. `multinomial_with_seed` is swapped for its undecorated original,
+  because its `torch.compile` would build C++ with inductor in every scheduler process for a few
+  elementwise ops.
 
 Subprocesses. `sglang.Engine` starts its scheduler (one per TP rank) with `multiprocessing` in `spawn` mode,
 so the child is a fresh interpreter: patches made in the parent are gone there. Two things make them
@@ -151,6 +164,59 @@ def get_device_module(device: Any = None) -> types.ModuleType:
     return _upstream_get_device_module(device)
 
 
+def seeded_from_schedule_batch(cls: Any, batch: Any, vocab_size: int) -> Any:
+    """`SamplingBatchInfo.from_schedule_batch` with per-request seeds always filled (see the module doc)."""
+    patching.hit("SamplingBatchInfo.from_schedule_batch")
+    for r in batch.reqs:
+        if r.sampling_params.sampling_seed is None:
+            # Stored on the request, so every later batch that holds it samples with the same seed.
+            r.sampling_params.sampling_seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    info = _UPSTREAM_FROM_SCHEDULE_BATCH.__func__(cls, batch, vocab_size)
+    if info.sampling_seed is None:
+        info.sampling_seed = torch.tensor(
+            [r.sampling_params.sampling_seed for r in batch.reqs], dtype=torch.int64, device=batch.device
+        )
+    return info
+
+
+_UPSTREAM_FROM_SCHEDULE_BATCH: Any = None
+
+_M32 = 0xFFFFFFFF
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _murmur_block(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    # int64 products wrap modulo 2**64, which keeps the low 32 bits exact.
+    k = (k * 0xCC9E2D51) & _M32
+    k = (_rotl32(k, 15) * 0x1B873593) & _M32
+    h = _rotl32(h ^ k, 13)
+    return (h * 5 + 0xE6546B64) & _M32
+
+
+def murmur_hash32_torch(
+    seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor
+) -> torch.Tensor:
+    """MurmurHash3 x86_32 (seed 0) of the 16-byte key (seed low, seed high, position, column), for every
+    row's seed/position and every column: int64 `[n, m]` holding values in [0, 2**32).
+
+    seed `[n]` (int64/uint64, non-negative), positions `[n]`, col_indices `[m]`."""
+    seed = seed.to(torch.int64)
+    h = torch.zeros_like(seed)
+    h = _murmur_block(h, seed & _M32)
+    h = _murmur_block(h, (seed >> 32) & _M32)
+    h = _murmur_block(h, positions.to(torch.int64) & _M32)
+    h = _murmur_block(h[:, None], (col_indices.to(torch.int64) & _M32)[None, :])
+    h = h ^ 16  # the key length
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
 def _check_not_imported_too_early() -> None:
     common = sys.modules.get("sglang.srt.utils.common")
     if common is not None and not common.is_cpu():
@@ -191,6 +257,40 @@ def apply() -> None:
     # already materialised for "cpu" would keep the old function.
     if pool_host_common.ALLOC_MEMORY_FUNCS.get("cpu") is not None:
         pool_host_common.ALLOC_MEMORY_FUNCS["cpu"] = pool_host_common.alloc_with_host_register
+
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    global _UPSTREAM_FROM_SCHEDULE_BATCH
+    if _UPSTREAM_FROM_SCHEDULE_BATCH is None:
+        _UPSTREAM_FROM_SCHEDULE_BATCH = SamplingBatchInfo.__dict__["from_schedule_batch"]
+    replace(
+        SamplingBatchInfo,
+        "from_schedule_batch",
+        classmethod(seeded_from_schedule_batch),
+        reason="SamplingBatchInfo.from_schedule_batch: per-request sampling_seed is dropped unless "
+        "enable_deterministic_inference, which needs a GPU attention backend; seeds are always filled",
+        count_hits=False,
+    )
+
+    from sglang.kernels.ops.sampling import murmur_hash
+    from sglang.srt.layers import sampler
+
+    for owner in (murmur_hash, sampler):
+        replace(
+            owner,
+            "murmur_hash32",
+            murmur_hash32_torch,
+            reason="murmur_hash32: on CPU tensors it calls torch.ops.sgl_kernel.murmur_hash32_cpu, which the "
+            "PyPI sgl-kernel lacks; the same hash in torch",
+        )
+    replace(
+        sampler,
+        "multinomial_with_seed",
+        getattr(sampler.multinomial_with_seed, "_torchdynamo_orig_callable", sampler.multinomial_with_seed),
+        reason="sampler.multinomial_with_seed: its torch.compile would build C++ with inductor in every "
+        "scheduler process; the undecorated function",
+        count_hits=False,
+    )
 
     from sglang.srt.entrypoints.engine import Engine
 

@@ -86,6 +86,7 @@ def save_checkpoint(
     consumed_samples: int = 0,
     arch: Any | None = None,
     extra: dict[str, Any] | None = None,
+    side_files: list[str | os.PathLike[str]] = (),
 ) -> Path:
     """Save atomically to `path` (collective: every rank calls it with the same arguments).
 
@@ -93,6 +94,8 @@ def save_checkpoint(
     optimizer / scheduler: megatron's optimizer and `OptimizerParamScheduler`, or None for weights only.
     arch: the `ModelArch` (stored so a load can check it and tools can rebuild the model).
     extra: JSON-serialisable caller state (e.g. the trainer's data position), returned by `read_meta`.
+    side_files: files copied in beside the shards before publishing (the HF config and tokenizer, so a
+    converter or an evaluation can use the checkpoint without the original model directory).
     Returns the final path. An existing checkpoint at `path` is replaced only once the new one is complete.
     """
     from megatron.core import dist_checkpointing
@@ -125,6 +128,8 @@ def save_checkpoint(
         torch.save(_rng_state(), tmp / RNG_DIR / f"rank{rank}.pt")
         dist.barrier()
         if rank == 0:
+            for f in side_files:
+                shutil.copy2(f, tmp / Path(f).name)
             meta = CheckpointMeta(
                 step=int(step),
                 consumed_samples=int(consumed_samples),

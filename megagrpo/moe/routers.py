@@ -109,6 +109,20 @@ class RouterTaps:
             h.remove()
         self._handles.clear()
 
+    def state_dict(self) -> dict:
+        """What must survive a checkpoint: the drift tracker's previous load (JSON-serialisable)."""
+        drift = self.state.get("drift")
+        return {"drift": None if drift is None else drift.state_dict()}
+
+    def load_state_dict(self, st: dict) -> None:
+        from megagrpo.moe.stats import LoadDriftTracker
+
+        self.state.pop("drift", None)
+        if st.get("drift") is not None:
+            tracker = LoadDriftTracker()
+            tracker.load_state_dict(st["drift"])
+            self.state["drift"] = tracker
+
     def reset_replay(self) -> None:
         """Forget every queued/recorded route and action (between passes)."""
         for slot in self.slots:

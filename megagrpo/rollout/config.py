@@ -32,7 +32,8 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()  # stop strings; the stop string itself is kept in the output
-    # Per-request seed (SGLang `sampling_seed`). SGLang honours it only with enable_deterministic_inference,
-    # which needs a GPU attention backend; on the CPU engine sampling follows RolloutConfig.seed instead.
+    # Base of the per-request seeds (SGLang `sampling_seed`): request k of a call samples with `seed + k`,
+    # so a call repeats exactly. Honoured on the CPU engine (megagrpo.compat.sglang_cpu) and on GPU under
+    # SGLang's enable_deterministic_inference; None: the scheduler's RNG decides.
     seed: int | None = None
     ignore_eos: bool = False

@@ -19,6 +19,8 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,18 +148,22 @@ class RolloutEngine:
         self.tokenizer = self._engine.tokenizer_manager.tokenizer
         return self
 
-    def _forget_sigterm(self) -> None:
+    def _forget_sigterm(self, host_handler: Any) -> None:
         """Leave SIGTERM to the host process. On its first request SGLang's tokenizer manager registers a
         SIGTERM callback on its event loop that drains and then exits the whole process with status 0,
-        which would defeat the trainer's checkpoint-on-SIGTERM (Slurm preemption). Only that loop entry
-        is dropped: the process's signal disposition stays whatever the host installed, and SGLang's
-        SIGQUIT handling (a child died) is kept."""
-        import signal
-
+        which would defeat the trainer's checkpoint-on-SIGTERM (Slurm preemption). Only that callback is
+        removed and the host's handler (read before the request) put back; SGLang's SIGQUIT handling (a
+        child died) is kept. The loop is a uvloop loop, whose signal table is not visible from Python and
+        which removes a handler only from inside the running loop."""
         loop = getattr(self._engine.tokenizer_manager, "event_loop", None)
-        handlers = getattr(loop, "_signal_handlers", None)
-        if isinstance(handlers, dict):
-            handlers.pop(signal.SIGTERM, None)
+        if loop is None or threading.current_thread() is not threading.main_thread():
+            return
+
+        async def remove() -> bool:
+            return loop.remove_signal_handler(signal.SIGTERM)
+
+        if loop.run_until_complete(remove()) and host_handler is not None:
+            signal.signal(signal.SIGTERM, host_handler)
 
     def shutdown(self) -> None:
         """Stop the engine and every process it started; idempotent."""
@@ -323,6 +329,7 @@ class RolloutEngine:
                 seed = None if sampling.seed is None else sampling.seed + i * group_size + g
                 params.append(self._sampling_params(sampling, seed))
         want_routes = bool(self.engine.server_args.enable_return_routed_experts)
+        host_sigterm = signal.getsignal(signal.SIGTERM)
         outs = self.engine.loop.run_until_complete(
             self.engine.async_generate(
                 input_ids=batch_ids,
@@ -331,7 +338,7 @@ class RolloutEngine:
                 return_routed_experts=want_routes,
             )
         )
-        self._forget_sigterm()
+        self._forget_sigterm(host_sigterm)
         if isinstance(outs, dict):
             outs = [outs]
         groups: list[list[Completion]] = []
@@ -369,6 +376,7 @@ class RolloutEngine:
                 raise MegagrpoError(
                     f"sequences[{i}] has {len(s)} tokens; score needs 2 .. {self.context_len - 1}"
                 )
+        host_sigterm = signal.getsignal(signal.SIGTERM)
         outs = self.engine.loop.run_until_complete(
             self.engine.async_generate(
                 input_ids=ids,
@@ -377,6 +385,7 @@ class RolloutEngine:
                 logprob_start_len=0,
             )
         )
+        self._forget_sigterm(host_sigterm)
         if isinstance(outs, dict):
             outs = [outs]
         result = []

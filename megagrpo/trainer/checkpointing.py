@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megagrpo.bridge.hf_io import SIDE_FILES
 from megagrpo.errors import MegagrpoError
 from megagrpo.learner.checkpoint import (
     latest_checkpoint,
@@ -22,8 +23,20 @@ from megagrpo.learner.checkpoint import (
 )
 
 
-def save(learner: Any, root: str | Path, step: int, extra: dict, *, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+def save(
+    learner: Any,
+    root: str | Path,
+    step: int,
+    extra: dict,
+    *,
+    keep_last: int,
+    hf_dir: str | Path | None = None,
+) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory. `hf_dir`'s config.json and
+    tokenizer files travel with the checkpoint, so `convert_megatron_to_hf` can turn it into a full HF model."""
+    side = []
+    if hf_dir is not None:
+        side = [Path(hf_dir) / n for n in ("config.json", *SIDE_FILES) if (Path(hf_dir) / n).is_file()]
     path = save_checkpoint(
         step_dir(root, step),
         learner.model,
@@ -32,6 +45,7 @@ def save(learner: Any, root: str | Path, step: int, extra: dict, *, keep_last: i
         step=step,
         arch=learner.arch,
         extra=extra,
+        side_files=side,
     )
     if not dist.is_initialized() or dist.get_rank() == 0:
         prune_checkpoints(root, keep_last)

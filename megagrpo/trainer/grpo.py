@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megagrpo.algo.advantages import gdpo, group_advantages
 from megagrpo.algo.aggregation import loss_normaliser
@@ -70,7 +71,21 @@ class GRPOTrainer(Session):
         st = super().extra_state()
         st["tis_cap"] = self.tis_cap.state_dict() if self.tis_cap else None
         st["mis_cap"] = self.mis_cap.state_dict() if self.mis_cap else None
+        st["router_taps"] = self._gather_router_state()
         return st
+
+    def _gather_router_state(self) -> list | None:
+        """Collective: every rank's router state (its pipeline stage's layers), indexed by global rank."""
+        if not self.learner.arch.is_moe:
+            return None
+        from megagrpo.moe.routers import router_taps
+
+        mine = router_taps(self.learner).state_dict()
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return [mine]
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, mine)
+        return out
 
     def load_extra_state(self, st: dict) -> None:
         super().load_extra_state(st)
@@ -78,6 +93,14 @@ class GRPOTrainer(Session):
             self.tis_cap.load_state_dict(st["tis_cap"])
         if self.mis_cap and st.get("mis_cap"):
             self.mis_cap.load_state_dict(st["mis_cap"])
+        per_rank = st.get("router_taps")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # A different world size means different stages per rank: the drift baseline restarts, which only
+        # costs moe/load_drift for the first resumed step.
+        if self.learner.arch.is_moe and per_rank and len(per_rank) == world:
+            from megagrpo.moe.routers import router_taps
+
+            router_taps(self.learner).load_state_dict(per_rank[dist.get_rank() if world > 1 else 0])
 
     # -- one step ----------------------------------------------------------------------------------
 

@@ -4,10 +4,12 @@ engine (rank 0), prompts, rewards, metric sinks, evaluation, checkpoints, signal
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,13 @@ from megagrpo.trainer.weights import export_buckets, load_hf_into_learner
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def request_seed_base(seed: int, step: int, call: int) -> int:
+    """Seed base of one engine call: a hash, so no two (step, call) pairs share request seeds, and a
+    resumed run draws exactly the rollouts the uninterrupted one drew."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{call}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big")
 
 
 def broadcast_from_rank0(obj: Any) -> Any:
@@ -54,7 +63,7 @@ class Session:
         self.cfg = cfg
         self.resume_arg = resume if resume is not None else cfg.checkpoint.resume
         self.model_path = str(self.initial_model_path())
-        self.out_dir = Path(cfg.logging.out_dir)
+        self.out_dir = Path(self.output_dir())
         self.ckpt_root = Path(self.checkpoint_dir())
         self.arch = arch_from_hf(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
@@ -83,6 +92,7 @@ class Session:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         load_hf_into_learner(self.learner, self.model_path)
         self.step = 0
+        self._calls = 0  # engine calls within the current step: part of each call's sampling seed
         self.history: list[dict[str, float]] = []
         self.engine = None
         self.rewards = None
@@ -106,11 +116,17 @@ class Session:
 
     # -- stage-specific choices --------------------------------------------------------------------
 
+    # A resumed run re-logs the steps after its checkpoint, so those records are dropped first.
+    rewrites_log_on_resume = True
+
     def initial_model_path(self) -> str:
         return self.cfg.model.hf_path
 
     def checkpoint_dir(self) -> str:
         return self.cfg.checkpoint.dir
+
+    def output_dir(self) -> str | Path:
+        return self.cfg.logging.out_dir
 
     def data_config(self):
         return self.cfg.data
@@ -168,6 +184,8 @@ class Session:
         return c.text
 
     def generate_tracked(self, draw, sampling, group_size):
+        sampling = replace(sampling, seed=request_seed_base(self.cfg.schedule.seed, self.step, self._calls))
+        self._calls += 1
         groups = self.engine.generate(draw, sampling, group_size)
         for ids, group in zip(draw, groups):
             text, sample = self._pending.pop(id(ids))
@@ -238,6 +256,7 @@ class Session:
             self.step,
             self.extra_state(),
             keep_last=self.cfg.checkpoint.keep_last,
+            hf_dir=self.cfg.model.hf_path,
         )
         return path
 
@@ -250,7 +269,8 @@ class Session:
             return
         st = checkpointing.load(self.learner, path)
         self.load_extra_state(st)
-        self.logger.truncate_after(self.step)
+        if self.rewrites_log_on_resume:
+            self.logger.truncate_after(self.step)
         if self.engine is not None or self.needs_engine:
             self.sync_weights()  # the engine started from the HF weights; give it the checkpoint's
         if self.rank0:
@@ -280,6 +300,7 @@ class Session:
                 while self.step < total:
                     if self._stop_agreed():
                         break
+                    self._calls = 0
                     metrics = step_fn()
                     self.step += 1
                     if (

@@ -80,3 +80,51 @@ def test_compat_patches_in_process(sglang_engine):
     assert torch.get_device_module() is torch.cpu
     assert torch.get_device_module("cuda") is torch.cuda
     assert HITS["torch.get_device_module"] >= before + 2  # the engine's threads may call it too
+
+
+def test_seeded_requests_repeat_and_group_members_differ(sglang_engine, sglang_hits_dir):
+    """Request k of a call samples with seed + k (the compat layer honours SGLang's sampling_seed on CPU):
+    the same call repeats token for token, group members differ, and another seed gives other samples."""
+    from megagrpo.compat.sglang_cpu import read_child_hits
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+
+    def outputs(seed):
+        cfg = SamplingConfig(max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=seed)
+        groups = sglang_engine.generate(prompts, cfg, group_size=4)
+        return [c.output_ids.tolist() for g in groups for c in g], [c.logprobs for g in groups for c in g]
+
+    ids_a, lp_a = outputs(1234)
+    ids_b, lp_b = outputs(1234)
+    ids_c, _ = outputs(98765)
+    assert ids_a == ids_b
+    assert all(torch.equal(x, y) for x, y in zip(lp_a, lp_b))
+    assert len({tuple(x) for x in ids_a[:4]}) > 1  # members of one group are independent draws
+    assert ids_c != ids_a
+    hits = read_child_hits(sglang_hits_dir)
+    assert hits.get("SamplingBatchInfo.from_schedule_batch")
+    assert hits.get("sglang.srt.layers.sampler.murmur_hash32")
+
+
+def test_the_host_keeps_sigterm_after_a_request(sglang_engine):
+    """SGLang registers a drain-and-exit SIGTERM callback on its loop at the first request; the engine
+    removes it, so the trainer's own handler (checkpoint, then exit 75) is the one installed afterwards."""
+    import signal
+
+    def host(signum, frame):  # pragma: no cover - never delivered here
+        raise AssertionError("not expected")
+
+    old = signal.signal(signal.SIGTERM, host)
+    try:
+        sglang_engine.generate([[5, 6, 7]], SamplingConfig(max_new_tokens=2), group_size=1)
+        assert signal.getsignal(signal.SIGTERM) is host
+        sglang_engine.score([[5, 6, 7, 8]])
+        assert signal.getsignal(signal.SIGTERM) is host
+        loop = sglang_engine.engine.tokenizer_manager.event_loop
+
+        async def still_registered() -> bool:  # uvloop removes (and reports) a handler only while running
+            return loop.remove_signal_handler(signal.SIGTERM)
+
+        assert loop.run_until_complete(still_registered()) is False
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.integration.run_metrics import last_record_per_step, step_differences
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = ("rollout/", "reward/", "adv/", "loss/", "mismatch/", "moe/", "sync/", "perf/", "eval/")
@@ -54,6 +57,7 @@ def write_config(tmp: Path, model: Path, **over) -> Path:
         for p in path:
             node = node.setdefault(p, {})
         node[leaf] = value
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -113,6 +117,25 @@ def test_a_raising_reward_is_counted_and_never_stops_the_run(two_step_run):
     assert all(r["loss/tokens"] > 0 or r.get("rollout/skipped_step") == 1 for r in steps)
 
 
+def test_eval_of_a_checkpoint_repeats_the_runs_own_evaluation(two_step_run):
+    """`megagrpo eval --resume step_2` scores the held-out set greedily with the step-2 weights: the same
+    numbers the training run logged at step 2, written under run/eval/ without touching the run's log."""
+    tmp, res = two_step_run
+    assert res.returncode == 0
+    before = (tmp / "run" / "metrics.jsonl").read_text()
+    ev = cli("eval", str(tmp / "config.yaml"), "--resume", str(tmp / "ckpt" / "step_00000002"))
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    (rec,) = records(tmp / "run" / "eval")
+    train2 = records(tmp / "run")[-1]
+    assert rec["step"] == train2["step"] == 2
+    for k in ("eval/accuracy", "eval/reward_mean", "eval/response_len_mean", "eval/prompts"):
+        assert rec[k] == train2[k], k
+    assert (tmp / "run" / "metrics.jsonl").read_text() == before
+    # The checkpoint carries the HF config and tokenizer, so it converts to a complete HF model.
+    ckpt = tmp / "ckpt" / "step_00000002"
+    assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
+
+
 def test_sigterm_checkpoints_and_exits_for_requeue(tmp_path, moe_model):
     cfg = write_config(
         tmp_path, moe_model, schedule__steps=200, schedule__save_every=0, schedule__eval_every=0
@@ -145,6 +168,47 @@ def test_sigterm_checkpoints_and_exits_for_requeue(tmp_path, moe_model):
     assert last < 200
 
 
+def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path, moe_model):
+    """A runs 3 steps through. B is SIGKILLed (with its engine's processes) once its step-1 checkpoint is
+    complete, then resumed with `--resume auto`: every step's metrics must equal A's exactly."""
+    over = {"schedule__steps": 3, "schedule__save_every": 1, "schedule__eval_every": 3, "replay": "R3"}
+    cfg_a = write_config(tmp_path / "a", moe_model, **over)
+    cfg_b = write_config(tmp_path / "b", moe_model, **over)
+    res_a = cli("train", str(cfg_a))
+    assert res_a.returncode == 0, res_a.stderr[-3000:]
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megagrpo.cli", "train", str(cfg_b)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # one process group: the kill takes SGLang's scheduler children too
+    )
+    first = tmp_path / "b" / "ckpt" / "step_00000001" / "meta.json"
+    try:
+        deadline = time.monotonic() + 600
+        while not first.exists():
+            assert proc.poll() is None, "B ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint in 600 s"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    killed_after = max(r["step"] for r in records(tmp_path / "b" / "run"))
+    assert killed_after < 3, "B finished before the kill: nothing was resumed"
+
+    res_b = cli("train", str(cfg_b), "--resume", "auto")
+    assert res_b.returncode == 0, res_b.stderr[-3000:]
+    assert re.search(r"resumed from \S+ at step [12]\b", res_b.stdout), res_b.stdout[-2000:]
+    ma, mb = last_record_per_step(tmp_path / "a" / "run"), last_record_per_step(tmp_path / "b" / "run")
+    assert sorted(ma) == sorted(mb) == [0, 1, 2, 3]
+    assert any(ma[s]["loss/grad_norm"] > 0 for s in (1, 2, 3)), "no step moved the policy: vacuous comparison"
+    assert "moe/load_drift" in mb[3] and "mismatch/tis_cap" in mb[3]  # restored tracker and adaptive cap
+    assert step_differences(ma, mb, [0, 1, 2, 3]) == {}
+
+
 def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
     for over, expected in (
         ({"algo__variant": "ppo"}, "algo.variant: 'ppo' is not one of"),
@@ -159,13 +223,18 @@ def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
 def test_two_processes_expert_parallel(tmp_path, moe_model):
     """The same loop on an EP2 mesh (torchrun, 2 ranks): rank 0 samples, both ranks train and export."""
     cfg = write_config(
-        tmp_path, moe_model, schedule__steps=1, schedule__eval_every=0, schedule__save_every=1, replay="R3"
+        tmp_path, moe_model, schedule__steps=2, schedule__eval_every=2, schedule__save_every=2, replay="R3"
     )
     res = cli("train", str(cfg), "mesh.ep=2", "--nproc", "2")
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-    (rec,) = records(tmp_path / "run")
-    assert rec["step"] == 1 and rec["loss/tokens"] > 0
+    recs = records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    keys = set().union(*recs)
+    for group in GROUPS:
+        assert any(k.startswith(group) for k in keys), f"no {group} metric in {sorted(keys)}"
+    rec = recs[1]
+    assert rec["loss/tokens"] > 0
     assert rec["moe/agreement_rollout_old"] > 0.99  # same weights: the learner routes as the sampler did
     assert rec["moe/replay_fallback_tokens"] == 0 and rec["moe/replay_unconsumed"] == 0
     assert rec["sync/bytes"] > 0
-    assert (tmp_path / "ckpt" / "step_00000001" / "meta.json").is_file()
+    assert (tmp_path / "ckpt" / "step_00000002" / "meta.json").is_file()

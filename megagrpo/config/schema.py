@@ -740,6 +740,12 @@ class SyncConfig(Section):
     checksum: bool = Field(
         default=False, description="Verify after every sync that the engine holds what the learner sent."
     )
+    pack: bool = Field(
+        default=True,
+        description="CPU engine with rollout.engine_tp 1: send each bucket already in SGLang's fused "
+        "parameter layout through one shared buffer (sync time linear in bytes); false sends HF-named "
+        "tensors through SGLang's load_weights, for debugging or a layout the packer does not cover.",
+    )
 
 
 class SftConfig(Section):

@@ -134,6 +134,14 @@ class RewardRunner:
             )
             log.warning("reward %r on completion %d scored 0: %s%s", name, i, what, tail)
 
+    def state_dict(self) -> dict:
+        """The run-long counters (`reward/errors_total`, `reward/timeouts_total`), for checkpoints."""
+        return {"total_errors": self.total_errors, "total_timeouts": self.total_timeouts}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.total_errors = int(st["total_errors"])
+        self.total_timeouts = int(st["total_timeouts"])
+
     def close(self) -> None:
         self.pool.close()
 

@@ -1,4 +1,4 @@
-"""HF checkpoint tensors -> the parameters SGLang holds after loading them (TP=1), for checksums.
+"""HF checkpoint tensors -> the parameters SGLang holds after loading them (TP=1): names, shapes, fusion.
 
 SGLang fuses some HF tensors when it loads them (llama/qwen2/qwen3/qwen3_moe/mixtral families):
   q_proj, k_proj, v_proj        -> self_attn.qkv_proj   (concatenated on dim 0, order q, k, v)
@@ -6,14 +6,19 @@ SGLang fuses some HF tensors when it loads them (llama/qwen2/qwen3/qwen3_moe/mix
   experts.{e}.gate_proj/up_proj -> mlp.experts.w13_weight [E, 2I, H]  (per expert: gate rows, then up rows)
   experts.{e}.down_proj         -> mlp.experts.w2_weight  [E, H, I]
   (Mixtral: w1 = gate, w3 = up, w2 = down, under block_sparse_moe.)
-Every other tensor keeps its HF name. `sglang_params` builds these fused tensors from a full set of HF
-tensors; a fused parameter is only built when all of its parts are present.
+Every other tensor keeps its HF name.
+
+Every fusion above is a concatenation on dim 0 of the parts, in `FusedParam.parts` order, into the fused
+tensor viewed as `[-1, *part.shape[1:]]`: w13 is `[g_0; u_0; g_1; u_1; ...]` as `[E*2I, H]` and w2 is
+`[d_0; d_1; ...]` as `[E*H, I]`. `fuse_into` therefore fills any fused parameter with ONE torch op, whatever
+the number of experts.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -22,40 +27,110 @@ _DENSE = re.compile(r"^(.*\.mlp\.)(gate|up)_proj\.weight$")
 _EXPERT = re.compile(
     r"^(.*\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
-_W13 = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
+_GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
+
+
+@dataclass(frozen=True)
+class FusedParam:
+    """One SGLang parameter (TP=1) and the HF tensors it is built from, concatenated on dim 0 in this order."""
+
+    name: str  # SGLang parameter name, e.g. model.layers.0.mlp.experts.w13_weight
+    parts: tuple[str, ...]  # HF checkpoint names, in fill order (a single name: a plain copy)
+    shape: tuple[int, ...]  # the SGLang parameter's shape
+
+
+def _concat(name: str, parts: Sequence[str], shapes: Mapping[str, tuple[int, ...]]) -> FusedParam:
+    first = shapes[parts[0]]
+    rows = sum(shapes[p][0] for p in parts)
+    return FusedParam(name, tuple(parts), (rows, *first[1:]))
+
+
+def sglang_plan(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam]:
+    """{SGLang parameter name: FusedParam} for a set of HF tensor shapes (full, unsharded: TP=1).
+
+    A group whose parts are not all present (or not shape-compatible) is left unfused: each of its HF
+    tensors becomes its own entry under its HF name (which the engine may not hold; callers check).
+    """
+    plan: dict[str, FusedParam] = {}
+    attn: dict[tuple[str, str], dict[str, str]] = {}
+    dense: dict[str, dict[str, str]] = {}
+    experts: dict[str, dict[int, dict[str, str]]] = {}
+    for name in shapes:
+        if m := _ATTN.match(name):
+            attn.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = name
+        elif m := _EXPERT.match(name):
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = name
+        elif m := _DENSE.match(name):
+            dense.setdefault(m.group(1), {})[m.group(2)] = name
+        else:
+            plan[name] = FusedParam(name, (name,), tuple(shapes[name]))
+
+    def unfused(parts: list[str]) -> None:
+        for p in parts:
+            plan[p] = FusedParam(p, (p,), tuple(shapes[p]))
+
+    def fused(name: str, parts: list[str]) -> None:
+        if all(len(shapes[p]) >= 1 for p in parts) and len({tuple(shapes[p][1:]) for p in parts}) == 1:
+            plan[name] = _concat(name, parts, shapes)
+        else:
+            unfused(parts)
+
+    for (prefix, kind), parts in attn.items():
+        if set(parts) == {"q", "k", "v"}:
+            fused(f"{prefix}qkv_proj.{kind}", [parts["q"], parts["k"], parts["v"]])
+        else:
+            unfused(list(parts.values()))
+    for prefix, parts in dense.items():
+        if set(parts) == {"gate", "up"}:
+            fused(f"{prefix}gate_up_proj.weight", [parts["gate"], parts["up"]])
+        else:
+            unfused(list(parts.values()))
+    for prefix, per_expert in experts.items():
+        n = max(per_expert) + 1
+        w13: list[str] = []
+        w2: list[str] = []
+        for e in range(n):
+            kinds = per_expert.get(e, {})
+            gate = next((kinds[k] for k in _GATE if k in kinds), None)
+            up = next((kinds[k] for k in _UP if k in kinds), None)
+            down = next((kinds[k] for k in _DOWN if k in kinds), None)
+            if gate is None or up is None or down is None or len(kinds) != 3:
+                break
+            w13 += [gate, up]
+            w2.append(down)
+        else:
+            gu, d = tuple(shapes[w13[0]]), tuple(shapes[w2[0]])
+            if (
+                len(gu) == 2
+                and all(tuple(shapes[p]) == gu for p in w13)
+                and all(tuple(shapes[p]) == d for p in w2)
+            ):
+                w13_name, w2_name = f"{prefix}w13_weight", f"{prefix}w2_weight"
+                plan[w13_name] = FusedParam(w13_name, tuple(w13), (n, 2 * gu[0], gu[1]))
+                plan[w2_name] = FusedParam(w2_name, tuple(w2), (n, *d))
+                continue
+        unfused([p for kinds in per_expert.values() for p in kinds.values()])
+    return plan
+
+
+def fuse_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Write `parts` concatenated on dim 0 into the contiguous `out` (one op; casts to out's dtype)."""
+    if len(parts) == 1:
+        return out.copy_(parts[0].reshape(out.shape))
+    rows = sum(p.shape[0] for p in parts)
+    torch.cat(list(parts), 0, out=out.view(rows, *parts[0].shape[1:]))
+    return out
 
 
 def sglang_params(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{SGLang parameter name: tensor} for the HF tensors given (full, unsharded: TP=1)."""
+    """{SGLang parameter name: tensor} for the HF tensors given (full, unsharded: TP=1).
+
+    Only fully present groups are fused; members of partial groups appear under their HF names.
+    """
+    plan = sglang_plan({n: tuple(t.shape) for n, t in hf.items()})
     out: dict[str, torch.Tensor] = {}
-    attn: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    dense: dict[str, dict[str, torch.Tensor]] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, t in hf.items():
-        if m := _ATTN.match(name):
-            attn.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = t
-        elif m := _EXPERT.match(name):
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-        elif m := _DENSE.match(name):
-            dense.setdefault(m.group(1), {})[m.group(2)] = t
-        else:
-            out[name] = t
-    for (prefix, kind), parts in attn.items():
-        if set(parts) == {"q", "k", "v"}:
-            out[f"{prefix}qkv_proj.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], 0)
-    for prefix, parts in dense.items():
-        if set(parts) == {"gate", "up"}:
-            out[f"{prefix}gate_up_proj.weight"] = torch.cat([parts["gate"], parts["up"]], 0)
-    for prefix, per_expert in experts.items():
-        n = max(per_expert) + 1
-        if sorted(per_expert) != list(range(n)) or any(len(p) != 3 for p in per_expert.values()):
-            continue
-        w13, w2 = [], []
-        for e in range(n):
-            parts = per_expert[e]
-            up_gate = sorted((k for k in parts if k in _W13), key=_W13.__getitem__)
-            w13.append(torch.cat([parts[k] for k in up_gate], 0))
-            w2.append(parts["down_proj" if "down_proj" in parts else "w2"])
-        out[f"{prefix}w13_weight"] = torch.stack(w13)
-        out[f"{prefix}w2_weight"] = torch.stack(w2)
+    for name, fp in plan.items():
+        parts = [hf[p] for p in fp.parts]
+        dst = torch.empty(fp.shape, dtype=parts[0].dtype)
+        out[name] = fuse_into(dst, parts)
     return out

@@ -204,7 +204,9 @@ class Session:
         metrics: dict[str, float] = {}
         if self.rank0:
             self.engine.resume(["weights"])
-            stats = sync_weights(self.engine, buckets, checksum=self.cfg.sync.checksum)
+            stats = sync_weights(
+                self.engine, buckets, checksum=self.cfg.sync.checksum, pack=self.cfg.sync.pack
+            )
             self.engine.resume(["kv_cache"])
             metrics = stats.metrics()
         else:
@@ -243,11 +245,16 @@ class Session:
     # -- checkpoints --------------------------------------------------------------------------------
 
     def extra_state(self) -> dict:
-        return {"step": self.step, "prompts": self.prompts.state_dict(), "stage": self.stage}
+        st = {"step": self.step, "prompts": self.prompts.state_dict(), "stage": self.stage}
+        if self.rewards is not None:  # rank 0's, which is the copy meta.json keeps
+            st["rewards"] = self.rewards.state_dict()
+        return st
 
     def load_extra_state(self, st: dict) -> None:
         self.step = int(st["step"])
         self.prompts.load_state_dict(st["prompts"])
+        if self.rewards is not None and st.get("rewards"):
+            self.rewards.load_state_dict(st["rewards"])
 
     def save(self) -> Path:
         path = checkpointing.save(

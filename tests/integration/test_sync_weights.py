@@ -59,6 +59,7 @@ def test_sync_changes_weights_and_second_sync_is_a_noop(
 
     stats = sync_weights(sglang_engine, bucketize(tensors, bucket_bytes=64 << 10), checksum=True)
     assert stats.checksum_ok is True and stats.buckets > 1 and stats.tensors == len(tensors)
+    assert stats.packed  # CPU engine: sent in SGLang's parameter layout (load_format="direct")
     assert stats.bytes == sum(t.numel() * t.element_size() for _, t in tensors)
     m = stats.metrics()
     assert set(m) == {"sync/bytes", "sync/seconds", "sync/gbps", "sync/checksum_ok"} and m["sync/gbps"] > 0
@@ -71,6 +72,29 @@ def test_sync_changes_weights_and_second_sync_is_a_noop(
     assert again.checksum_ok is True and again.buckets == 1
     for a, b in zip(first, sglang_engine.score(SEQS)):
         assert torch.equal(a, b)
+
+    # HF-named transport (SGLang's load_weights) holds the same weights as the packed one
+    hf_path = sync_weights(
+        sglang_engine, bucketize(tensors, bucket_bytes=64 << 10), checksum=True, pack=False
+    )
+    assert hf_path.checksum_ok is True and not hf_path.packed
+    for a, b in zip(first, sglang_engine.score(SEQS)):
+        assert torch.equal(a, b)
+
+
+def test_partial_sync_with_an_incomplete_group_goes_through_load_weights(
+    sglang_engine, original_tensors, restore
+):
+    baseline = sglang_engine.score(SEQS)
+    experts = [(n, t * 1.5) for n, t in original_tensors if n.startswith("model.layers.1.mlp.experts.")]
+    q_proj = [(n, t * 1.5) for n, t in original_tensors if n == "model.layers.0.self_attn.q_proj.weight"]
+    stats = sync_weights(sglang_engine, bucketize(experts + q_proj), partial=True, checksum=True)
+    assert not stats.packed  # q_proj without k/v cannot fill qkv_proj alone
+    assert stats.checksum_ok is True  # layer 1's w13/w2 (the complete groups) hold the new values
+    assert all(not torch.equal(a, b) for a, b in zip(baseline, sglang_engine.score(SEQS)))
+
+    with pytest.raises(MegagrpoError, match="missing"):
+        sync_weights(sglang_engine, bucketize(experts))  # not partial: the rest of the model is missing
 
 
 def test_bad_export_is_refused_before_sending(sglang_engine, hf_reference, original_tensors, restore):

@@ -77,7 +77,14 @@ def test_raising_and_non_numeric_rewards_score_zero_and_are_counted(user_module)
     assert out.metrics["reward/errors"] == 6 and out.failed.sum() == 6
     out = r.score(["p"] * 2, ["boom", "ok"], [{}] * 2, group_size=2)
     assert out.metrics["reward/errors_total"] == 9  # the run keeps going and keeps counting
+    resumed = runner(
+        {"name": f"{user_module}.raises"}, {"name": f"{user_module}:not_a_number", "label": "nan"}
+    )
+    resumed.load_state_dict(r.state_dict())  # a checkpoint carries the run-long counters
+    out = resumed.score(["p"] * 2, ["boom", "ok"], [{}] * 2, group_size=2)
+    assert out.metrics["reward/errors_total"] == 12
     r.close()
+    resumed.close()
 
 
 def test_a_hanging_reward_times_out_without_stopping_the_batch(user_module):

@@ -1,0 +1,116 @@
+"""Packing HF tensors into SGLang's parameter layout (sglang_layout) and into send buckets (weights._pack)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.sync import bucketize
+from megagrpo.sync.sglang_layout import sglang_params, sglang_plan
+from megagrpo.sync.weights import _pack
+
+H, INTER, E, Q, KV = 8, 6, 4, 8, 4
+
+
+def _moe_layer(prefix: str = "model.layers.0", moe: str = "mlp", names=("gate_proj", "up_proj", "down_proj")):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, generator=g)
+
+    t = {
+        f"{prefix}.self_attn.q_proj.weight": r(Q, H),
+        f"{prefix}.self_attn.k_proj.weight": r(KV, H),
+        f"{prefix}.self_attn.v_proj.weight": r(KV, H),
+        f"{prefix}.self_attn.o_proj.weight": r(H, Q),
+        f"{prefix}.input_layernorm.weight": r(H),
+        f"{prefix}.{moe}.gate.weight": r(E, H),
+    }
+    gate, up, down = names
+    for e in range(E):
+        t[f"{prefix}.{moe}.experts.{e}.{gate}.weight"] = r(INTER, H)
+        t[f"{prefix}.{moe}.experts.{e}.{up}.weight"] = r(INTER, H)
+        t[f"{prefix}.{moe}.experts.{e}.{down}.weight"] = r(H, INTER)
+    return t
+
+
+@pytest.mark.parametrize(
+    "moe,names", [("mlp", ("gate_proj", "up_proj", "down_proj")), ("block_sparse_moe", ("w1", "w3", "w2"))]
+)
+def test_sglang_params_match_reference_layout(moe, names):
+    hf = _moe_layer(moe=moe, names=names)
+    gate, up, down = names
+    p = "model.layers.0"
+    out = sglang_params(hf)
+    assert torch.equal(
+        out[f"{p}.self_attn.qkv_proj.weight"],
+        torch.cat([hf[f"{p}.self_attn.{k}_proj.weight"] for k in "qkv"]),
+    )
+    w13 = torch.stack(
+        [
+            torch.cat([hf[f"{p}.{moe}.experts.{e}.{gate}.weight"], hf[f"{p}.{moe}.experts.{e}.{up}.weight"]])
+            for e in range(E)
+        ]
+    )
+    w2 = torch.stack([hf[f"{p}.{moe}.experts.{e}.{down}.weight"] for e in range(E)])
+    assert out[f"{p}.{moe}.experts.w13_weight"].shape == (E, 2 * INTER, H)
+    assert torch.equal(out[f"{p}.{moe}.experts.w13_weight"], w13)
+    assert torch.equal(out[f"{p}.{moe}.experts.w2_weight"], w2)
+    assert torch.equal(out[f"{p}.{moe}.gate.weight"], hf[f"{p}.{moe}.gate.weight"])
+    assert len(out) == 6  # qkv, o, norm, gate, w13, w2
+
+
+def test_incomplete_groups_stay_unfused():
+    hf = _moe_layer()
+    del hf["model.layers.0.self_attn.v_proj.weight"]
+    del hf["model.layers.0.mlp.experts.2.down_proj.weight"]
+    plan = sglang_plan({n: tuple(t.shape) for n, t in hf.items()})
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in plan
+    assert "model.layers.0.mlp.experts.w13_weight" not in plan
+    assert plan["model.layers.0.self_attn.q_proj.weight"].parts == ("model.layers.0.self_attn.q_proj.weight",)
+    assert "model.layers.0.mlp.experts.1.up_proj.weight" in plan
+    covered = sorted(p for fp in plan.values() for p in fp.parts)
+    assert covered == sorted(hf)  # nothing dropped
+
+
+def _owner(hf):
+    return {
+        p: fp for fp in sglang_plan({n: tuple(t.shape) for n, t in hf.items()}).values() for p in fp.parts
+    }
+
+
+def test_pack_sends_each_fused_param_with_the_bucket_that_completes_it():
+    hf = _moe_layer()
+    buckets = list(bucketize(hf.items(), bucket_bytes=1024))  # splits the layer, so experts span buckets
+    assert len(buckets) > 3
+    packed = _pack(buckets, _owner(hf), torch.bfloat16)
+    names = [n for b in packed for n, _ in b]
+    assert len(names) == len(set(names)) == 6
+    got = {n: t for b in packed for n, t in b}
+    ref = sglang_params(hf)
+    for n, t in got.items():
+        assert t.dtype == torch.bfloat16 and t.is_shared()
+        assert torch.equal(t, ref[n].to(torch.bfloat16))
+    # each packed bucket only holds parameters whose last HF part was in the matching input bucket
+    last_part = {fp.name: fp.parts[-1] for fp in _owner(hf).values()}
+    seen_in = {n: i for i, b in enumerate(buckets) for n, _ in b}
+    order = [max(seen_in[p] for p in _owner(hf)[last_part[n]].parts) for b in packed for n, _ in b]
+    assert order == sorted(order)
+
+
+def test_pack_names_the_hf_tensor_with_nan_or_out_of_range_values():
+    hf = _moe_layer()
+    bad = dict(hf)
+    bad["model.layers.0.mlp.experts.3.up_proj.weight"] = hf[
+        "model.layers.0.mlp.experts.3.up_proj.weight"
+    ].clone()
+    bad["model.layers.0.mlp.experts.3.up_proj.weight"][1, 2] = float("nan")
+    with pytest.raises(MegagrpoError, match=r"experts\.3\.up_proj\.weight.*NaN or inf"):
+        _pack([list(bad.items())], _owner(bad), torch.float32)
+    big = dict(hf)
+    big["model.layers.0.self_attn.k_proj.weight"] = (
+        hf["model.layers.0.self_attn.k_proj.weight"].double() * 1e39
+    )
+    with pytest.raises(MegagrpoError, match=r"k_proj\.weight.*outside the range.*float32"):
+        _pack([list(big.items())], _owner(big), torch.float32)

@@ -41,6 +41,10 @@ class SFTTrainer(Session):
     def checkpoint_dir(self) -> str:
         return str(Path(self.cfg.checkpoint.dir) / "sft")
 
+    def output_dir(self) -> Path:
+        # Its own metrics, TensorBoard and report: the RL stage's log starts again at step 0.
+        return Path(self.cfg.logging.out_dir) / "sft"
+
     def data_config(self):
         return self.cfg.sft.data
 

@@ -136,6 +136,38 @@ def test_eval_of_a_checkpoint_repeats_the_runs_own_evaluation(two_step_run):
     assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
 
 
+def test_sft_stage_learns_and_writes_an_hf_model_the_rl_stage_can_start_from(tmp_path, moe_model):
+    """`megagrpo sft`: REINFORCE with advantage 1 (token NLL) on prompt + answer pairs, then an HF export."""
+    sft_data = {
+        "synthetic": {"task": "addition", "min_digits": 1, "max_digits": 1, "num_train": 64, "num_eval": 8}
+    }
+    cfg = write_config(
+        tmp_path,
+        moe_model,
+        model__hf_path=str(tmp_path / "sft_model"),
+        sft={
+            "base_path": str(moe_model),
+            "output_dir": str(tmp_path / "sft_model"),
+            "steps": 4,
+            "lr": 3e-3,
+            "batch_size": 16,
+            "data": sft_data,
+        },
+    )
+    res = cli("sft", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = records(tmp_path / "run" / "sft")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert recs[-1]["sft/nll"] < recs[0]["sft/nll"]  # the same 64 problems, seen again: the NLL falls
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # the RL stage's log is its own
+    out = tmp_path / "sft_model"
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert list(out.glob("*.safetensors"))
+    from megagrpo.bridge.hf_config import arch_from_hf
+
+    assert arch_from_hf(out) == arch_from_hf(moe_model)
+
+
 def test_sigterm_checkpoints_and_exits_for_requeue(tmp_path, moe_model):
     cfg = write_config(
         tmp_path, moe_model, schedule__steps=200, schedule__save_every=0, schedule__eval_every=0

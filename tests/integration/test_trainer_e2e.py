@@ -76,6 +76,11 @@ def cli(*args: str, timeout: float = 900, **popen) -> subprocess.CompletedProces
     )
 
 
+def start_cli(*args: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "megagrpo.cli", *args], cwd=REPO, env=env, **popen)
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -172,15 +177,7 @@ def test_sigterm_checkpoints_and_exits_for_requeue(tmp_path, moe_model):
     cfg = write_config(
         tmp_path, moe_model, schedule__steps=200, schedule__save_every=0, schedule__eval_every=0
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megagrpo.cli", "train", str(cfg)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_cli("train", str(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 600
@@ -209,11 +206,9 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path, moe_model):
     res_a = cli("train", str(cfg_a))
     assert res_a.returncode == 0, res_a.stderr[-3000:]
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megagrpo.cli", "train", str(cfg_b)],
-        cwd=REPO,
-        env=env,
+    proc = start_cli(
+        "train",
+        str(cfg_b),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # one process group: the kill takes SGLang's scheduler children too

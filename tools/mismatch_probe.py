@@ -48,8 +48,11 @@ if str(REPO) not in sys.path:
 from megagrpo.errors import MegagrpoError  # noqa: E402
 
 INJECTIONS = ("none", "bf16", "fp8")
-TARGETS = ("all", "router", "non_router")  # which sampler weights an injection perturbs
+# Which sampler weights an injection perturbs. "post_router": only weights downstream of every router (the
+# last layer's experts, the final norm, the output head): numeric noise that cannot move a single route.
+TARGETS = ("all", "router", "non_router", "post_router")
 SAMPLER = "sampler"
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _LAYOUT_PART = re.compile(r"(etp|tp|pp|ep)(\d+)")
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -198,7 +201,21 @@ def hf_weights(model_dir: str | Path) -> list[tuple[str, torch.Tensor]]:
 def perturbed(weights: Sequence[tuple[str, torch.Tensor]], inject: str, target: str = "all"):
     if target not in TARGETS:
         raise MegagrpoError(f"injection target {target!r}: use one of {', '.join(TARGETS)}")
-    keep = {"all": lambda n: True, "router": is_router, "non_router": lambda n: not is_router(n)}[target]
+    last = max((int(m.group(1)) for n, _ in weights if (m := _LAYER.match(n))), default=-1)
+
+    def post_router(n: str) -> bool:
+        if n.startswith("lm_head.") or n == "model.norm.weight":
+            return True
+        return n.startswith((f"model.layers.{last}.mlp.", f"model.layers.{last}.block_sparse_moe.")) and not (
+            is_router(n)
+        )
+
+    keep = {
+        "all": lambda n: True,
+        "router": is_router,
+        "non_router": lambda n: not is_router(n),
+        "post_router": post_router,
+    }[target]
     chosen = [(n, round_trip(t, inject)) for n, t in weights if keep(n)]
     if not chosen:
         raise MegagrpoError(f"injection target {target!r} selects no weight of this model (dense model?)")

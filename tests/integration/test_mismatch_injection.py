@@ -18,7 +18,10 @@ CASES = {  # name -> (inject, target)
     "bf16": ("bf16", "all"),
     "fp8": ("fp8", "all"),
     "router_fp8": ("fp8", "router"),
-    "non_router_bf16": ("bf16", "non_router"),
+    # Noise only downstream of every router: it cannot move a route, so the whole mismatch is numeric.
+    # (bf16 noise on all non-router weights also perturbs the routers' inputs and flips near-tied routes;
+    # one such run measured routing_share 0.54, correctly attributed to routing.)
+    "post_router_bf16": ("bf16", "post_router"),
 }
 
 
@@ -29,7 +32,7 @@ def measured(sglang_engine, sglang_model_dir, tmp_path_factory):
     from megagrpo.rollout.config import SamplingConfig
 
     tmp = tmp_path_factory.mktemp("mismatch_injection")
-    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, ignore_eos=True)
+    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, ignore_eos=True, seed=2026)
     batches, paths = {}, {}
     for name, (inject, target) in CASES.items():
         batches[name] = sample(
@@ -91,11 +94,12 @@ def test_router_noise_is_attributed_to_routing(measured):
 
 
 @pytest.mark.slow
-def test_non_router_noise_is_attributed_to_numerics(measured):
+def test_noise_that_moves_no_route_is_attributed_to_numerics(measured):
     _, _, res = measured
-    a = res["non_router_bf16"]["attribution"]["1"]
+    a = res["post_router_bf16"]["attribution"]["1"]
+    assert a["agreement_rollout_old"] == 1.0, a  # no route moved: the case isolates numerics
     assert a["numeric_kl"] > 0
-    assert a["numeric_share"] > 0.5 and a["numeric_share"] > a["routing_share"], a
+    assert a["numeric_share"] > 0.9 and a["routing_share"] < 0.05, a
 
 
 def test_pair_metrics_of_identical_passes_is_zero():

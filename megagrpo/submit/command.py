@@ -167,10 +167,10 @@ def run_submit(args: argparse.Namespace) -> int:
         raise MegagrpoError(f"--job-name {job_name!r}: use letters, digits and . _ - only")
     log_dir = _log_dir(args.log_dir, cfg.logging.out_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    n = 0
+    base, n = stamp, 0
     while (log_dir / f"{job_name}-{stamp}.yaml").exists():  # two submissions within one second
         n += 1
-        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}.{n}"
+        stamp = f"{base}.{n}"
     snapshot = log_dir / f"{job_name}-{stamp}.yaml"
     snapshot.write_text(dump_config(cfg))
     venv = Path(sys.prefix) if sys.prefix != sys.base_prefix else None

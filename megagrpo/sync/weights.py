@@ -97,6 +97,11 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not _all_finite(t):
+        raise MegagrpoError(f"weight sync: tensor {name!r} holds NaN or inf values")
+
+
 def validate_buckets(
     buckets: list[list[NamedTensor]],
     expected: Mapping[str, tuple[int, ...]],
@@ -123,8 +128,8 @@ def validate_buckets(
                     f"weight sync: tensor {name!r} has shape {tuple(t.shape)}, the engine expects "
                     f"{tuple(expected[name])}"
                 )
-            if check_finite and not _all_finite(t):
-                raise MegagrpoError(f"weight sync: tensor {name!r} holds NaN or inf values")
+            if check_finite:
+                _check_finite(name, t)
             seen.add(name)
     if not partial:
         missing = sorted(set(expected) - seen)
@@ -165,10 +170,10 @@ class _Staging:
 
     def views(self, index: int, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
         """Contiguous tensors of the given (shape, dtype), all inside buffer `index`."""
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
         offsets, total = [], 0
-        for shape, dtype in specs:
+        for n in sizes:
             offsets.append(total)
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             total += -(-n // self._ALIGN) * self._ALIGN
         while len(self.buffers) <= index:
             self.buffers.append(torch.empty(0, dtype=torch.uint8))
@@ -177,8 +182,7 @@ class _Staging:
             self.buffers[index] = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (max(total, 1),))
         buf = self.buffers[index]
         out = []
-        for (shape, dtype), off in zip(specs, offsets):
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        for (shape, dtype), off, n in zip(specs, offsets, sizes):
             out.append(buf[off : off + n].view(dtype).view(shape))
         return out
 
@@ -254,8 +258,7 @@ def _pack(
 
 def _raise_non_finite(fp: FusedParam, parts: list[torch.Tensor], dtype: torch.dtype) -> None:
     for name, t in zip(fp.parts, parts):
-        if not _all_finite(t):
-            raise MegagrpoError(f"weight sync: tensor {name!r} holds NaN or inf values")
+        _check_finite(name, t)
     for name, t in zip(fp.parts, parts):
         if not _all_finite(t.to(dtype)):
             raise MegagrpoError(
@@ -292,7 +295,9 @@ def sync_weights(
     validate_buckets(buckets, shapes, partial=partial, check_finite=False)
     owner = _packing_plan(eng, shapes, buckets) if pack and not on_gpu and tp_size == 1 else None
     if owner is None:
-        validate_buckets(buckets, shapes, partial=partial, check_finite=True)
+        for bucket in buckets:  # names and shapes were checked above
+            for name, t in bucket:
+                _check_finite(name, t)
         sends = buckets
     else:  # finiteness is checked on the packed tensors: a few large ops instead of one per HF tensor
         staging = _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging())

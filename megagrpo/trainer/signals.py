@@ -33,8 +33,8 @@ class StopRequest:
         return self
 
     def reassert(self) -> None:
-        """Put our handlers back if a library replaced them (SGLang's event loop claims SIGTERM on its
-        first request); called at every step boundary."""
+        """Put our handlers back if a library replaced them; called at every step boundary. (SGLang's
+        own SIGTERM callback is removed by `RolloutEngine` itself; this guards against any other.)"""
         for sig in self._previous:
             if signal.getsignal(sig) is not self._handle:
                 signal.signal(sig, self._handle)

@@ -16,12 +16,13 @@ PYTEST_ARGS ?=
 PYTHON312 := $(shell for p in python3.12 /root/.pyenv/versions/3.12.1/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v $$p; break; }; done)
 
-.PHONY: help setup test test-fast lint fmt demo demo-clean lock clean-venv
+.PHONY: help setup test test-gpu test-fast lint fmt demo demo-clean lock clean-venv
 
 help:
 	@echo "make test   install (first time) and run the whole test suite"
 	@echo "make demo   install (first time) and run the tiny GRPO demo on this CPU"
 	@echo "make lint   ruff check + format check"
+	@echo "make test-gpu  the GPU tier (tests/gpu) on one CUDA device"
 	@echo "make lock   re-resolve requirements/cpu.in into $(LOCK)"
 
 setup: $(VENV)/.installed
@@ -59,6 +60,12 @@ test: setup
 	$(PY) -m pytest tests/unit tests/dist -m "not gpu" $(PYTEST_ARGS)
 	@set -e; for f in tests/integration/test_*.py; do \
 	  echo "== $$f"; $(PY) -m pytest "$$f" -m "not gpu" $(PYTEST_ARGS); done
+
+# The GPU tier needs no install step: a GPU node is often offline, so it runs with the venv when one
+# exists, else with GPU_PYTHON, a python3 that already holds CUDA torch and the wheels it lacks.
+GPU_PYTHON ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
+test-gpu:
+	$(GPU_PYTHON) -m pytest tests/gpu -m gpu -p no:cacheprovider $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)

@@ -44,6 +44,7 @@ full-vocab shapes, independent of the mesh.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from typing import Any, Literal
 
@@ -103,16 +104,30 @@ def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
             )
     elif mesh.ep > 1 or mesh.etp > 1:
         raise MegagrpoError(f"mesh.ep={mesh.ep}/etp={mesh.etp} > 1 needs a MoE model; {arch.family} is dense")
-    if mesh.cp > 1 and not torch.cuda.is_available():
-        raise MegagrpoError("mesh.cp > 1 needs the Transformer Engine attention (GPU); set mesh.cp=1")
+    if mesh.cp > 1:
+        # megatron-core leaves the context-parallel split to the caller: each CP rank must get its 2 of the
+        # 2*cp chunks of every sequence, and logprobs/losses must be reduced over CP. The learner does
+        # neither yet, so a CP>1 run would train every CP rank on the whole batch and report wrong losses.
+        raise MegagrpoError(
+            f"mesh.cp={mesh.cp}: context parallelism is not supported yet (the learner does not split "
+            "sequences over CP ranks nor reduce logprobs and losses over CP); set mesh.cp=1 and use "
+            "tp/pp/ep for long sequences"
+        )
 
 
 def use_transformer_engine(layer_spec: str = "auto") -> bool:
+    """`auto` takes TE where it can run (CUDA and the package present), so a GPU node without TE still
+    trains on megatron's local spec instead of failing at import; `transformer_engine` insists on it."""
     if layer_spec == "local":
         return False
     if layer_spec == "transformer_engine":
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise MegagrpoError(
+                "model.layer_spec=transformer_engine, but Transformer Engine is not installed; "
+                "install the gpu extra (pip install 'megagrpo[gpu]') or set model.layer_spec=local"
+            )
         return True
-    return torch.cuda.is_available()
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def transformer_config_from_arch(

@@ -17,6 +17,7 @@ log p(x_t | x_<t)`); column 0 and padding are 0.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -91,11 +92,24 @@ def _check_batch(batch: dict[str, Tensor]) -> tuple[int, int]:
     return B, T
 
 
-def _pad_multiple(config: Any) -> int:
-    mult = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    if config.context_parallel_size > 1:
-        mult *= 2 * config.context_parallel_size
-    return mult
+def pad_multiples(config: Any) -> tuple[int, int]:
+    """`(row, total)`: each packed sequence is padded to a multiple of `row`, and a micro-batch's token
+    count N (packed) or padded length (padded layout) to a multiple of `total`.
+
+    row: sequence parallelism splits the token stream evenly over TP; TE's context parallelism splits each
+    sequence into 2*cp chunks. total: Transformer Engine's FP8 GEMMs assert that the token dimension on
+    each rank is a multiple of 16 (32 for MXFP8; megatron's `get_fp8_align_size`), and a rank holds
+    N / (tp_sp * cp) tokens. The FP8 padding goes onto the last sequence only, so it costs at most
+    16 * tp_sp * cp - 1 tokens per micro-batch, not per sequence.
+    """
+    tp_sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    cp = config.context_parallel_size
+    row = tp_sp * (2 * cp if cp > 1 else 1)
+    if not config.fp8:
+        return row, row
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    return row, math.lcm(row, get_fp8_align_size(config.fp8_recipe) * tp_sp * cp)
 
 
 def build_micro_batches(
@@ -106,8 +120,10 @@ def build_micro_batches(
     dp_size: int,
     pad_multiple: int,
     device: torch.device,
+    total_multiple: int = 1,
 ) -> list[MicroBatch]:
-    """This DP rank's micro-batches (whole sequences) in the model-input layout."""
+    """This DP rank's micro-batches (whole sequences) in the model-input layout; `pad_multiple` and
+    `total_multiple` as `pad_multiples` returns them."""
     B, T = _check_batch(batch)
     lens = _seq_lens(batch)
     if dp_size * opts.num_micro_batches > B:
@@ -120,15 +136,17 @@ def build_micro_batches(
     out = []
     for k, part in enumerate(parts):
         samples = shard[part]
+        # Every per-sample field goes to the model's device: the loss reads old_logp, advantages and
+        # masks next to the logprobs, and the trainer assembles the batch on the host.
         data = {
-            key: (v[samples.to(v.device)] if torch.is_tensor(v) and v.dim() > 0 else v)
+            key: (v[samples.to(v.device)].to(device) if torch.is_tensor(v) and v.dim() > 0 else v)
             for key, v in batch.items()
         }
         mlens = lens[samples]
         ids = data["input_ids"].to(device)
         tgt = layout.next_token_targets(ids, mlens)
         if opts.packed:
-            p = layout.pack(ids, mlens, pad_multiple=pad_multiple)
+            p = layout.pack(ids, mlens, pad_multiple=pad_multiple, total_multiple=total_multiple)
             p = layout.Packed(
                 p.input_ids.to(device), p.position_ids.to(device), p.cu_seqlens.to(device),
                 p.cu_seqlens_padded.to(device), p.seq_lens, p.max_seqlen,
@@ -137,7 +155,7 @@ def build_micro_batches(
             targets = layout.pack_values(tgt, p).unsqueeze(0)
         else:
             p = None
-            T_mb = layout.round_up(int(mlens.max()), pad_multiple)
+            T_mb = layout.round_up(int(mlens.max()), math.lcm(pad_multiple, total_multiple))
             inp = layout.pad_to_length(ids, T_mb)
             pos = torch.arange(T_mb, device=device).unsqueeze(0).expand(inp.shape[0], T_mb)
             targets = layout.pad_to_length(tgt, T_mb)
@@ -239,8 +257,9 @@ def run_schedule(
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     device = next(model[0].parameters()).device
+    row, total = pad_multiples(config)
     mbs = build_micro_batches(
-        batch, opts, dp_rank=dp_rank, dp_size=dp_size, pad_multiple=_pad_multiple(config), device=device
+        batch, opts, dp_rank=dp_rank, dp_size=dp_size, pad_multiple=row, total_multiple=total, device=device
     )
     iters: Any = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
     seq_len = max(int(mb.input_ids.shape[1]) for mb in mbs)

@@ -80,11 +80,13 @@ def _check_lens(seq_lens: Tensor, T: int) -> list[int]:
     return lens
 
 
-def pack(input_ids: Tensor, seq_lens: Tensor, *, pad_multiple: int = 1) -> Packed:
-    """Padded `[B, T]` ids -> packed THD; every row padded to a multiple of `pad_multiple`."""
+def pack(input_ids: Tensor, seq_lens: Tensor, *, pad_multiple: int = 1, total_multiple: int = 1) -> Packed:
+    """Padded `[B, T]` ids -> packed THD; every row padded to a multiple of `pad_multiple`, and the last
+    row further so that N is a multiple of `total_multiple` (FP8 GEMMs, see `forward.pad_multiples`)."""
     B, T = input_ids.shape
     lens = _check_lens(seq_lens, T)
     padded = [round_up(n, pad_multiple) for n in lens]
+    padded[-1] += round_up(sum(padded), total_multiple) - sum(padded)
     cu = torch.zeros(B + 1, dtype=torch.int32)
     cu_p = torch.zeros(B + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)

@@ -230,6 +230,10 @@ def transformer_config_from_arch(
         raise MegagrpoError(f"routing replay needs a MoE model; {arch.family} is dense: set replay: none")
     if fp8 is not None:
         kw.update(fp8=fp8, fp8_recipe=fp8_recipe)
+        if arch.is_moe:
+            # FP8 grouped GEMMs need every expert's token count a multiple of 16: the alltoall dispatcher
+            # pads the routing map (padded slots carry probability 0, after routing replay has recorded).
+            kw["moe_router_padding_for_quantization"] = True
         if fp8_recipe == "delayed":
             kw.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     if recompute == "full":

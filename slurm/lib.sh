@@ -45,6 +45,11 @@ megagrpo_setup() {
         export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
         export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
         export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+        # SGLang's Engine sets these two (only where unset) in the process that creates it, i.e. on the
+        # engine-owning ranks only; every rank must build its NCCL communicators with the same settings.
+        # Same values as megagrpo.learner.mesh.NCCL_DEFAULTS, which sets them for non-Slurm launches.
+        export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
+        export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
         export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
     fi
     export MEGAGRPO_STOP_FILE="$MEGAGRPO_LOG_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID.stop"

@@ -361,12 +361,17 @@ def _sharded_state_dict(
     from megatron.core import parallel_state
 
     # fully_reshardable: the DistributedOptimizer state is stored per parameter in model space, so it
-    # reshards over TP/PP/EP/DP (dp_reshardable would tie it to the saving DP layout). Its gather runs
-    # over NCCL on a GPU; on the CPU the memory-efficient variant gathers over gloo to DP rank 0 (the
-    # other one moves tensors with hard-coded `.cuda()`). Both read back interchangeably.
+    # reshards over TP/PP/EP/DP (dp_reshardable would tie it to the saving DP layout). Its save gathers
+    # each DP group's shards of fp32 param, exp_avg and exp_avg_sq into host memory. The memory-efficient
+    # variant gathers over the gloo DP group onto DP rank 0 only: 12 bytes per parameter of this
+    # model-parallel rank, on one rank of each DP group. The other variant all-gathers over NCCL onto
+    # EVERY DP rank (12 bytes * parameters * dp of host memory per model-parallel shard: hundreds of GB
+    # per node at 30B), and on the CPU moves tensors with hard-coded `.cuda()`. It needs the gloo groups,
+    # which `init_mesh` creates on GPUs too. Both read back interchangeably (a load still allocates the
+    # full fp32 world tensors on every DP rank, empty, before the reader fills its slice).
     content = {
         "distrib_optim_sharding_type": "fully_reshardable",
-        "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available(),
+        "distrib_optim_fully_reshardable_mem_efficient": True,
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -197,6 +197,19 @@ def _slurm_first_host(env: Mapping[str, str]) -> str | None:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+# What SGLang's Engine sets (where unset) in the process that creates it, before its communicators exist.
+# Set on every rank before init_process_group, so that the learner's NCCL communicators on the engine-owning
+# ranks and on the others are built with the same settings (slurm/lib.sh exports the same values).
+NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def set_nccl_defaults(environ: MutableMapping[str, str] | None = None) -> None:
+    """Give every rank SGLang's NCCL settings (`NCCL_DEFAULTS`), keeping any value the user exported."""
+    environ = os.environ if environ is None else environ
+    for key, value in NCCL_DEFAULTS.items():
+        environ.setdefault(key, value)
+
+
 @dataclass(frozen=True)
 class Mesh:
     config: MeshConfig
@@ -217,6 +230,7 @@ def init_mesh(
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    set_nccl_defaults()
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if on_gpu else "gloo",
@@ -240,7 +254,9 @@ def init_mesh(
         expert_model_parallel_size=mesh_cfg.ep,
         expert_tensor_parallel_size=mesh_cfg.etp,
         distributed_timeout_minutes=max(1, timeout_s // 60),
-        create_gloo_process_groups=not on_gpu,
+        # Also on GPUs: the memory-efficient checkpoint gather of the DistributedOptimizer state
+        # (learner.checkpoint) runs over the gloo data-parallel groups, into host memory of DP rank 0 only.
+        create_gloo_process_groups=True,
     )
     # Same seed on every rank: megatron's tracker derives the TP/EP-specific streams from it, and the
     # default (data-parallel) stream must agree across model-parallel peers.

@@ -28,11 +28,8 @@ The facts behind each patch (issue 2, "Facts: megatron-core 0.19.2 on CPU with g
    what makes `finalize_model_grads` all-reduce their grads over TP (as TE's norm does).
 8. Gloo rejects all-gather and reduce-scatter with uneven split sizes (the alltoall dispatcher with
    expert-TP > 1 needs them). -> pad-to-max all-gather, all-reduce-then-slice reduce-scatter.
-10. Found while testing resume: without apex/TE the DistributedOptimizer wraps torch's AdamW, which
-   keeps a per-parameter `step` tensor. `DistributedOptimizer.load_state_dict` gives every parameter
-   the SAME step tensor (so AdamW then advances it once per parameter and the bias correction is
-   wrong after a resume), and `_set_main_param_and_optimizer_states` raises KeyError 'step' on the
-   fully-reshardable load path. -> skip state keys the checkpoint does not carry; un-share `step`.
+10. torch AdamW's `step` under the DistributedOptimizer: not a CPU fact (a GPU without TE/Apex has it
+   too), so it lives in `megagrpo/compat/torch_adam.py`, applied by `build_optimizer` on any device.
 9. Not patched (documented constraints, enforced by the learner with clear errors): MoE with TP > 1
    needs sequence parallel; DistributedOptimizer accepts only Adam; a script that saves dist
    checkpoints needs an `if __name__ == "__main__"` guard (the writer starts a spawn manager).
@@ -450,39 +447,6 @@ def _patch_uneven_collectives() -> None:
     )
 
 
-# -- 10: torch AdamW `step` under the DistributedOptimizer -----------------------------------------------
-
-
-def _patch_torch_adam_resume() -> None:
-    from megatron.core.optimizer import distrib_optimizer
-
-    cls = distrib_optimizer.DistributedOptimizer
-    up_set = cls._set_main_param_and_optimizer_states
-    up_load = cls.load_state_dict
-
-    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            missing = [k for k in self.optimizer.state[main_param] if k not in tensors]
-            # upstream skips non-tensor entries: None keeps the live value (step comes from param_groups)
-            tensors = {**tensors, **dict.fromkeys(missing)}
-        up_set(self, model_param, tensors)
-
-    def load_state_dict(self: Any, state_dict: Any) -> None:
-        up_load(self, state_dict)
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].detach().clone()
-
-    why = (
-        "torch AdamW (no apex/TE) keeps a per-param 'step' tensor: the fully-reshardable load raises "
-        "KeyError 'step', and load_state_dict shares one step tensor across params (fact 10)"
-    )
-    replace(cls, "_set_main_param_and_optimizer_states", set_states, reason=why)
-    replace(cls, "load_state_dict", load_state_dict, reason=why)
-
-
 def apply() -> None:
     """Install every megatron-core CPU patch (idempotent; `replace` skips already-applied names)."""
     _patch_torch_cuda()
@@ -492,4 +456,3 @@ def apply() -> None:
     _patch_type_checks()
     _patch_norm()
     _patch_uneven_collectives()
-    _patch_torch_adam_resume()

@@ -92,8 +92,11 @@ def build_optimizer(model_chunks: list[Any], cfg: OptimizerConfig) -> tuple[Any,
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
+    from megagrpo.compat import torch_adam
+
     cfg.validate()
     tcfg = _check_ddp(model_chunks, cfg)
+    torch_adam.apply()  # megatron's torch-AdamW fallback (no TE/Apex) needs it on any device
     mcfg = MegatronOptimizerConfig(
         optimizer="adam",  # the DistributedOptimizer supports only Adam
         lr=cfg.lr,

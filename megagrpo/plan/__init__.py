@@ -1,0 +1,25 @@
+"""Planning a job before it runs: the per-GPU memory plan (`megagrpo plan`, checked by `megagrpo submit`)."""
+
+from megagrpo.plan.memory import (
+    MemoryPlan,
+    PlanMesh,
+    StateBytes,
+    Workload,
+    activation_bytes,
+    learner_state_bytes,
+    plan_memory,
+    plan_workload,
+    workload_from_config,
+)
+
+__all__ = [
+    "MemoryPlan",
+    "PlanMesh",
+    "StateBytes",
+    "Workload",
+    "activation_bytes",
+    "learner_state_bytes",
+    "plan_memory",
+    "plan_workload",
+    "workload_from_config",
+]

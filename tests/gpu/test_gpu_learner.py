@@ -87,11 +87,12 @@ def test_logprobs_match_the_fp32_cpu_reference(one_rank, hf_moe):
         # Padding stays exactly zero: nothing leaks across sequences of the packed batch.
         assert float(lp[~valid].abs().max()) == 0.0
     print(f"|dlogp| vs fp32 CPU (mean, max): fp32 {errs[torch.float32]}, bf16 {errs[torch.bfloat16]}")
-    # fp32 on the GPU differs from the CPU only in reduction order.
-    assert errs[torch.float32][1] < 1e-4, errs
-    # bf16 weights and activations: a few 1e-3 on average; the max allows a near-tied route to flip.
-    assert errs[torch.bfloat16][0] < 2e-2, errs
-    assert errs[torch.bfloat16][1] < 0.25, errs
+    # fp32 on the GPU differs from the CPU only in reduction order (H100: mean 1.5e-7, max 9.5e-7).
+    assert errs[torch.float32][1] < 1e-5, errs
+    # bf16 weights and activations (H100: mean 8.1e-4, max 5.4e-3); the max leaves room for one
+    # near-tied route to flip on another GPU or library version.
+    assert errs[torch.bfloat16][0] < 5e-3, errs
+    assert errs[torch.bfloat16][1] < 0.1, errs
 
 
 def _grpo_loss(batch):
@@ -154,7 +155,8 @@ def test_checkpoint_save_load_resumes_the_same_step(one_rank, hf_moe, tmp_path):
         learner.close()
     err = float((lp2b - lp2).abs().max())
     print(f"resume: |dlogp| max {err:.3g}, loss {m2['loss/total']:.6g} vs {m2b['loss/total']:.6g}")
-    # The same bytes go in, so the step repeats up to the GPU's non-deterministic reductions.
+    # The same bytes go in, so the step repeats up to the GPU's non-deterministic reductions
+    # (H100: bit-identical, |dlogp| max 0).
     assert err < 1e-5
     assert abs(m2b["loss/total"] - m2["loss/total"]) <= 1e-6 * max(1.0, abs(m2["loss/total"]))
 

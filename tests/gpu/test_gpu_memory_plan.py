@@ -4,7 +4,8 @@ A ~180M-parameter MoE (big enough that the learner's state and activations dwarf
 overheads) is built in bf16 with the distributed optimizer, trained for two steps, and measured with
 `torch.cuda.memory_allocated` / `max_memory_allocated`. The plan must be within 10% of both: the
 steady state (parameters, fp32 grad buffer, fp32 master copies and Adam moments) and the peak of a
-train step (state + activations + logits).
+train step (state + activations + logits). On an H100 (2026-11-24): steady 3.038 GiB measured vs
+2.963 planned (-2.5%); peak 4.707 GiB measured vs 4.304 planned (-8.6%).
 """
 
 from __future__ import annotations

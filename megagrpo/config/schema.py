@@ -706,6 +706,40 @@ class HealthThresholds(Section):
     )
 
 
+class WandbConfig(Section):
+    enabled: bool = Field(
+        default=False,
+        description="Also send every step's metrics to a Weights & Biases run (rank 0). Needs the wandb "
+        "package; it is imported only when this is true, and a missing one fails at config validation.",
+    )
+    project: str = Field(default="megagrpo", description="W&B project the run is filed under.")
+    entity: str | None = Field(
+        default=None, description="W&B team or user owning the project; null uses the logged-in default."
+    )
+    name: str | None = Field(
+        default=None, description="Display name of the W&B run; null lets W&B generate one."
+    )
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        default=None,
+        description="online streams to the W&B server; offline writes the run locally for a later "
+        "`wandb sync` (compute nodes without internet); disabled makes every call a no-op. null defers to "
+        "the WANDB_MODE environment variable, else online. Files go to WANDB_DIR, else logging.out_dir.",
+    )
+    tags: list[str] = Field(default_factory=list, description="Tags attached to the W&B run, for filtering.")
+
+    @model_validator(mode="after")
+    def _check(self) -> WandbConfig:
+        import importlib.util
+
+        if self.enabled and importlib.util.find_spec("wandb") is None:
+            raise invalid(
+                "enabled",
+                "true, but the wandb package is not installed in this Python; install it with "
+                "`pip install wandb`, or set logging.wandb.enabled=false",
+            )
+        return self
+
+
 class LoggingConfig(Section):
     out_dir: str = Field(default="outputs/run", description="Run directory: metrics, TensorBoard, report.")
     jsonl: bool = Field(default=True, description="Write metrics.jsonl (one JSON object per step).")
@@ -713,6 +747,10 @@ class LoggingConfig(Section):
     console: bool = Field(default=True, description="One-line console summary per step and a progress bar.")
     health: HealthThresholds = Field(
         default_factory=HealthThresholds, description="Training-health warning thresholds."
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig,
+        description="Optional Weights & Biases sink, next to metrics.jsonl and TensorBoard.",
     )
 
 

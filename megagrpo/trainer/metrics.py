@@ -1,7 +1,9 @@
-"""Metric sinks: one `MetricsLogger` writes each step's metrics to JSONL, TensorBoard and the console.
+"""Metric sinks: one `MetricsLogger` writes each step's metrics to JSONL, TensorBoard, Weights & Biases
+(optional) and the console.
 
 Metric names are `area/name` (see docs/metrics.md). Values are converted to python floats here, once,
 so every sink sees the same numbers. Only rank 0 writes; other ranks get a logger that drops records.
+`wandb` is imported only when `logging.wandb.enabled` is true, and only on rank 0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from megagrpo.errors import MegagrpoError
 
 
 def to_float(v: Any) -> float:
@@ -33,14 +37,63 @@ def flatten_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-class MetricsLogger:
-    """Appends `{"step": s, **metrics}` lines to `metrics.jsonl` and scalars to TensorBoard."""
+class WandbSink:
+    """One Weights & Biases run per process start: `log` sends a step's scalars, `close` finishes the run.
 
-    def __init__(self, out_dir: str | Path, *, enabled: bool = True, tensorboard: bool = True):
+    `settings` is the `logging.wandb` section. Its files go to `WANDB_DIR` when set, else to the run
+    directory; a null `mode` leaves the choice to `WANDB_MODE` (wandb's own default: online). A resumed
+    run starts a new W&B run: W&B takes each step once and in order, and a resume re-logs the steps
+    after its checkpoint.
+    """
+
+    def __init__(self, settings: Any, out_dir: Path, *, run_config: Mapping[str, Any], job_type: str):
+        try:
+            import wandb
+        except ImportError as e:
+            raise MegagrpoError(
+                f"logging.wandb.enabled: true, but `import wandb` fails ({e}); install it with "
+                "`pip install wandb`, or set logging.wandb.enabled=false"
+            ) from None
+        self._run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            name=settings.name,
+            tags=list(settings.tags),
+            mode=settings.mode,
+            job_type=job_type,
+            config=dict(run_config),
+            dir=None if os.environ.get("WANDB_DIR") else str(out_dir),
+        )
+
+    def log(self, step: int, flat: Mapping[str, float]) -> None:
+        self._run.log(dict(flat), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MetricsLogger:
+    """Appends `{"step": s, **metrics}` lines to `metrics.jsonl`; scalars to TensorBoard and to W&B.
+
+    `wandb` is the `logging.wandb` section (None or disabled: no W&B run); `run_config` (the resolved
+    config) and `job_type` (the stage) describe the W&B run.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        wandb: Any = None,
+        run_config: Mapping[str, Any] | None = None,
+        job_type: str = "train",
+    ):
         self.out_dir = Path(out_dir)
         self.enabled = enabled
         self._tb = None
         self._jsonl = None
+        self._wandb = None
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -50,6 +103,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+        if wandb is not None and wandb.enabled:
+            self._wandb = WandbSink(wandb, self.out_dir, run_config=run_config or {}, job_type=job_type)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         flat = flatten_metrics(metrics)
@@ -61,6 +116,8 @@ class MetricsLogger:
             for k, v in flat.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, flat)
         return flat
 
     def truncate_after(self, step: int) -> None:
@@ -82,6 +139,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -105,7 +105,14 @@ class Session:
 
             self.engine = RolloutEngine(rollout_config(cfg, self.model_path)).start()
         self.sampling = sampling_config(cfg)
-        self.logger = MetricsLogger(self.out_dir, enabled=self.rank0, tensorboard=cfg.logging.tensorboard)
+        self.logger = MetricsLogger(
+            self.out_dir,
+            enabled=self.rank0,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            run_config=cfg.model_dump(mode="json"),
+            job_type=self.stage,
+        )
         self.prompt_text: dict[int, str] = {}
         self.prompt_sample: dict[int, dict] = {}
         self._pending: dict[int, tuple[str, dict]] = {}

@@ -205,7 +205,7 @@ def load_checkpoint(
     _check_files(path, meta)
 
     if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
+        init_optimizer_state(optimizer)
     sd, _ = _sharded_state_dict(model_chunks, optimizer, scheduler, is_loading=True)
     try:
         loaded = dist_checkpointing.load(sd, str(path))
@@ -386,7 +386,7 @@ def _sharded_state_dict(
     return sd, content
 
 
-def _ensure_optimizer_state(optimizer: Any) -> None:
+def init_optimizer_state(optimizer: Any) -> None:
     """Give a never-stepped optimizer its (zero) state, so its sharded state dict can be built for a load.
 
     megatron's DistributedOptimizer builds that dict from `state_dict()`, which for torch's Adam (the

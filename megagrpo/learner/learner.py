@@ -20,7 +20,12 @@ from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 from megagrpo.learner import forward as fwd
 from megagrpo.learner import train_step as ts
-from megagrpo.learner.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from megagrpo.learner.checkpoint import (
+    CheckpointMeta,
+    init_optimizer_state,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megagrpo.learner.mesh import DistEnv, Mesh, MeshConfig, destroy_mesh, init_mesh
 from megagrpo.learner.model import build_gpt_model, wrap_ddp
 from megagrpo.learner.optimizer import OptimizerConfig, build_optimizer
@@ -98,6 +103,8 @@ class Learner:
                 chunk.eval()
             self.copy_policy_to_reference()
         self.step = 0
+        self._offloaded: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (storage, pinned bytes)
+        self.offloaded = False
 
     # -- options -----------------------------------------------------------------------------------
 
@@ -133,6 +140,7 @@ class Learner:
         """
         if reference and self.reference is None:
             raise MegagrpoError("reference logprobs need a reference model: set algo.kl.coef > 0")
+        self._require_on_device()
         model = self.reference if reference else self.model
         opts = self.run_options(with_entropy=with_entropy, num_micro_batches=num_micro_batches)
         if reference and self.cfg.ref_offload:
@@ -157,6 +165,7 @@ class Learner:
             raise MegagrpoError(
                 "this Learner was built without an optimizer_factory; it can only run forward"
             )
+        self._require_on_device()
         metrics = ts.train_step(
             self.model,
             self.optimizer,
@@ -222,6 +231,89 @@ class Learner:
         else:
             self.step = meta.step
         return meta
+
+    # -- device memory (colocation with the sampler) -------------------------------------------------
+
+    def init_optimizer_state(self) -> None:
+        """Create Adam's state (zeros) now instead of at the first step, so the learner reaches its
+        steady-state footprint before the sampler sizes itself (or before `offload`). Training is
+        unchanged: the optimizer would create the same zeros lazily."""
+        if self.optimizer is not None:
+            init_optimizer_state(self.optimizer)
+
+    def _device_storages(self) -> dict[int, torch.UntypedStorage]:
+        """The CUDA storages the learner owns, once each: parameters and the DDP param/grad buffers they
+        view (policy and, unless it lives on the CPU already, reference), fp32 main parameters, their
+        grads and Adam's moments."""
+        tensors: list[torch.Tensor] = []
+        chunks = list(self.model) + ([] if self.cfg.ref_offload else list(self.reference or []))
+        for chunk in chunks:
+            tensors += list(chunk.parameters())
+            # megatron's DDP keeps its _ParamAndGradBuffers in a list attribute named `buffers`, which on
+            # an unwrapped module (the reference) is nn.Module's method instead.
+            ddp_buffers = getattr(chunk, "buffers", None)
+            ddp_buffers = ddp_buffers if isinstance(ddp_buffers, list) else []
+            for buf in [*ddp_buffers, *getattr(chunk, "expert_parallel_buffers", [])]:
+                tensors += [t for t in (buf.param_data, buf.grad_data) if t is not None]
+        opt = self.optimizer
+        for sub in (getattr(opt, "chained_optimizers", None) or [opt]) if opt is not None else []:
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                params = group["params"]
+                tensors += [*params, *(p.grad for p in params if p.is_leaf and p.grad is not None)]
+            for state in inner.state.values():
+                tensors += [v for v in state.values() if torch.is_tensor(v)]
+        out: dict[int, torch.UntypedStorage] = {}
+        for t in tensors:
+            if t.is_cuda:
+                st = t.untyped_storage()
+                if st.nbytes() > 0:
+                    out.setdefault(st.data_ptr(), st)
+        return out
+
+    def offload(self) -> None:
+        """Move the learner's device memory (parameters, gradients, optimizer state) to pinned host
+        memory while the sampler runs, and return it to the driver (`empty_cache`).
+
+        Every CUDA storage is copied out and resized to 0 bytes; the tensor objects and their views
+        (DDP buffers, `main_grad`, the optimizer's references) stay valid and come back bit-identical
+        with `reload`. Cost per rank: one device-to-host copy of the learner's footprint (bf16 params +
+        fp32 grads + 12 bytes per parameter of this rank's DistributedOptimizer shard) and back with
+        `reload`, and pinned host memory of that size while offloaded (torch's pinned-memory cache keeps
+        it for the next offload). On the CPU the learner's memory already is host memory: a
+        no-op.
+        """
+        if self.offloaded or not torch.cuda.is_available():
+            return
+        torch.cuda.synchronize()
+        for st in self._device_storages().values():
+            host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=True)  # torch caches pinned blocks
+            host.copy_(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),)))
+            self._offloaded.append((st, host))
+        for st, _ in self._offloaded:
+            st.resize_(0)
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def _require_on_device(self) -> None:
+        if self.offloaded:
+            raise RuntimeError("the learner is offloaded (the sampler's phase); call reload() first")
+
+    def reload(self) -> None:
+        """Undo `offload`: reallocate every storage and copy its bytes back (a no-op on the CPU)."""
+        if not self.offloaded:
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+        for st, host in self._offloaded:
+            st.resize_(host.numel())
+            torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (host.numel(),)).copy_(
+                host, non_blocking=True
+            )
+        torch.cuda.synchronize()
+        self._offloaded = []
+        self.offloaded = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""`megagrpo` command line: train, sft, eval, convert, probe.
+"""`megagrpo` command line: train, sft, eval, convert, probe, submit, plan.
 
 User errors (`MegagrpoError`) print one message without a traceback and exit with status 2. A config is
 loaded and validated before any process group or engine starts, so a bad config fails in a second.
@@ -75,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sp = sub.add_parser(name, help=help_, description=help_, add_help=False)
         sp.add_argument("args", nargs=argparse.REMAINDER)
+    from megagrpo.plan.command import add_plan_parser
     from megagrpo.submit.command import add_submit_parser
 
     add_submit_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -102,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             from megagrpo.submit.command import run_submit
 
             return run_submit(args)
+        if args.cmd == "plan":
+            from megagrpo.plan.command import run_plan
+
+            return run_plan(args)
         from megagrpo.config import load_config
 
         cfg = load_config(args.config, args.overrides, stage=args.cmd)  # validates before anything starts

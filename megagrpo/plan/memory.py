@@ -442,6 +442,7 @@ class MemoryPlan:
     fits: bool
     max_micro_batch: int  # largest micro_batch_size whose training peak fits (0: not even 1)
     max_kv_tokens: int  # largest KV cache, in tokens, whose rollout peak fits
+    stage: int = 0  # the pipeline stage the bytes are of: the one with the highest training peak
     reasons: tuple[str, ...] = field(default=())
 
     @property
@@ -452,10 +453,21 @@ class MemoryPlan:
         """The per-GPU table that `megagrpo plan` prints."""
         w = self.workload
         m = w.mesh
-
-        def gib(x: int) -> str:
-            return f"{x / GIB:9.2f} GiB"
-
+        lines = [
+            ("learner parameters", self.params, ""),
+            ("learner gradients", self.grads, ""),
+            ("optimizer (Adam, fp32 master)", self.optimizer, ""),
+            ("reference model", self.reference, ""),
+            ("activations (in flight)", self.activations, ""),
+            ("logits and log-softmax", self.logits, ""),
+            ("engine weights", self.engine_weights, ""),
+            ("engine KV cache", self.kv_cache, f"  ({self.kv_tokens} tokens)"),
+            ("reserve (contexts, NCCL)", int(w.reserve_gib * GIB), ""),
+            None,
+            ("rollout peak", self.rollout_peak, ""),
+            ("training peak", self.train_peak, ""),
+            ("GPU memory", int(self.gpu_mem_gib * GIB), ""),
+        ]
         rows = [
             f"mesh: {m.world_size} GPUs, tp={m.tp} pp={m.pp} ep={m.ep} etp={m.etp} cp={m.cp} "
             f"(dp={m.dp}, expert-dp={m.expert_dp}); engine_tp={w.engine_tp}, "
@@ -463,20 +475,10 @@ class MemoryPlan:
             f"micro-batch: {w.tokens()} tokens ({w.micro_batch_size} x {w.seq_len}), "
             f"recompute={w.recompute}, learner {w.param_dtype} params / {w.grad_dtype} grads",
             "",
-            "per GPU                              bytes",
-            f"  learner parameters           {gib(self.params)}",
-            f"  learner gradients            {gib(self.grads)}",
-            f"  optimizer (Adam, fp32 master) {gib(self.optimizer)}",
-            f"  reference model              {gib(self.reference)}",
-            f"  activations (in flight)      {gib(self.activations)}",
-            f"  logits and log-softmax       {gib(self.logits)}",
-            f"  engine weights               {gib(self.engine_weights)}",
-            f"  engine KV cache              {gib(self.kv_cache)}  ({self.kv_tokens} tokens)",
-            f"  reserve (contexts, NCCL)     {gib(int(w.reserve_gib * GIB))}",
-            "",
-            f"  rollout peak                 {gib(self.rollout_peak)}",
-            f"  training peak                {gib(self.train_peak)}",
-            f"  GPU memory                   {gib(int(self.gpu_mem_gib * GIB))}",
+            f"  {f'per GPU (pipeline stage {self.stage})':<32}{'GiB':>9}",
+        ]
+        rows += ["" if x is None else f"  {x[0]:<32}{x[1] / GIB:9.2f}{x[2]}" for x in lines]
+        rows += [
             "",
             f"verdict: {'FITS' if self.fits else 'DOES NOT FIT'} "
             f"(margin {self.margin / GIB:+.2f} GiB); largest micro_batch_size that fits: "
@@ -488,6 +490,7 @@ class MemoryPlan:
 
 @dataclass(frozen=True)
 class _Stage:
+    stage: int
     state: StateBytes  # optimizer already net of optimizer_offload
     resident: int  # learner state (+ resident reference) while training
     activations: int
@@ -518,7 +521,7 @@ def _stage(arch: ModelArch, w: Workload, stage: int, tokens: int, ref_resident: 
     if w.reference and w.ref_offload:
         # the offloaded reference visits the GPU for a forward pass: its weights and that pass's logits
         act = max(act + logits, reference_bytes(arch, w, stage) + logits // 2) - logits
-    return _Stage(st, st.total + ref_resident, act, logits)
+    return _Stage(stage, st, st.total + ref_resident, act, logits)
 
 
 def _worst_stage(arch: ModelArch, w: Workload, tokens: int, ref_resident: int) -> _Stage:
@@ -601,6 +604,7 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
         fits=not reasons,
         max_micro_batch=max_mb,
         max_kv_tokens=max(0, room // per_token),
+        stage=worst.stage,
         reasons=tuple(reasons),
     )
 

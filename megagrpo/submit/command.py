@@ -68,6 +68,14 @@ def add_submit_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="export K=V in the job")
     p.add_argument("--dry-run", action="store_true", help="check and print the script; submit nothing")
+    from megagrpo.plan.command import add_gpu_mem_arg
+
+    add_gpu_mem_arg(p)
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="submit a train job even when its memory plan (`megagrpo plan`) does not fit the GPUs",
+    )
     return p
 
 
@@ -156,6 +164,28 @@ def run_submit(args: argparse.Namespace) -> int:
         print("megagrpo submit: no Slurm client here; partition and node sizes not checked", file=sys.stderr)
     for w in mesh_warnings(cfg, shape):
         print(f"megagrpo submit: warning: {w}", file=sys.stderr)
+    if device == "gpu" and args.stage == "train":  # the memory plan models the colocated RL step
+        from megagrpo.plan.command import plan_for
+
+        try:
+            plan, _ = plan_for(
+                cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem_gib
+            )
+        except MegagrpoError as e:
+            if not args.force:
+                raise MegagrpoError(f"{e}; or pass --force to submit without a memory plan") from None
+            plan = None
+        if plan is not None and not plan.fits:
+            if not args.force:
+                raise MegagrpoError(
+                    f"the memory plan does not fit {args.gpu_mem_gib:g} GiB per GPU:\n{plan.table()}\n"
+                    "change the config (try `megagrpo plan`), give the real GPU size with --gpu-mem-gib, "
+                    "or pass --force to submit anyway"
+                )
+            print(
+                f"megagrpo submit: warning: --force: the memory plan does not fit:\n{plan.table()}",
+                file=sys.stderr,
+            )
     layout = args.layout if args.layout != "auto" else ("single" if args.nodes == 1 else "torchrun")
     if layout == "single" and args.nodes != 1:
         raise MegagrpoError(

@@ -1,0 +1,215 @@
+"""Issue 16, the memory plan: its arithmetic against hand-computed values and megagrpo's own layout
+code, every shipped config's verdict on the hardware it is meant for, and the `plan`/`submit` CLI.
+(The planned learner bytes against what megatron allocates: tests/dist/test_plan_bytes.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megagrpo.bridge.hf_config import arch_from_hf
+from megagrpo.cli import main
+from megagrpo.config import load_config
+from megagrpo.plan.memory import (
+    GIB,
+    PlanMesh,
+    Workload,
+    activation_bytes,
+    kv_bytes_per_token,
+    learner_state_bytes,
+    model_numel,
+    padded_vocab,
+    plan_memory,
+    plan_workload,
+    stage_tensor_numels,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+MODELS = REPO / "configs" / "models"
+QWEN3_30B = arch_from_hf(MODELS / "Qwen3-30B-A3B")
+
+# Every shipped config, the hardware it is written for (nodes, GPUs per node, GiB), its model's
+# config.json, and the verdict. The demo runs on a CPU; on a GPU it would need almost nothing.
+SHIPPED = {
+    "countdown_qwen3_moe_gdpo.yaml": ((2, 8, 80.0), "Qwen3-30B-A3B", True),
+    "grpo_math_dense.yaml": ((1, 8, 80.0), "Qwen3-8B", True),
+    "demo_qwen3_moe.yaml": ((1, 1, 16.0), "demo-tiny-qwen3-moe", True),
+}
+
+
+def test_every_shipped_config_has_a_verdict():
+    shipped = {p.name for p in (REPO / "configs").glob("*.yaml")} - {"reference.yaml"}
+    assert shipped == set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_config_verdict_on_its_hardware(name):
+    (nodes, gpus, mem), model, fits = SHIPPED[name]
+    cfg = load_config(REPO / "configs" / name, check_paths=False)
+    plan = plan_memory(cfg, arch_from_hf(MODELS / model), nodes=nodes, gpus_per_node=gpus, gpu_mem_gib=mem)
+    assert plan.fits == fits, plan.table()
+    assert plan.max_micro_batch >= cfg.schedule.micro_batch_size
+    assert plan.kv_tokens >= cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def test_countdown_fits_with_margin_where_its_old_mesh_did_not():
+    cfg = load_config(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml", check_paths=False)
+    plan = plan_memory(cfg, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
+    assert plan.margin >= 8 * GIB, plan.table()  # 10% of the GPU
+    old = ["mesh.pp=1", "mesh.ep=4", "rollout.engine_tp=2", "rollout.mem_fraction_static=0.5"]
+    before = load_config(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml", old, check_paths=False)
+    plan = plan_memory(before, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
+    assert not plan.fits and plan.rollout_peak > 100 * GIB
+
+
+def test_model_sizes_match_the_published_parameter_counts():
+    assert model_numel(QWEN3_30B) / 1e9 == pytest.approx(30.5, abs=0.05)  # "30.5B in total"
+    assert model_numel(arch_from_hf(MODELS / "Qwen3-8B")) / 1e9 == pytest.approx(8.2, abs=0.05)
+
+
+def test_vocab_padding_is_the_learners():
+    from megagrpo.learner.model import padded_vocab_size
+
+    for tp in (1, 2, 3, 4, 8):
+        assert padded_vocab(QWEN3_30B, tp) == padded_vocab_size(QWEN3_30B, tp)
+
+
+def test_learner_state_by_hand():
+    # Qwen3-30B-A3B on TP2 x EP8 x PP2 over 16 GPUs: experts are split 16 ways, dense tensors 4 ways.
+    mesh = PlanMesh(16, tp=2, pp=2, ep=8)
+    H, E, Fe, L = 2048, 128, 768, 48
+    experts = 3 * H * Fe * (E // 8) * (L // 2)
+    dense0, expert0 = stage_tensor_numels(QWEN3_30B, mesh, 0)
+    assert sum(expert0) == experts
+    attn = (32 + 2 * 4) * 128 * H // 2 + H * 32 * 128 // 2 + 2 * H + 2 * 128 + E * H
+    assert sum(dense0) == 151936 * H // 2 + attn * L // 2  # embedding on stage 0
+    st = learner_state_bytes(QWEN3_30B, mesh, 16, stage=0)
+    assert st.grads == 2 * st.params  # fp32 grad buffer beside bf16 params, same padded length
+    assert st.params == pytest.approx(2 * (experts + sum(dense0)), rel=1e-4)  # padding only
+    # Adam moments + fp32 master over DP: dense DP = 16 / (2 x 2) = 4, expert-DP = 16 / (8 x 2) = 1
+    assert st.optimizer == pytest.approx(12 * (sum(dense0) / 4 + experts), rel=1e-4)
+    fp32 = learner_state_bytes(
+        QWEN3_30B, mesh, 16, param_dtype="float32", distributed_optimizer=False, stage=0
+    )
+    assert fp32.optimizer == 2 * fp32.params == 8 * st.numel  # no master copy for fp32 params
+
+
+def test_kv_cache_per_token_replicates_heads_beyond_engine_tp():
+    assert kv_bytes_per_token(QWEN3_30B, 1) == 2 * 48 * 4 * 128 * 2
+    assert kv_bytes_per_token(QWEN3_30B, 2) == 2 * 48 * 2 * 128 * 2
+    assert kv_bytes_per_token(QWEN3_30B, 8) == kv_bytes_per_token(QWEN3_30B, 4)  # 4 kv heads: 1 per rank
+
+
+def test_activations_scale_with_tokens_and_shrink_with_recompute_and_sharding():
+    mesh = PlanMesh(8, ep=8)
+    one = activation_bytes(QWEN3_30B, mesh, 4096)
+    assert activation_bytes(QWEN3_30B, mesh, 8192) == pytest.approx(2 * one, rel=1e-6)
+    assert activation_bytes(QWEN3_30B, mesh, 4096, recompute="full") < one / 10
+    tp4 = activation_bytes(QWEN3_30B, PlanMesh(8, tp=4, ep=2, sequence_parallel=True), 4096)
+    assert tp4 == pytest.approx(one / 4, rel=1e-6)
+    # per token and layer (docstring formula): attention 2H + 2(n+g)d, MoE 2H + k(2H + 3F_e), bf16,
+    # fp32 router input and logits; L + 1 layers (one layer of transient gradients in backward)
+    per_layer = 2 * (2 * 2048 + 2 * 36 * 128) + 2 * 2 * 2048 + 4 * (2048 + 256) + 2 * 8 * (2 * 2048 + 3 * 768)
+    assert one == int(per_layer * 4096 * 49)
+
+
+def test_pipeline_in_flight_micro_batches_are_counted_on_the_first_stage():
+    w = Workload(mesh=PlanMesh(16, tp=2, pp=2, ep=8, sequence_parallel=True), seq_len=2048, micro_batches=64)
+    plan = plan_workload(QWEN3_30B, w)
+    assert plan.stage == 0
+    single = dataclass_replace(w, micro_batches=1)
+    assert plan_workload(QWEN3_30B, single).activations < plan.activations
+
+
+def dataclass_replace(w: Workload, **kw) -> Workload:
+    import dataclasses
+
+    return dataclasses.replace(w, **kw)
+
+
+def test_max_micro_batch_is_the_largest_that_fits():
+    cfg = load_config(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml", check_paths=False)
+    plan = plan_memory(cfg, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
+    k = plan.max_micro_batch
+    at = load_config(
+        REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml",
+        [f"schedule.micro_batch_size={k}"],
+        check_paths=False,
+    )
+    assert plan_memory(at, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80).fits
+    over = load_config(
+        REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml",
+        [f"schedule.micro_batch_size={k + 1}"],
+        check_paths=False,
+    )
+    assert not plan_memory(over, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80).fits
+    # and the largest KV cache: the whole budget minus the resident learner and the engine weights
+    per_token = kv_bytes_per_token(QWEN3_30B, 4)
+    assert (
+        plan.max_kv_tokens
+        == (plan.budget - (plan.params + plan.grads + plan.optimizer) - plan.engine_weights) // per_token
+    )
+
+
+def test_plan_cli_prints_the_table_and_exits_1_when_it_does_not_fit(capsys):
+    cfg = str(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml")
+    assert main(["plan", cfg, "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "configs/models/Qwen3-30B-A3B/config.json" in out and "verdict: FITS" in out
+    for row in (
+        "learner parameters",
+        "learner gradients",
+        "optimizer",
+        "activations",
+        "reference model",
+        "engine weights",
+        "engine KV cache",
+        "largest micro_batch_size",
+    ):
+        assert row in out
+    assert main(["plan", cfg, "mesh.pp=1", "--nodes", "1", "--gpus-per-node", "8"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["plan", cfg, "--nodes", "2", "--gpus-per-node", "8", "--model-config", "/nonexistent"]) == 2
+    assert "--model-config /nonexistent" in capsys.readouterr().err
+
+
+def _big_model_config(tmp_path: Path, overrides: list[str]) -> list[str]:
+    model = tmp_path / "Qwen3-30B-A3B"
+    model.mkdir()
+    shutil.copy(MODELS / "Qwen3-30B-A3B" / "config.json", model / "config.json")
+    return [str(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml"), f"model.hf_path={model}", *overrides]
+
+
+def test_submit_refuses_a_plan_that_does_not_fit_unless_forced(tmp_path, capsys, monkeypatch):
+    import megagrpo.submit.slurm as slurm
+
+    monkeypatch.setattr(slurm, "have_slurm", lambda: False)
+    args = [
+        "submit",
+        *_big_model_config(tmp_path, ["mesh.pp=1", "mesh.ep=4"]),
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--dry-run",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "memory plan does not fit 80 GiB" in err and "--force" in err
+    assert main([*args, "--gpu-mem-gib", "141"]) == 0  # an H200 holds it
+    capsys.readouterr()
+    assert main([*args, "--force"]) == 0
+    assert "--force: the memory plan does not fit" in capsys.readouterr().err
+
+
+def test_the_shipped_architecture_facts_are_complete_hf_configs():
+    for d in MODELS.iterdir():
+        cfg = json.loads((d / "config.json").read_text())
+        arch = arch_from_hf(cfg)
+        assert arch.num_layers > 0 and math.isfinite(arch.rope_theta)

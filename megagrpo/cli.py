@@ -54,6 +54,16 @@ def _spawn_torchrun(nproc: int, mode: str, argv_rest: list[str]) -> int:
         str(REPO / "launch" / "run.py"),
         mode,
         *argv_rest,
+def _check_world(cfg, stage: str, nproc: int | None) -> None:
+    """The mesh against the world size this run will have (`--nproc`, else the launcher's variables)."""
+    from megagrpo.config import check_mesh
+    from megagrpo.learner.mesh import world_size_from_environ
+
+    world = nproc or world_size_from_environ()
+    if world is not None:  # None: the mpi4py bootstrap; init_mesh checks once MPI is up
+        check_mesh(cfg, world, stage)
+
+
     ]
     return subprocess.call(cmd)
 
@@ -111,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         from megagrpo.config import load_config
 
         cfg = load_config(args.config, args.overrides, stage=args.cmd)  # validates before anything starts
-        if args.nproc and args.nproc > 1 and "RANK" not in os.environ:
+        spawn = bool(args.nproc and args.nproc > 1 and "RANK" not in os.environ)
+        _check_world(cfg, args.cmd, args.nproc if spawn else None)
+        if spawn:
             rest = [args.config, *args.overrides] + (["--resume", args.resume] if args.resume else [])
             return _spawn_torchrun(args.nproc, args.cmd, rest)
         from megagrpo.trainer.entry import run

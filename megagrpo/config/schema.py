@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from megagrpo.config.mesh_rules import layout_problems, mesh_sizes
 from megagrpo.errors import MegagrpoError
 
 Variant = Literal["grpo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "reinforce"]
@@ -122,16 +123,16 @@ class MeshConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> MeshConfig:
-        if self.sequence_parallel and self.tp == 1:
-            raise invalid(
-                "sequence_parallel", "true needs tp > 1; set mesh.sequence_parallel=false or tp >= 2"
-            )
-        if self.tp > 1 and self.ep > 1 and not self.sequence_parallel:
-            raise invalid(
-                "sequence_parallel",
-                f"false with tp={self.tp} and ep={self.ep}; megatron-core requires sequence parallelism "
-                "when expert and tensor parallelism are combined: set mesh.sequence_parallel=true",
-            )
+        problems = layout_problems(
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            etp=self.etp,
+            cp=self.cp,
+            sequence_parallel=self.sequence_parallel,
+        )
+        if problems:
+            raise invalid(*problems[0])
         return self
 
 
@@ -149,8 +150,9 @@ class RolloutConfig(Section):
         default=0.5,
         gt=0.0,
         lt=1.0,
-        description="SGLang's share of device memory for weights + KV cache. The learner shares the GPU, "
-        "so this is lower than SGLang's standalone default.",
+        description="SGLang's share of device memory for weights + KV cache, sized at engine start with "
+        "the learner offloaded. The rest holds what stays resident (CUDA contexts, NCCL buffers) and, "
+        "during the weight sync, the learner beside the engine's weights (docs/architecture.md).",
     )
     max_total_tokens: int | None = Field(
         default=None,
@@ -169,6 +171,15 @@ class RolloutConfig(Section):
         default=False,
         description="FP8 rollout (SGLang quantization='fp8', GPU only): faster sampling at the cost of "
         "a larger train/inference mismatch.",
+    )
+    deterministic: bool = Field(
+        default=False,
+        description="GPU: start SGLang with enable_deterministic_inference, so each request's seed is "
+        "honoured and batch-invariant kernels make a completion and its logprobs independent of how "
+        "requests are batched: a seeded run repeats its rollouts. Off by default because it costs "
+        "throughput (pytorch sampling, a deterministic attention backend, batch-invariant matmuls); "
+        "off, GPU rollouts do not repeat. CPU: no effect, the CPU engine always honours the seeds "
+        "(docs/architecture.md, Reproducibility).",
     )
     group_size: int = Field(
         default=8,
@@ -234,11 +245,6 @@ class KlConfig(Section):
         default="low_var_kl",
         description="Per-token KL estimator: k1 (log-ratio), k2 (squared), k3 (unbiased, non-negative), "
         "low_var_kl (k3 clamped to [-10, 10], robust to rare huge ratios).",
-    )
-    placement: Literal["loss", "reward"] = Field(
-        default="loss",
-        description="loss: add coef*KL to the objective (GRPO paper); reward: subtract it from the "
-        "reward before advantages (classic RLHF shaping).",
     )
 
 
@@ -312,7 +318,8 @@ class ImportanceConfig(Section):
     )
     cap_low: float | None = Field(
         default=None,
-        description="Lower ratio bound in (0, 1) for mask/icepop; null = 1/cap (symmetric in log space).",
+        description="Lower ratio bound in (0, 1): mask/icepop zero tokens below it, truncate raises weights "
+        "to it. null = 1/cap for mask/icepop (symmetric in log space), no lower bound for truncate.",
     )
     veto_low: float | None = Field(
         default=None,
@@ -333,7 +340,20 @@ class ImportanceConfig(Section):
             raise invalid("cap_low", f"{self.cap_low} must be in (0, 1)")
         if self.veto_low is not None and not 0.0 < self.veto_low < 1.0:
             raise invalid("veto_low", f"{self.veto_low} must be in (0, 1)")
+        if self.mode == "icepop" and self.level != "token":
+            raise invalid("level", f"{self.level!r} with mode=icepop; IcePop masks tokens: use level=token")
         return self
+
+
+class MaskedImportanceConfig(ImportanceConfig):
+    """`algo.mis`: the same correction with masking as its default, also when the YAML gives the section
+    (`mis: {enabled: true}` must not mean truncation)."""
+
+    mode: Literal["truncate", "mask", "icepop"] = Field(
+        default="mask",
+        description="truncate: w=min(ratio, cap) (TIS); mask: zero weight outside [cap_low, cap] (MIS); "
+        "icepop: two-sided token mask.",
+    )
 
 
 class AlgoConfig(Section):
@@ -407,8 +427,8 @@ class AlgoConfig(Section):
         default_factory=ImportanceConfig,
         description="Truncated importance sampling between sampler and learner probabilities.",
     )
-    mis: ImportanceConfig = Field(
-        default_factory=lambda: ImportanceConfig(mode="mask"),
+    mis: MaskedImportanceConfig = Field(
+        default_factory=MaskedImportanceConfig,
         description="Masked importance sampling: drops tokens/sequences whose sampler/learner ratio is "
         "out of range (default mode mask).",
     )
@@ -427,7 +447,8 @@ class AlgoConfig(Section):
     old_logp: Literal["recompute", "rollout"] = Field(
         default="recompute",
         description="recompute: old-policy logprobs from a learner forward (ratios exclude sampler "
-        "mismatch); rollout: use the sampler's logprobs (saves a forward; the ratio carries the mismatch).",
+        "mismatch); rollout: use the sampler's logprobs (saves a forward; the ratio carries the mismatch, "
+        "so TIS, MIS and diagnostics.mismatch, which compare that forward with the sampler, must be off).",
     )
     ppo_mini_batches: int = Field(
         default=1,
@@ -456,6 +477,14 @@ class AlgoConfig(Section):
             )
         if self.clip_high <= 0.0:
             raise invalid("clip_high", f"{self.clip_high} must be > 0: the upper ratio bound is 1+clip_high")
+        for name in ("tis", "mis"):
+            if self.old_logp == "rollout" and getattr(self, name).enabled:
+                raise invalid(
+                    f"{name}.enabled",
+                    f"true with algo.old_logp=rollout; {name.upper()} weighs tokens by the learner/sampler "
+                    "ratio of the old policy, and with old_logp=rollout the old policy IS the sampler, so "
+                    f"the weight is always 1: set algo.old_logp=recompute or algo.{name}.enabled=false",
+                )
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0 + self.clip_high:
             raise invalid(
                 "clip_ratio_c",
@@ -742,7 +771,6 @@ class WandbConfig(Section):
 
 class LoggingConfig(Section):
     out_dir: str = Field(default="outputs/run", description="Run directory: metrics, TensorBoard, report.")
-    jsonl: bool = Field(default=True, description="Write metrics.jsonl (one JSON object per step).")
     tensorboard: bool = Field(default=True, description="Write TensorBoard event files.")
     console: bool = Field(default=True, description="One-line console summary per step and a progress bar.")
     health: HealthThresholds = Field(
@@ -756,15 +784,10 @@ class LoggingConfig(Section):
 
 class DiagnosticsConfig(Section):
     mismatch: bool = Field(
-        default=True, description="Compute mismatch/ metrics (sampler vs learner) every step; cheap."
-    )
-    shadow_routing: bool = Field(
-        default=False,
-        description="Extra learner pass without R3 to attribute mismatch to routing (mismatch/routing_share).",
-    )
-    shadow_precision: bool = Field(
-        default=False,
-        description="Extra fp32 learner pass to attribute mismatch to precision (mismatch/numeric_share).",
+        default=True,
+        description="Compute mismatch/ metrics (sampler vs the learner's old-policy pass) every step; "
+        "cheap. Needs algo.old_logp=recompute. A tis/mis cap 'auto' measures its own quantile even when "
+        "this is false.",
     )
 
 
@@ -878,6 +901,13 @@ class Config(Section):
             raise invalid(
                 "algo.soft_overlong.cache_len", f"{so.cache_len} must be below max_len={so.max_len}"
             )
+        if self.diagnostics.mismatch and algo.old_logp == "rollout":
+            raise invalid(
+                "diagnostics.mismatch",
+                "true with algo.old_logp=rollout; the mismatch metrics compare a learner pass with the "
+                "sampler, and old_logp=rollout skips that pass: set diagnostics.mismatch=false or "
+                "algo.old_logp=recompute",
+            )
         n_seqs = rollout.prompts_per_step * rollout.group_size
         if n_seqs % algo.ppo_mini_batches:
             raise invalid(
@@ -898,50 +928,58 @@ class MeshSizes:
     world_size: int
     dp: int  # data-parallel size: world / (tp * pp * cp)
     expert_dp: int  # expert data-parallel size: world / (ep * etp * pp)
-    num_engines: int  # colocated SGLang engines: world / rollout.engine_tp
-    seqs_per_rank_per_minibatch: int
+    num_engines: int  # colocated SGLang engines: world / rollout.engine_tp (0 for sft: no engine)
+    seqs_per_rank_per_minibatch: int  # train: one mini-batch's rows per DP rank; sft: one step's
 
 
-def check_mesh(cfg: Config, world_size: int) -> MeshSizes:
-    """Check the learner mesh, the engine TP and the batch split against the world size; infer DP."""
+STAGES = ("train", "sft", "eval")
+
+
+def check_mesh(cfg: Config, world_size: int, stage: str = "train") -> MeshSizes:
+    """The mesh, the engine TP and the batch split against the world size; infers DP.
+
+    Runs for every entry point (train, sft, eval, submit) before any process group or engine starts. The
+    batch must split evenly over DP: the learner gives each rank whole sequences in micro-batches of at
+    most `schedule.micro_batch_size`, and an uneven split could leave a rank fewer sequences than
+    micro-batches.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     m = cfg.mesh
-    if world_size < 1:
-        raise MegagrpoError(f"world size {world_size} must be >= 1")
-    dense = m.tp * m.pp * m.cp
-    if world_size % dense:
-        raise MegagrpoError(
-            f"mesh: tp*pp*cp = {m.tp}*{m.pp}*{m.cp} = {dense} does not divide the world size {world_size}; "
-            f"choose mesh sizes whose product divides {world_size} (DP is inferred as the quotient)"
+    split = mesh_sizes(world_size, tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, cp=m.cp)
+    dp = split.dp
+    engines = 0
+    if stage != "sft":
+        if world_size % cfg.rollout.engine_tp:
+            raise MegagrpoError(
+                f"rollout.engine_tp: {cfg.rollout.engine_tp} does not divide the world size {world_size}; "
+                "each colocated engine needs engine_tp whole ranks"
+            )
+        engines = world_size // cfg.rollout.engine_tp
+    per_rank = 0
+    if stage == "train":
+        n_seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        per_mb = n_seqs // cfg.algo.ppo_mini_batches
+        what = (
+            f"a mini-batch of {per_mb} sequences (rollout.prompts_per_step * rollout.group_size / "
+            "algo.ppo_mini_batches)"
         )
-    expert = m.ep * m.etp * m.pp
-    if world_size % expert:
-        raise MegagrpoError(
-            f"mesh: ep*etp*pp = {m.ep}*{m.etp}*{m.pp} = {expert} does not divide the world size {world_size}; "
-            "choose expert sizes whose product divides it"
-        )
-    if world_size % cfg.rollout.engine_tp:
-        raise MegagrpoError(
-            f"rollout.engine_tp: {cfg.rollout.engine_tp} does not divide the world size {world_size}; "
-            "each colocated engine needs engine_tp whole ranks"
-        )
-    dp = world_size // dense
-    n_seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    per_mb = n_seqs // cfg.algo.ppo_mini_batches
-    if per_mb % dp:
-        raise MegagrpoError(
-            f"mesh: a mini-batch of {per_mb} sequences does not split over DP={dp} ranks; make "
-            "rollout.prompts_per_step * rollout.group_size / algo.ppo_mini_batches a multiple of DP"
-        )
-    per_rank = per_mb // dp
-    if per_rank % cfg.schedule.micro_batch_size:
-        raise MegagrpoError(
-            f"schedule.micro_batch_size: {cfg.schedule.micro_batch_size} does not divide the {per_rank} "
-            f"sequences each DP rank gets per mini-batch"
-        )
+    elif stage == "sft":
+        per_mb, what = cfg.sft.batch_size, f"an SFT step of {cfg.sft.batch_size} sequences (sft.batch_size)"
+    if stage in ("train", "sft"):
+        if dp > per_mb:
+            raise MegagrpoError(
+                f"mesh: data parallelism would be {dp} ranks, more than the mesh can use: {what} gives "
+                f"at most {per_mb} ranks a sequence; use fewer processes (at most {per_mb * (world_size // dp)}), "
+                "a larger batch, or larger mesh.tp/pp/cp"
+            )
+        if per_mb % dp:
+            raise MegagrpoError(f"mesh: {what} does not split over DP={dp} ranks; make it a multiple of {dp}")
+        per_rank = per_mb // dp
     return MeshSizes(
         world_size=world_size,
         dp=dp,
-        expert_dp=world_size // expert,
-        num_engines=world_size // cfg.rollout.engine_tp,
+        expert_dp=split.expert_dp,
+        num_engines=engines,
         seqs_per_rank_per_minibatch=per_rank,
     )

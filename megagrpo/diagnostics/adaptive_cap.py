@@ -3,7 +3,8 @@
 Rule (deterministic): each step contributes one measurement q_s, the token-ratio quantile `quantile`
 (config `tis.auto.quantile`, default 0.999: the p99.9 of pi/mu over the step's valid tokens, read from
 `mismatch_metrics(...).metrics` under `token_ratio_metric_name(quantile)`; pass a non-standard quantile
-to `mismatch_metrics` in `extra_token_quantiles`). Over the last `window` measurements the cap is
+to `mismatch_metrics` in `extra_token_quantiles`, or measure only it with `token_ratio_quantiles`).
+Over the last `window` measurements the cap is
 
     cap = clamp(margin · exp(mean_s log q_s), cap_min, cap_max)
 
@@ -94,7 +95,11 @@ class AdaptiveCap:
         if n is not None and float(n) == 0:
             return self.cap
         if self.metric not in metrics:
-            raise ValueError(f"AdaptiveCap: metrics lack {self.metric!r}; pass mismatch_metrics(...).metrics")
+            raise ValueError(
+                f"AdaptiveCap: metrics lack {self.metric!r}; pass mismatch_metrics(..., "
+                f"extra_token_quantiles=({self.quantile},)).metrics or token_ratio_quantiles(..., "
+                f"[{self.quantile}])"
+            )
         return self.observe(float(metrics[self.metric]))
 
     def observe(self, quantile: float) -> float:

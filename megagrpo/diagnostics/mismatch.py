@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +135,38 @@ def _exp_capped(log_value: float) -> float:
     return math.exp(min(log_value, _FLOAT_MAX_LOG))
 
 
+def token_ratio_quantiles(
+    sampler_logp: torch.Tensor,
+    learner_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    quantiles: Sequence[float],
+    *,
+    reducer: Reducer | None = None,
+) -> dict[str, float]:
+    """Only the token-ratio quantiles q of w = pi/mu (named by `token_ratio_metric_name`) and
+    `mismatch/n_tokens`: what `tis.cap: auto` needs when the full set (`diagnostics.mismatch`) is off.
+    Same definitions and validation as `mismatch_metrics`; all quantiles are 1 when no token is valid.
+    With a `DistReducer`, each rank receives every valid token's log-ratio of the group: B×T fp64 values
+    (the global batch's valid tokens) plus one size exchange."""
+    _check_quantiles(quantiles)
+    valid = _check_inputs(sampler_logp, learner_logp, loss_mask)
+    red = reducer if reducer is not None else LocalReducer()
+    delta = learner_logp[valid].to(torch.float64) - sampler_logp[valid].to(torch.float64)
+    d_all = red.gather(delta).sort().values
+    out = {f"{PREFIX}n_tokens": float(d_all.numel())}
+    for q in quantiles:
+        out[token_ratio_metric_name(q)] = (
+            _exp_capped(quantile_sorted(d_all, float(q))) if d_all.numel() else 1.0
+        )
+    return out
+
+
+def _check_quantiles(quantiles: Sequence[float]) -> None:
+    for q in quantiles:
+        if not 0.0 <= float(q) <= 1.0:
+            raise ValueError(f"extra_token_quantiles: {q} is not in [0, 1]")
+
+
 def mismatch_metrics(
     sampler_logp: torch.Tensor,
     learner_logp: torch.Tensor,
@@ -152,9 +185,7 @@ def mismatch_metrics(
     extra_token_quantiles: further token-ratio quantiles q in [0, 1] (named by `token_ratio_metric_name`),
     e.g. the `tis.auto.quantile` of the config.
     """
-    for q in extra_token_quantiles:
-        if not 0.0 <= float(q) <= 1.0:
-            raise ValueError(f"extra_token_quantiles: {q} is not in [0, 1]")
+    _check_quantiles(extra_token_quantiles)
     valid = _check_inputs(sampler_logp, learner_logp, loss_mask)
     red = reducer if reducer is not None else LocalReducer()
     dev = sampler_logp.device

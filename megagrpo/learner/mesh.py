@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megagrpo.config.mesh_rules import check_layout, mesh_sizes
 from megagrpo.errors import MegagrpoError
 
 
@@ -28,17 +29,16 @@ class MeshConfig:
     ep: int = 1  # expert parallel
     etp: int = 1  # expert tensor parallel
     cp: int = 1  # context parallel
-    sequence_parallel: bool = False  # shard norm/dropout activations over TP; required for MoE with tp>1
+    sequence_parallel: bool = False  # shard norm/dropout activations over TP; required when tp>1 and ep>1
     vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); None = 1
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "ep", "etp", "cp"):
-            if getattr(self, name) < 1:
-                raise MegagrpoError(f"mesh.{name}={getattr(self, name)} must be >= 1")
-        if self.sequence_parallel and self.tp == 1:
-            raise MegagrpoError("mesh.sequence_parallel=true needs mesh.tp > 1; set it false or raise tp")
-        if self.vpp is not None and (self.vpp < 1 or (self.vpp > 1 and self.pp == 1)):
-            raise MegagrpoError(f"mesh.vpp={self.vpp} needs pp > 1 and vpp >= 1; set vpp to null")
+        """The layout rules of `megagrpo.config.mesh_rules` (the schema applies the same ones), plus one
+        that depends on the device."""
+        check_layout(
+            tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp,
+            sequence_parallel=self.sequence_parallel, vpp=self.vpp,
+        )  # fmt: skip
         if self.vpp is not None and self.vpp > 1 and not torch.cuda.is_available():
             # Seen here: megatron's interleaved 1F1B with variable sequence lengths stalls in a gloo p2p
             # send during the training pass (forward-only works). Not supported on CPU meshes.
@@ -49,20 +49,7 @@ class MeshConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """DP inferred as world / (tp*cp*pp); raises MegagrpoError naming the sizes if it does not divide."""
         self.validate()
-        dense = self.tp * self.cp * self.pp
-        if world_size % dense:
-            raise MegagrpoError(
-                f"world size {world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = "
-                f"{dense}; change mesh.tp/cp/pp or the number of processes"
-            )
-        dp = world_size // dense
-        expert = self.etp * self.ep * self.pp
-        if world_size % expert:
-            raise MegagrpoError(
-                f"world size {world_size} is not divisible by etp*ep*pp = {self.etp}*{self.ep}*{self.pp} = "
-                f"{expert}; change mesh.ep/etp or the number of processes"
-            )
-        return dp
+        return mesh_sizes(world_size, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp).dp
 
 
 @dataclass(frozen=True)
@@ -86,34 +73,24 @@ class DistEnv:
         """
         env = dict(os.environ if environ is None else environ)
         node = 0
-        bootstrap = env.get(BOOTSTRAP_ENV, "auto")
-        if bootstrap not in ("auto", "mpi4py"):
-            raise MegagrpoError(
-                f"{BOOTSTRAP_ENV}={bootstrap!r}: expected 'auto' (launcher variables) or 'mpi4py'"
-            )
-        if bootstrap == "mpi4py":
-            launcher = "mpi4py"
+        launcher = _launcher(env)
+        if launcher == "mpi4py":
             rank, world, local, node = _mpi4py_bootstrap(env)  # also fills MASTER_ADDR/PORT in `env`
-        elif "RANK" in env and "WORLD_SIZE" in env:
-            launcher = "torchrun"
-            rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        elif launcher == "torchrun":
+            rank, world = _int(env, "RANK"), _world(env, launcher)
             local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
             node = _int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0
-        elif "OMPI_COMM_WORLD_RANK" in env:
-            launcher = "mpirun"
-            rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        elif launcher == "mpirun":
+            rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _world(env, launcher)
             local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0
             if "OMPI_COMM_WORLD_LOCAL_SIZE" in env:  # by-slot mapping (mpirun's default) fills nodes in order
                 node = rank // max(1, _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
-        elif "SLURM_PROCID" in env:
-            launcher = "srun"
-            rank = _int(env, "SLURM_PROCID")
-            world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-            world = _int(env, world_key)
+        elif launcher == "srun":
+            rank, world = _int(env, "SLURM_PROCID"), _world(env, launcher)
             local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
             node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
         else:
-            launcher, rank, world, local = "single", 0, 1, 0
+            rank, world, local = 0, 1, 0
         if not 0 <= rank < world:
             raise MegagrpoError(f"{launcher}: rank {rank} is outside world size {world}; check the launcher")
         addr = env.get("MASTER_ADDR") or _slurm_first_host(env) or ("127.0.0.1" if world == 1 else "")
@@ -129,6 +106,42 @@ class DistEnv:
         else:
             port = 29500
         return cls(rank, world, local, addr, port, launcher, node)
+
+
+def _launcher(env: Mapping[str, str]) -> str:
+    """Which launcher started this process, by the precedence `DistEnv.from_environ` documents."""
+    bootstrap = env.get(BOOTSTRAP_ENV, "auto")
+    if bootstrap not in ("auto", "mpi4py"):
+        raise MegagrpoError(
+            f"{BOOTSTRAP_ENV}={bootstrap!r}: expected 'auto' (launcher variables) or 'mpi4py'"
+        )
+    if bootstrap == "mpi4py":
+        return "mpi4py"
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun"
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return "mpirun"
+    if "SLURM_PROCID" in env:
+        return "srun"
+    return "single"
+
+
+def _world(env: Mapping[str, str], launcher: str) -> int:
+    if launcher == "torchrun":
+        return _int(env, "WORLD_SIZE")
+    if launcher == "mpirun":
+        return _int(env, "OMPI_COMM_WORLD_SIZE")
+    if launcher == "srun":
+        return _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
+    return 1
+
+
+def world_size_from_environ(environ: Mapping[str, str] | None = None) -> int | None:
+    """The world size the launcher variables announce, without starting anything; None under the mpi4py
+    bootstrap (MPI knows it only once initialised). Lets the CLI check the mesh before any process group."""
+    env = os.environ if environ is None else environ
+    launcher = _launcher(env)
+    return None if launcher == "mpi4py" else _world(env, launcher)
 
 
 def _free_port() -> int:

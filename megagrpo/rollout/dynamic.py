@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megagrpo.config.schema import Config
+from megagrpo.config.schema import RolloutConfig as RolloutSection
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import Completion
 from megagrpo.rollout.config import SamplingConfig
@@ -28,12 +30,29 @@ def _default_keep(rewards: torch.Tensor) -> torch.Tensor:
     return keep_groups(rewards)
 
 
+_SCHEMA = RolloutSection.model_fields
+
+
 @dataclass(frozen=True)
 class DynamicSamplingConfig:
+    """The loop's knobs. Defaults are the schema's (`rollout.oversample`, `rollout.max_rounds`), so the two
+    cannot disagree; `from_config` is the one translation from a validated `Config`."""
+
     batch_prompts: int  # groups wanted in the batch
     group_size: int  # G, completions per prompt (>= 2 for GRPO)
-    oversample: float = 1.5  # prompts drawn per missing group in each round
-    max_rounds: int = 4  # cap on generation rounds per batch
+    oversample: float = _SCHEMA["oversample"].default  # prompts drawn per missing group in each round
+    max_rounds: int = _SCHEMA["max_rounds"].default  # cap on generation rounds per batch
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DynamicSamplingConfig:
+        """`algo.dynamic_sampling: false` is one round of exactly `prompts_per_step` prompts."""
+        r, on = cfg.rollout, cfg.algo.dynamic_sampling
+        return cls(
+            batch_prompts=r.prompts_per_step,
+            group_size=r.group_size,
+            oversample=r.oversample if on else 1.0,
+            max_rounds=r.max_rounds if on else 1,
+        )
 
 
 @dataclass

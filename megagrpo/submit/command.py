@@ -153,7 +153,7 @@ def run_submit(args: argparse.Namespace) -> int:
     if cpus_per_proc < 1:
         raise MegagrpoError(f"--cpus-per-proc must be >= 1, got {cpus_per_proc}")
     shape = JobShape(args.nodes, args.gpus_per_node, device, cpus_per_proc)
-    sizes = check_mesh_fits(cfg, shape)
+    sizes = check_mesh_fits(cfg, shape, args.stage)
     if part is not None:
         check_partition_fits(shape, part)
     elif not args.dry_run:

@@ -30,8 +30,9 @@ class JobShape:
         return f"--nodes {self.nodes} x --gpus-per-node {self.procs_per_node} = {self.world_size} {unit}"
 
 
-def check_mesh_fits(cfg: Config, shape: JobShape) -> MeshSizes:
-    """Check the mesh against nodes x processes per node: too few, too many, or not dividing."""
+def check_mesh_fits(cfg: Config, shape: JobShape, stage: str = "train") -> MeshSizes:
+    """The mesh against nodes x processes per node: too few, or the rules of `check_mesh` (too many, not
+    dividing), plus the one rule of a job's shape: an engine lives on one node."""
     if shape.nodes < 1 or shape.procs_per_node < 1:
         raise MegagrpoError(f"--nodes and --gpus-per-node must be >= 1 (got {shape.describe()})")
     m, world = cfg.mesh, shape.world_size
@@ -43,26 +44,18 @@ def check_mesh_fits(cfg: Config, shape: JobShape) -> MeshSizes:
             f"{m.tp}*{m.pp}*{m.cp} = {dense}, mesh.ep*etp*pp = {m.ep}*{m.etp}*{m.pp} = {expert}, "
             f"rollout.engine_tp = {cfg.rollout.engine_tp}); request more, or shrink the mesh"
         )
-    per_minibatch = cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.algo.ppo_mini_batches
-    max_dp = per_minibatch // cfg.schedule.micro_batch_size if per_minibatch >= 1 else 0
-    if world % dense == 0 and world // dense > max(max_dp, 1):
-        most = dense * max(max_dp, 1)
-        raise MegagrpoError(
-            f"{shape.describe()} is more than the mesh can use: data parallelism would be "
-            f"{world // dense} ranks, but a mini-batch of {per_minibatch} sequences "
-            f"(rollout.prompts_per_step * group_size / algo.ppo_mini_batches) in micro-batches of "
-            f"{cfg.schedule.micro_batch_size} feeds at most {max(max_dp, 1)}; request at most {most}, or "
-            "raise rollout.prompts_per_step / lower schedule.micro_batch_size"
-        )
-    if cfg.rollout.engine_tp > shape.procs_per_node or shape.procs_per_node % cfg.rollout.engine_tp:
+    try:
+        sizes = check_mesh(cfg, world, "eval" if stage == "check" else stage)
+    except MegagrpoError as e:
+        raise MegagrpoError(f"{shape.describe()}: {e}") from None
+    if stage != "sft" and (
+        cfg.rollout.engine_tp > shape.procs_per_node or shape.procs_per_node % cfg.rollout.engine_tp
+    ):
         raise MegagrpoError(
             f"rollout.engine_tp = {cfg.rollout.engine_tp} must divide --gpus-per-node "
             f"{shape.procs_per_node}: each colocated SGLang engine lives on one node"
         )
-    try:
-        return check_mesh(cfg, world)
-    except MegagrpoError as e:
-        raise MegagrpoError(f"{shape.describe()}: {e}") from None
+    return sizes
 
 
 def mesh_warnings(cfg: Config, shape: JobShape) -> list[str]:

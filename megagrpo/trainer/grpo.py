@@ -25,10 +25,55 @@ from megagrpo.algo.importance import importance_masks, importance_metrics
 from megagrpo.algo.losses import policy_loss
 from megagrpo.config.schema import Config
 from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
-from megagrpo.diagnostics.mismatch import mismatch_metrics
+from megagrpo.diagnostics.mismatch import mismatch_metrics, token_ratio_quantiles
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
 from megagrpo.trainer.batch import rollout_batch, select_rows
 from megagrpo.trainer.session import Session, broadcast_from_rank0
+
+
+def response_lengths(completions) -> torch.Tensor:
+    """Output tokens per completion, int64 `[B]`: the DAPO length penalty takes integer lengths only."""
+    return torch.tensor([c.output_ids.numel() for c in completions], dtype=torch.int64)
+
+
+def length_shaped_rewards(rewards: torch.Tensor, lengths: torch.Tensor, so) -> torch.Tensor:
+    """`rewards [n, G]` plus the soft overlong penalty of `lengths [n*G]` when `so` (algo.soft_overlong) is on."""
+    if not so.enabled:
+        return rewards
+    pen = soft_overlong_penalty(lengths, so.max_len, so.cache_len, so.factor)
+    return rewards + pen.view_as(rewards)
+
+
+def correction_masks(spec, cap: float, learner_logp, sampler_logp, loss_mask):
+    """One TIS/MIS section (`algo.tis` or `algo.mis`) applied with upper bound `cap`; the schema's null
+    `cap_low` is 1/cap for the masking modes (symmetric in log space) and no lower bound for truncate."""
+    cap_low = spec.cap_low
+    if cap_low is None and spec.mode != "truncate":
+        cap_low = 1.0 / cap
+    return importance_masks(
+        learner_logp,
+        sampler_logp,
+        loss_mask,
+        level=spec.level,
+        mode=spec.mode,
+        cap_high=cap,
+        cap_low=cap_low,
+        veto_low=spec.veto_low,
+    )
+
+
+def mismatch_measurements(
+    sampler_logp, learner_logp, loss_mask, caps: list[AdaptiveCap], *, full: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(metrics to log, metrics the `auto` caps update from). `full` (diagnostics.mismatch) computes the
+    whole mismatch/ set, with each cap's quantile added; otherwise only what the caps read is measured."""
+    if full:
+        extra = tuple(c.quantile for c in caps)
+        m = mismatch_metrics(sampler_logp, learner_logp, loss_mask, extra_token_quantiles=extra).metrics
+        return m, m
+    if not caps:
+        return {}, {}
+    return {}, token_ratio_quantiles(sampler_logp, learner_logp, loss_mask, [c.quantile for c in caps])
 
 
 class PhaseTimer:
@@ -123,18 +168,12 @@ class GRPOTrainer(Session):
             return rb.rewards.view(-1)
 
         self._reward_metrics: list[dict] = []
-        dyn_cfg = DynamicSamplingConfig(
-            batch_prompts=cfg.rollout.prompts_per_step,
-            group_size=G,
-            oversample=cfg.rollout.oversample if a.dynamic_sampling else 1.0,
-            max_rounds=cfg.rollout.max_rounds if a.dynamic_sampling else 1,
-        )
         with timer("rollout"):
             dyn = dynamic_sample(
                 self.generate_tracked,
                 self.prompt_stream(),
                 self.sampling,
-                dyn_cfg,
+                DynamicSamplingConfig.from_config(cfg),
                 reward_fn,
                 keep_fn=keep_groups
                 if a.dynamic_sampling
@@ -145,13 +184,9 @@ class GRPOTrainer(Session):
         with timer("reward"):
             rewards = dyn.rewards.clone()
             comps = [c for g in dyn.groups for c in g]
-            lengths = torch.tensor([c.output_ids.numel() for c in comps], dtype=torch.float32)
-            if a.soft_overlong.enabled:
-                pen = soft_overlong_penalty(
-                    lengths, a.soft_overlong.max_len, a.soft_overlong.cache_len, a.soft_overlong.factor
-                )
-                rewards = rewards + pen.view_as(rewards)
-            if a.advantages == "gdpo":
+            lengths = response_lengths(comps)
+            rewards = length_shaped_rewards(rewards, lengths, a.soft_overlong)
+            if cfg.rewards.combine == "gdpo":  # the schema ties it to algo.advantages=gdpo
                 per = torch.stack([scored[id(c)][0] for c in comps]).view(len(dyn.groups), G, -1)
                 adv = gdpo(per, self.rewards.weights, a.adv_eps)
             else:
@@ -169,7 +204,7 @@ class GRPOTrainer(Session):
                 "adv/mean": float(adv.mean()),
                 "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
                 "adv/abs_max": float(adv.abs().max()),
-                "rollout/response_len_mean": float(lengths.mean()),
+                "rollout/response_len_mean": float(lengths.float().mean()),
                 "rollout/response_len_max": float(lengths.max()),
                 "rollout/truncated_frac": float(batch["truncated"].float().mean()),
                 "rollout/completions": float(len(comps)),
@@ -196,17 +231,7 @@ class GRPOTrainer(Session):
             if not spec.enabled:
                 continue
             cap = auto.cap if auto is not None else float(spec.cap)
-            mode = spec.mode if name == "tis" else (spec.mode if spec.mode != "truncate" else "mask")
-            masks = importance_masks(
-                old_logp,
-                batch["sampler_logp"],
-                batch["loss_mask"],
-                level=spec.level,
-                mode=mode,
-                cap_high=cap,
-                cap_low=spec.cap_low,
-                veto_low=spec.veto_low,
-            )
+            masks = correction_masks(spec, cap, old_logp, batch["sampler_logp"], batch["loss_mask"])
             metrics.update(
                 {
                     f"{k}" if name == "tis" else k.replace("mismatch/is_", "mismatch/mis_"): float(v)
@@ -242,6 +267,7 @@ class GRPOTrainer(Session):
             metrics["perf/step_seconds"] = time.perf_counter() - t_step
             return metrics
         metrics["rollout/skipped_step"] = 0.0
+        self.learner_phase()  # rank 0's engine released before the broadcast; nothing more to release
 
         learner_batch = {k: v for k, v in batch.items() if k != "routes"}
         replay = self.replay_for(batch)
@@ -251,17 +277,19 @@ class GRPOTrainer(Session):
                 old_logp = old["logprobs"]
             else:
                 old_logp = batch["sampler_logp"]
-        if cfg.diagnostics.mismatch and a.old_logp == "recompute":
-            mm = mismatch_metrics(batch["sampler_logp"], old_logp, batch["loss_mask"])
-            metrics.update(mm.metrics)
+        # The schema allows neither with old_logp=rollout: both compare this learner pass with the sampler.
+        caps = [c for c in (self.tis_cap, self.mis_cap) if c is not None]
+        logged, measured = mismatch_measurements(
+            batch["sampler_logp"], old_logp, batch["loss_mask"], caps, full=cfg.diagnostics.mismatch
+        )
+        metrics.update(logged)
         iw = self._importance(old_logp, batch, metrics)
-        for cap in (self.tis_cap, self.mis_cap):
-            if cap is not None and a.old_logp == "recompute":
-                cap.update(metrics)
+        for cap in caps:  # after the weights: a step's cap never depends on its own measurement
+            cap.update(measured)
         learner_batch["old_logp"] = old_logp
         if iw is not None:
             learner_batch["importance_weights"] = iw
-        if a.kl.coef > 0 and a.kl.placement == "loss":
+        if a.kl.coef > 0:
             learner_batch["ref_logp"] = self.learner.forward(
                 learner_batch, reference=True, with_entropy=False
             )["logprobs"]
@@ -322,7 +350,7 @@ class GRPOTrainer(Session):
                 agg_constant=a.agg_constant,
                 importance_weights=data.get("importance_weights"),
                 ref_logp=data.get("ref_logp"),
-                kl_coef=a.kl.coef if a.kl.placement == "loss" else 0.0,
+                kl_coef=a.kl.coef,
                 kl_estimator=a.kl.estimator,
                 token_weights=replay.token_weights(data) if rspo else None,  # RSPO: stop-gradient gamma
                 entropy=entropy,

@@ -6,24 +6,19 @@ Each rule looks at a trailing window of steps and names the metric that triggere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from megagrpo.config.schema import HealthThresholds
 
-
-@dataclass(frozen=True)
-class HealthConfig:
-    window: int = 5  # steps compared: the last `window` against the `window` before them
-    entropy_drop: float = 0.5  # warn when mean entropy falls below this fraction of the earlier window
-    length_growth: float = 2.0  # warn when mean response length grows by more than this factor
-    reward_flat_tol: float = 0.01  # |Δ reward| below this counts as flat
-    clip_rise: float = 0.05  # while clip fraction rises by more than this
+# The rules take the schema's section (`logging.health`) directly: its fields and defaults are the only ones.
+HealthConfig = HealthThresholds
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def health_warnings(history: list[dict[str, float]], cfg: HealthConfig = HealthConfig()) -> list[str]:
+def health_warnings(history: list[dict[str, float]], cfg: HealthThresholds | None = None) -> list[str]:
     """Return human-readable warnings for the latest step (empty when healthy or too little history)."""
+    cfg = cfg if cfg is not None else HealthThresholds()
     w = cfg.window
     if len(history) < 2 * w:
         return []

@@ -20,6 +20,17 @@ from megagrpo.trainer.components import optimizer_factory
 from megagrpo.trainer.session import Session
 from megagrpo.trainer.weights import save_hf
 
+# Learner metrics an SFT step logs as they are (docs/metrics.md): the policy term is renamed sft/nll, and the
+# RL-only ratio and clip statistics of the REINFORCE-with-advantage-1 loss say nothing here.
+SFT_LEARNER_METRICS = ("loss/entropy", "loss/grad_norm", "loss/lr", "loss/update_skipped")
+
+
+def sft_metrics(learner_metrics: dict[str, float], *, tokens: float) -> dict[str, float]:
+    """One SFT step's log record from `Learner.train_step`'s metrics."""
+    out = {"sft/nll": float(learner_metrics.get("loss/policy", float("nan"))), "sft/tokens": tokens}
+    out.update({k: float(learner_metrics[k]) for k in SFT_LEARNER_METRICS if k in learner_metrics})
+    return out
+
 
 class SFTTrainer(Session):
     stage = "sft"
@@ -77,12 +88,7 @@ class SFTTrainer(Session):
             )
 
         m = self.learner.train_step(batch, loss_fn, num_micro_batches=self.micro_batches(batch))
-        out = {
-            "sft/nll": float(m.get("loss/policy", float("nan"))),
-            "sft/tokens": float(batch["loss_mask"].sum()),
-        }
-        out.update({k: float(v) for k, v in m.items() if k.startswith(("loss/entropy", "optim/", "grad"))})
-        return out
+        return sft_metrics(m, tokens=float(batch["loss_mask"].sum()))
 
     def run(self) -> int:
         code = self.loop(self.sft_step, total=self.cfg.sft.steps)

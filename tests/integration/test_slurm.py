@@ -153,7 +153,11 @@ def test_dry_run_renders_a_script_sbatch_accepts(cluster, model_dir, tmp_path, c
 @pytest.mark.parametrize(
     "case,args,message",
     [
-        ("more", ["--nodes", "2", "--gpus-per-node", "2"], "more than the mesh can use"),
+        (
+            "more",
+            ["--nodes", "2", "--gpus-per-node", "2", "rollout.prompts_per_step=1", "rollout.group_size=2"],
+            "more than the mesh can use",
+        ),
         (
             "fewer",
             ["--nodes", "1", "--gpus-per-node", "1", "mesh.tp=2", "mesh.sequence_parallel=true"],

@@ -150,7 +150,29 @@ def test_check_mesh_infers_dp_and_rejects_impossible_meshes():
         check_mesh(make(mesh={"ep": 4}), 6)
     with pytest.raises(MegagrpoError, match="rollout.engine_tp: 4 does not divide the world size 2"):
         check_mesh(make(rollout={"engine_tp": 4}), 2)
-    with pytest.raises(MegagrpoError, match="schedule.micro_batch_size: 3 does not divide"):
-        check_mesh(make(schedule={"micro_batch_size": 3}), 1)
     with pytest.raises(MegagrpoError, match="does not split over DP=3"):
         check_mesh(make(rollout={"prompts_per_step": 2, "group_size": 2}), 3)
+    with pytest.raises(MegagrpoError, match="data parallelism would be 8 ranks, more than the mesh can use"):
+        check_mesh(make(rollout={"prompts_per_step": 2, "group_size": 2}), 8)
+
+
+def test_micro_batch_size_is_a_cap_not_a_divisor():
+    # The learner cuts each rank's rows into ceil(rows / micro_batch_size) micro-batches: neither a size
+    # that does not divide the rows nor one larger than them makes a mesh impossible.
+    small = make(rollout={"prompts_per_step": 4, "group_size": 4}, schedule={"micro_batch_size": 3})
+    assert check_mesh(small, 2).seqs_per_rank_per_minibatch == 8
+    big = make(rollout={"prompts_per_step": 4, "group_size": 4}, schedule={"micro_batch_size": 16})
+    assert check_mesh(big, 2).dp == 2
+
+
+def test_check_mesh_per_stage():
+    cfg = make(rollout={"engine_tp": 4, "prompts_per_step": 3, "group_size": 2}, sft={"batch_size": 8})
+    # sft starts no engine and splits sft.batch_size, not the RL batch
+    assert check_mesh(cfg, 2, "sft").seqs_per_rank_per_minibatch == 4
+    with pytest.raises(MegagrpoError, match=r"sft.batch_size\) does not split over DP=3"):
+        check_mesh(cfg, 3, "sft")
+    with pytest.raises(MegagrpoError, match="rollout.engine_tp: 4 does not divide the world size 2"):
+        check_mesh(cfg, 2, "eval")
+    assert check_mesh(cfg, 4, "eval").num_engines == 1  # eval trains nothing: no batch split
+    with pytest.raises(ValueError, match="stage"):
+        check_mesh(cfg, 1, "submit")

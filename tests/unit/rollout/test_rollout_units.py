@@ -133,7 +133,11 @@ def test_dynamic_sample_refills_and_caps_rounds():
     reward = lambda cs: torch.tensor([float(c.output_ids[0] % 2) for c in cs])  # noqa: E731
     s = SamplingConfig(max_new_tokens=1)
     batch = dynamic_sample(
-        _fake_generate, iter([[v] for v in range(1, 100)]), s, DynamicSamplingConfig(4, 2), reward
+        _fake_generate,
+        iter([[v] for v in range(1, 100)]),
+        s,
+        DynamicSamplingConfig(4, 2, oversample=1.5, max_rounds=4),
+        reward,
     )
     assert batch.full and len(batch.groups) == 4 and batch.rewards.shape == (4, 2)
     assert [p[0] for p in batch.prompts] == [3, 6, 9, 12]
@@ -143,7 +147,7 @@ def test_dynamic_sample_refills_and_caps_rounds():
         _fake_generate,
         iter([[v] for v in range(1, 100)]),
         s,
-        DynamicSamplingConfig(4, 2, max_rounds=1),
+        DynamicSamplingConfig(4, 2, oversample=1.5, max_rounds=1),
         reward,
     )
     assert capped.rounds == 1 and not capped.full and len(capped.groups) == 2  # prompts 3, 6 of 1..6

@@ -1,0 +1,82 @@
+"""The learner-mesh rules, written once.
+
+Two kinds of rule: those of the layout alone (`layout_problems`: sizes, sequence parallelism, virtual
+pipeline stages), and those against a world size (`mesh_sizes`: the dense and expert products must divide
+it; DP is inferred). The schema applies the layout rules at validation, `megagrpo.config.check_mesh` adds
+the world size and the batch before any process group or engine starts (train, sft and eval through the
+CLI, and `megagrpo submit`), and `megagrpo.learner.mesh.MeshConfig` applies the same functions to meshes
+built without a config (distributed tests, tools, `launch/mesh_check.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megagrpo.errors import MegagrpoError
+
+
+def needs_sequence_parallel(tp: int, ep: int) -> bool:
+    """megatron-core refuses expert parallelism combined with tensor parallelism without sequence parallelism."""
+    return tp > 1 and ep > 1
+
+
+def layout_problems(
+    *, tp: int, pp: int, ep: int, etp: int, cp: int, sequence_parallel: bool, vpp: int | None = None
+) -> list[tuple[str, str]]:
+    """Broken layout rules as (field under `mesh.`, message); empty when the layout is possible."""
+    out: list[tuple[str, str]] = []
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("cp", cp)):
+        if v < 1:
+            out.append((name, f"{v} must be >= 1"))
+    if out:
+        return out
+    if sequence_parallel and tp == 1:
+        out.append(("sequence_parallel", "true needs tp > 1; set mesh.sequence_parallel=false or tp >= 2"))
+    if needs_sequence_parallel(tp, ep) and not sequence_parallel:
+        out.append(
+            (
+                "sequence_parallel",
+                f"false with tp={tp} and ep={ep}; megatron-core requires sequence parallelism when expert "
+                "and tensor parallelism are combined: set mesh.sequence_parallel=true",
+            )
+        )
+    if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
+        out.append(("vpp", f"{vpp} needs pp > 1 and vpp >= 1; set vpp to null"))
+    return out
+
+
+def check_layout(
+    *, tp: int, pp: int, ep: int, etp: int, cp: int, sequence_parallel: bool, vpp: int | None = None
+) -> None:
+    """`layout_problems` as one MegagrpoError naming every broken field."""
+    problems = layout_problems(
+        tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, sequence_parallel=sequence_parallel, vpp=vpp
+    )
+    if problems:
+        raise MegagrpoError("; ".join(f"mesh.{f}: {m}" for f, m in problems))
+
+
+@dataclass(frozen=True)
+class WorldSplit:
+    dp: int  # data-parallel size: world / (tp * pp * cp)
+    expert_dp: int  # expert data-parallel size: world / (ep * etp * pp)
+
+
+def mesh_sizes(world_size: int, *, tp: int, pp: int, ep: int, etp: int, cp: int) -> WorldSplit:
+    """DP and expert DP of a layout on `world_size` ranks; MegagrpoError naming the sizes if they do not divide."""
+    if world_size < 1:
+        raise MegagrpoError(f"world size {world_size} must be >= 1")
+    dense = tp * pp * cp
+    if world_size % dense:
+        raise MegagrpoError(
+            f"mesh: tp*pp*cp = {tp}*{pp}*{cp} = {dense} does not divide the world size {world_size}; "
+            f"choose mesh sizes whose product divides {world_size} (DP is inferred as the quotient), or "
+            "change the number of processes"
+        )
+    expert = ep * etp * pp
+    if world_size % expert:
+        raise MegagrpoError(
+            f"mesh: ep*etp*pp = {ep}*{etp}*{pp} = {expert} does not divide the world size {world_size}; "
+            "choose expert sizes whose product divides it, or change the number of processes"
+        )
+    return WorldSplit(dp=world_size // dense, expert_dp=world_size // expert)

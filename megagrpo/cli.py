@@ -54,6 +54,10 @@ def _spawn_torchrun(nproc: int, mode: str, argv_rest: list[str]) -> int:
         str(REPO / "launch" / "run.py"),
         mode,
         *argv_rest,
+    ]
+    return subprocess.call(cmd)
+
+
 def _check_world(cfg, stage: str, nproc: int | None) -> None:
     """The mesh against the world size this run will have (`--nproc`, else the launcher's variables)."""
     from megagrpo.config import check_mesh
@@ -62,10 +66,6 @@ def _check_world(cfg, stage: str, nproc: int | None) -> None:
     world = nproc or world_size_from_environ()
     if world is not None:  # None: the mpi4py bootstrap; init_mesh checks once MPI is up
         check_mesh(cfg, world, stage)
-
-
-    ]
-    return subprocess.call(cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

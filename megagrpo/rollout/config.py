@@ -16,6 +16,9 @@ class RolloutConfig:
     mem_fraction_static: float = 0.5  # share of device memory for weights + KV cache (GPU); on CPU, of RAM
     dtype: str = "bfloat16"  # one of DTYPES
     fp8: bool = False  # GPU only: quantization="fp8" for rollout
+    # GPU: SGLang's enable_deterministic_inference (seeded, batch-invariant sampling; slower). The CPU engine
+    # honours request seeds without it (megagrpo.compat.sglang_cpu), so there it changes nothing.
+    deterministic: bool = False
     max_context_len: int | None = None  # prompt + completion tokens; None: the model's max positions
     max_total_tokens: int | None = None  # KV-cache size in tokens; None: SGLang sizes it from memory
     return_routes: bool = True  # MoE: record routed experts (needed for routing replay R3)
@@ -33,7 +36,7 @@ class SamplingConfig:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ()  # stop strings; the stop string itself is kept in the output
     # Base of the per-request seeds (SGLang `sampling_seed`): request k of a call samples with `seed + k`,
-    # so a call repeats exactly. Honoured on the CPU engine (megagrpo.compat.sglang_cpu) and on GPU under
-    # SGLang's enable_deterministic_inference; None: the scheduler's RNG decides.
+    # so a call repeats exactly. Honoured on the CPU engine (megagrpo.compat.sglang_cpu) and on GPU with
+    # RolloutConfig.deterministic (SGLang ignores it otherwise); None: the scheduler's RNG decides.
     seed: int | None = None
     ignore_eos: bool = False

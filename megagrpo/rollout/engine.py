@@ -114,6 +114,8 @@ class RolloutEngine:
             kw["enable_memory_saver"] = True  # release/resume really frees device memory
             if cfg.fp8:
                 kw["quantization"] = "fp8"
+            if cfg.deterministic:
+                kw["enable_deterministic_inference"] = True
         kw.update(cfg.extra_engine_args)
         return kw
 

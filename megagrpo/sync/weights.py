@@ -34,7 +34,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,8 +274,18 @@ def sync_weights(
     checksum: bool = False,
     partial: bool = False,
     pack: bool = True,
+    before_send: Callable[[], None] | None = None,
 ) -> SyncStats:
     """Send HF-named tensors into a running SGLang engine. Returns `SyncStats` (see `metrics()`).
+
+    Order: every name, shape and value is checked (and, packed, staged) first; only then is `before_send`
+    called, e.g. to resume the engine's released `weights` region, and the first tensor overwritten. With
+    SGLang's memory saver a released weights region keeps no copy, so a bad export must be caught while
+    the region is still released: the engine then keeps no half-written set, and (on the CPU, where the
+    release frees nothing) still holds the old weights. Cost of checking first: every bucket stays alive
+    until the last one is checked, i.e. one copy of the model (M bytes in the export's dtype) on the
+    exporting rank, where the export gathered or transformed the tensors (on a GPU, device memory beside
+    the learner's); the checks read each tensor once more (one `aminmax` per tensor).
 
     engine: a `RolloutEngine` or `sglang.Engine`. buckets: lists of `(hf_name, tensor)` with HF checkpoint
     names and full (unsharded) shapes, any float dtype (cast to the engine's). partial: allow sending a
@@ -305,6 +315,8 @@ def sync_weights(
     nbytes = sum(tensor_bytes(t) for b in buckets for _, t in b)
     calls = len(sends)
 
+    if before_send is not None:
+        before_send()
     _check_ok(eng.begin_weight_update(), "begin_weight_update")
     try:
         for i, bucket in enumerate(sends):

@@ -77,6 +77,7 @@ def rollout_config(cfg: Config, model_path: str) -> RolloutConfig:
         mem_fraction_static=r.mem_fraction_static,
         dtype=dtype,
         fp8=r.fp8,
+        deterministic=r.deterministic,
         return_routes=True,  # MoE routes feed R3 and the rollout-vs-learner agreement statistics
         max_total_tokens=kv_cache_tokens(cfg),
         seed=cfg.schedule.seed,

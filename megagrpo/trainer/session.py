@@ -39,6 +39,11 @@ def request_seed_base(seed: int, step: int, call: int) -> int:
     return int.from_bytes(digest, "big")
 
 
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def broadcast_from_rank0(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (rank 0 owns the engine and the rewards on a CPU mesh)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -100,10 +105,7 @@ class Session:
             from megagrpo.rewards.runner import RewardRunner
 
             self.rewards = RewardRunner(cfg)
-        if self.rank0 and self.needs_engine:
-            from megagrpo.rollout.engine import RolloutEngine
-
-            self.engine = RolloutEngine(rollout_config(cfg, self.model_path)).start()
+        self.start_engine()
         self.sampling = sampling_config(cfg)
         self.logger = MetricsLogger(
             self.out_dir,
@@ -120,6 +122,45 @@ class Session:
         if self.rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(dump_config(cfg))
+
+    # -- phases: who holds the device memory ----------------------------------------------------------
+    #
+    # Colocated, the learner and the sampler take turns on the same devices (docs/architecture.md,
+    # "Device memory"). Start: the learner reaches its steady-state footprint (Adam's state included),
+    # moves it to host memory, and only then does the engine start, so SGLang sizes its weights + KV cache
+    # from nearly the whole device (mem_fraction_static of it). Each step: rollout (learner offloaded);
+    # `learner_phase` (engine released, learner reloaded); old logprobs and updates; `sync_weights`
+    # (validation, then the engine's weights resumed and overwritten); `sampler_phase` (learner offloaded,
+    # KV cache resumed). On the CPU the offload is a no-op and the order is the same.
+
+    def start_engine(self) -> None:
+        """Learner to its steady state and off the device, then (rank 0) the engine."""
+        self.learner.init_optimizer_state()
+        if not self.needs_engine:
+            return
+        self.learner.offload()
+        barrier()  # every rank's learner is off its device before any engine process sizes itself
+        if self.rank0:
+            from megagrpo.rollout.engine import RolloutEngine
+
+            self.engine = RolloutEngine(rollout_config(self.cfg, self.model_path)).start()
+        barrier()
+
+    def learner_phase(self, release: tuple[str, ...] = ("kv_cache", "weights")) -> None:
+        """Sampler -> learner: the engine releases `release` (its weights only when a weight sync follows:
+        a released weights region keeps no copy), then every rank reloads its learner."""
+        if self.engine is not None:
+            self.engine.release(list(release))
+        barrier()  # the engine's memory is free on every device before any learner reloads
+        self.learner.reload()
+
+    def sampler_phase(self) -> None:
+        """Learner -> sampler: every rank offloads its learner (and returns cached blocks to the driver),
+        then the engine resumes whatever it released."""
+        self.learner.offload()
+        barrier()
+        if self.engine is not None:
+            self.engine.resume()
 
     # -- stage-specific choices --------------------------------------------------------------------
 
@@ -204,21 +245,28 @@ class Session:
     # -- sync and evaluation ------------------------------------------------------------------------
 
     def sync_weights(self) -> dict[str, float]:
-        """Learner -> SGLang through the bridge's streaming export; every rank iterates the export."""
+        """Learner -> SGLang through the bridge's streaming export (every rank iterates it), then the
+        sampler phase. Called in the learner phase, with the engine's weights and KV cache released: the
+        export is validated before the weights region is resumed (`sync.weights.sync_weights`), so a bad
+        export leaves the engine released, with its old weights where the CPU engine keeps them, rather
+        than serving a half-overwritten set."""
         from megagrpo.sync.weights import sync_weights
 
         buckets = export_buckets(self.learner, self.cfg.sync.bucket_mb << 20)
         metrics: dict[str, float] = {}
         if self.rank0:
-            self.engine.resume(["weights"])
             stats = sync_weights(
-                self.engine, buckets, checksum=self.cfg.sync.checksum, pack=self.cfg.sync.pack
+                self.engine,
+                buckets,
+                checksum=self.cfg.sync.checksum,
+                pack=self.cfg.sync.pack,
+                before_send=lambda: self.engine.resume(["weights"]),
             )
-            self.engine.resume(["kv_cache"])
             metrics = stats.metrics()
         else:
             for _ in buckets:
                 pass
+        self.sampler_phase()
         self.prompt_text.clear()
         self.prompt_sample.clear()
         return broadcast_from_rank0(metrics)
@@ -264,6 +312,12 @@ class Session:
             self.rewards.load_state_dict(st["rewards"])
 
     def save(self) -> Path:
+        """Checkpoint (collective). Between steps the learner is offloaded: it comes back for the save
+        with the engine's KV cache released and its weights kept (no sync follows), a smaller footprint
+        than the weight sync's, and goes again after."""
+        offloaded = self.learner.offloaded
+        if offloaded:
+            self.learner_phase(release=("kv_cache",))
         path = checkpointing.save(
             self.learner,
             self.ckpt_root,
@@ -272,6 +326,8 @@ class Session:
             keep_last=self.cfg.checkpoint.keep_last,
             hf_dir=self.cfg.model.hf_path,
         )
+        if offloaded:
+            self.sampler_phase()
         return path
 
     def restore(self) -> None:
@@ -281,11 +337,13 @@ class Session:
         path = checkpointing.resolve(self.ckpt_root, self.resume_arg)
         if path is None:
             return
+        if self.needs_engine:
+            self.learner_phase()  # a sync follows: the engine may drop its weights
         st = checkpointing.load(self.learner, path)
         self.load_extra_state(st)
         if self.rewrites_log_on_resume:
             self.logger.truncate_after(self.step)
-        if self.engine is not None or self.needs_engine:
+        if self.needs_engine:
             self.sync_weights()  # the engine started from the HF weights; give it the checkpoint's
         if self.rank0:
             print(f"resumed from {path} at step {self.step}", flush=True)

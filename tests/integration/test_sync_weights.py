@@ -117,3 +117,66 @@ def test_bad_export_is_refused_before_sending(sglang_engine, hf_reference, origi
     for a, b in zip(baseline, sglang_engine.score(SEQS)):
         assert torch.equal(a, b)
     assert _max_diff(sglang_engine, hf_reference) < LOGPROB_TOL_FP32
+
+
+def _greedy(engine) -> list[list[int]]:
+    from megagrpo.rollout import SamplingConfig
+
+    groups = engine.generate([s[:5] for s in SEQS], SamplingConfig(temperature=0.0, max_new_tokens=6), 1)
+    return [g[0].output_ids.tolist() for g in groups]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_bad_values_are_caught_before_the_released_weights_are_resumed(
+    sglang_engine, original_tensors, restore, pack
+):
+    """The trainer's order (issue 16, item 5): the engine's weights are released during training; the
+    export is checked before `before_send` resumes them (with the memory saver a resumed region holds
+    garbage until written), so a NaN leaves the engine released, untouched, and serving its old weights
+    once resumed."""
+    from megagrpo.sync import weights as sync_module
+
+    baseline, baseline_ids = sglang_engine.score(SEQS), _greedy(sglang_engine)
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    bad = []
+    for n, t in original_tensors:
+        t = t + 1.0
+        if n == name:
+            t[3, 5] = float("nan")
+        bad.append((n, t))
+    events: list[str] = []
+
+    def resume_weights():
+        events.append("resume")
+        sglang_engine.resume(["weights"])
+
+    eng = sglang_engine.engine
+    update = eng.update_weights_from_tensor
+    eng.update_weights_from_tensor = lambda *a, **k: (events.append("update"), update(*a, **k))[1]
+    try:
+        sglang_engine.release(["kv_cache", "weights"])
+        sync_module._PARAM_NAMES.pop(eng, None)  # the packing plan's name lookup runs while released
+        with pytest.raises(MegagrpoError, match=rf"tensor '{name}' holds NaN"):
+            sync_weights(
+                sglang_engine, bucketize(bad, bucket_bytes=4096), pack=pack, before_send=resume_weights
+            )
+        assert events == [] and sglang_engine.asleep
+        sglang_engine.resume()
+        assert _greedy(sglang_engine) == baseline_ids
+        for a, b in zip(baseline, sglang_engine.score(SEQS)):
+            assert torch.equal(a, b)
+
+        # A good export goes through in that order: checked, then resumed, then written.
+        sglang_engine.release(["kv_cache", "weights"])
+        good = [(n, t + 0.5) for n, t in original_tensors]
+        stats = sync_weights(
+            sglang_engine, bucketize(good, bucket_bytes=64 << 10), pack=pack, checksum=True,
+            before_send=resume_weights,
+        )  # fmt: skip
+        assert stats.checksum_ok is True and stats.packed == pack
+        assert events[0] == "resume" and events.count("resume") == 1
+        assert events.count("update") == stats.buckets
+    finally:
+        eng.update_weights_from_tensor = update
+        sglang_engine.resume()
+    assert all(not torch.equal(a, b) for a, b in zip(baseline, sglang_engine.score(SEQS)))

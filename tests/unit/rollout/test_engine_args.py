@@ -1,0 +1,39 @@
+"""Issue 16, item 4: `rollout.deterministic` reaches SGLang's server arguments on a GPU, and only there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megagrpo.config import config_from_dict
+from megagrpo.rollout import RolloutConfig
+from megagrpo.rollout.engine import RolloutEngine
+from megagrpo.trainer.components import rollout_config
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 2}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_maps_to_sglang_on_gpu_only(model_dir, deterministic):
+    cfg = rollout_config(
+        config_from_dict({"model": {"hf_path": model_dir}, "rollout": {"deterministic": deterministic}}),
+        model_dir,
+    )
+    assert cfg.deterministic is deterministic
+    engine = RolloutEngine(cfg)
+    engine.on_cpu = False  # the GPU mapping, without a GPU: engine_kwargs only reads the config
+    gpu = engine.engine_kwargs()
+    assert gpu["enable_memory_saver"] is True
+    assert gpu.get("enable_deterministic_inference", False) is deterministic
+    engine.on_cpu = True  # the CPU engine honours request seeds itself; SGLang's flag would reject its
+    assert "enable_deterministic_inference" not in engine.engine_kwargs()  # torch_native attention
+
+
+def test_default_is_off():
+    assert RolloutConfig("m").deterministic is False
+    assert config_from_dict({"model": {"hf_path": "m"}}).rollout.deterministic is False

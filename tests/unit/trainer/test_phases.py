@@ -1,0 +1,145 @@
+"""Issue 16, items 5-6: who holds the device memory when. The session's start order, its phase changes
+around a step, a weight sync and a checkpoint, with a recording learner and engine in place of the real
+ones (the real CPU engine's order is tested in tests/integration/test_sync_weights.py, the real offload on
+CUDA in tests/gpu/test_gpu_offload.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megagrpo.trainer import session as session_module
+from megagrpo.trainer.session import Session
+
+
+class FakeLearner:
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.offloaded = log, False
+
+    def init_optimizer_state(self) -> None:
+        self.log.append("learner.init_optimizer_state")
+
+    def offload(self) -> None:
+        self.log.append("learner.offload")
+        self.offloaded = True
+
+    def reload(self) -> None:
+        self.log.append("learner.reload")
+        self.offloaded = False
+
+
+class FakeEngine:
+    """Records release/resume like RolloutEngine: a tag is resumed only when it was released."""
+
+    def __init__(self, log: list[str], cfg=None) -> None:
+        self.log, self.released = log, set()
+
+    def start(self) -> FakeEngine:
+        self.log.append("engine.start")
+        return self
+
+    def release(self, tags=None) -> None:
+        for t in tags or ("kv_cache", "weights"):
+            if t not in self.released:
+                self.released.add(t)
+                self.log.append(f"engine.release.{t}")
+
+    def resume(self, tags=None) -> None:
+        for t in tags or ("weights", "kv_cache"):
+            if t in self.released:
+                self.released.discard(t)
+                self.log.append(f"engine.resume.{t}")
+
+
+@pytest.fixture
+def log() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def session(log, monkeypatch) -> Session:
+    import megagrpo.rollout.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "RolloutEngine", lambda cfg: FakeEngine(log, cfg))
+    monkeypatch.setattr(session_module, "rollout_config", lambda cfg, path: None)
+    s = object.__new__(Session)
+    s.cfg = SimpleNamespace(
+        sync=SimpleNamespace(bucket_mb=1, checksum=False, pack=True),
+        checkpoint=SimpleNamespace(keep_last=2),
+        model=SimpleNamespace(hf_path="hf"),
+    )
+    s.learner, s.engine, s.rank0, s.model_path = FakeLearner(log), None, True, "hf"
+    s.step, s.prompt_text, s.prompt_sample = 0, {}, {}
+    s.ckpt_root = "ckpt"
+    s.extra_state = lambda: {}
+    return s
+
+
+def test_the_learner_reaches_its_steady_state_and_leaves_before_the_engine_starts(session, log):
+    session.start_engine()
+    assert log == ["learner.init_optimizer_state", "learner.offload", "engine.start"]
+
+
+def test_without_an_engine_the_learner_stays(session, log):
+    session.needs_engine = False
+    session.start_engine()
+    assert log == ["learner.init_optimizer_state"]
+    assert session.engine is None
+
+
+def test_a_step_and_its_weight_sync(session, log, monkeypatch):
+    """Rollout with the learner offloaded; release, reload, train; export, CHECK, resume weights, write,
+    offload, resume the KV cache."""
+    import megagrpo.sync.weights as sync_module
+
+    def fake_export(learner, nbytes):
+        log.append("export")
+        yield [("w", torch.zeros(1))]
+
+    def fake_sync(engine, buckets, *, checksum, pack, before_send):
+        list(buckets)
+        log.append("sync.check")
+        before_send()
+        log.append("sync.write")
+        return SimpleNamespace(metrics=lambda: {"sync/bytes": 4.0})
+
+    monkeypatch.setattr(session_module, "export_buckets", fake_export)
+    monkeypatch.setattr(sync_module, "sync_weights", fake_sync)
+    session.start_engine()
+    log.clear()
+    session.engine.release(["kv_cache", "weights"])  # GRPOTrainer.train_step, rank 0, after the rollout
+    session.learner_phase()
+    log.append("train")
+    assert session.sync_weights() == {"sync/bytes": 4.0}
+    assert log == [
+        "engine.release.kv_cache",
+        "engine.release.weights",
+        "learner.reload",
+        "train",
+        "export",
+        "sync.check",
+        "engine.resume.weights",
+        "sync.write",
+        "learner.offload",
+        "engine.resume.kv_cache",
+    ]
+    assert not session.engine.released and session.learner.offloaded
+
+
+def test_a_checkpoint_between_steps_keeps_the_engine_weights(session, log, monkeypatch):
+    """No sync follows a save, so the engine must not drop its weights: only the KV cache makes room."""
+    from megagrpo.trainer import checkpointing
+
+    monkeypatch.setattr(checkpointing, "save", lambda *a, **k: log.append("save") or "ckpt/step_1")
+    session.start_engine()
+    log.clear()
+    assert session.save() == "ckpt/step_1"
+    assert log == [
+        "engine.release.kv_cache",
+        "learner.reload",
+        "save",
+        "learner.offload",
+        "engine.resume.kv_cache",
+    ]

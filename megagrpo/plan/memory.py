@@ -37,10 +37,13 @@ mem_fraction_static x GPU memory, and the KV cache is that pool minus the weight
 2 x layers x max(1, kv_heads / engine_tp) x head_dim x dtype bytes (kv heads are replicated when the
 engine TP exceeds them).
 
-Phases: the engine releases its weights and KV cache before the learner runs (`trainer/grpo.py`), and
-the learner keeps its state resident throughout. So a GPU must hold
-  rollout:  learner state (+ resident reference) + the engine's static pool
-  training: learner state (+ reference) + activations and logits of the micro-batches in flight
+Phases (`trainer/session.py`): the learner and the engine take turns on the device. The engine
+releases its weights and KV cache before the learner reloads; the learner offloads all of its state to
+host memory (`Learner.offload`) before the engine resumes. The weight sync resumes the engine's weights
+beside the reloaded learner. So a GPU must hold
+  rollout:  the engine's static pool (plus the learner state, for frameworks that keep it resident)
+  training: learner state (+ resident reference) + activations and logits of the micro-batches in flight
+  sync:     learner state (+ resident reference) + the engine's weight shard + two export buckets
 each within the GPU memory minus `RESERVE_GIB` (CUDA contexts of the learner and the SGLang
 scheduler, NCCL buffers, SGLang's CUDA graphs and sampling buffers).
 """
@@ -368,9 +371,10 @@ class Workload:
     recompute: Recompute = "none"
     reference: bool = False  # a frozen reference model (KL) of the same shape
     ref_offload: bool = False  # reference weights on the CPU between uses
-    # Other frameworks' knobs, which megagrpo's learner does not have (kept 0/False for its configs):
+    # another framework's knob that megagrpo's learner does not have (0 for its configs):
     optimizer_offload: float = 0.0  # fraction of optimizer state (and master params) kept on the CPU
-    offload_in_rollout: bool = False  # learner params/grads/optimizer moved off the GPU while sampling
+    offload_in_rollout: bool = True  # learner state moved to host memory while sampling (megagrpo does)
+    sync_bucket_bytes: int = 512 << 20  # weight-sync bucket; two are held at once (one built, one sent)
     engine_tp: int = 1
     engine_mem_fraction: float = 0.5
     engine_dtype: str = "bfloat16"
@@ -414,6 +418,7 @@ def workload_from_config(cfg: Any, world_size: int) -> Workload:
         engine_mem_fraction=cfg.rollout.mem_fraction_static,
         engine_dtype=auto if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
         engine_fp8=cfg.rollout.fp8,
+        sync_bucket_bytes=cfg.sync.bucket_mb << 20,
     )
 
 
@@ -422,7 +427,7 @@ def workload_from_config(cfg: Any, world_size: int) -> Workload:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes per GPU (the worst pipeline stage) and the verdict. `total` is the larger phase peak."""
+    """Bytes per GPU (the worst pipeline stage) and the verdict. `total` is the largest phase peak."""
 
     gpu_mem_gib: float
     workload: Workload
@@ -436,6 +441,7 @@ class MemoryPlan:
     kv_cache: int  # the engine's KV pool: mem_fraction_static x GPU memory - engine weights
     kv_tokens: int
     rollout_peak: int
+    sync_peak: int
     train_peak: int
     total: int
     budget: int  # GPU memory minus the reserve
@@ -466,6 +472,7 @@ class MemoryPlan:
             None,
             ("rollout peak", self.rollout_peak, ""),
             ("training peak", self.train_peak, ""),
+            ("weight-sync peak", self.sync_peak, ""),
             ("GPU memory", int(self.gpu_mem_gib * GIB), ""),
         ]
         rows = [
@@ -549,9 +556,8 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
     worst = _worst_stage(arch, w, w.tokens(), ref_resident)
     train_peak = worst.train
     # the engine's pool must fit beside the largest resident learner state of any stage
-    resident_rollout = 0
-    if not w.offload_in_rollout:
-        resident_rollout = max(_stage(arch, w, s, 1, ref_resident).resident for s in range(w.mesh.pp))
+    learner = max(_stage(arch, w, s, 1, ref_resident).resident for s in range(w.mesh.pp))
+    resident_rollout = 0 if w.offload_in_rollout else learner
     e_dtype = "fp8" if w.engine_fp8 else w.engine_dtype
     e_weights = engine_weight_bytes(arch, w.engine_tp, e_dtype)
     pool = int(w.engine_mem_fraction * mem)
@@ -559,7 +565,8 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
     per_token = kv_bytes_per_token(arch, w.engine_tp, w.engine_dtype)
     kv_tokens = max(0, kv // per_token)
     rollout_peak = resident_rollout + pool
-    total = max(rollout_peak, train_peak)
+    sync_peak = learner + e_weights + 2 * w.sync_bucket_bytes
+    total = max(rollout_peak, train_peak, sync_peak)
     reasons = []
     if rollout_peak > budget:
         reasons.append(
@@ -570,6 +577,11 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
         reasons.append(
             f"training: {train_peak / GIB:.1f} GiB exceed {budget / GIB:.1f} GiB; lower "
             "schedule.micro_batch_size, set model.recompute_activations, or shard the learner more"
+        )
+    if sync_peak > budget:
+        reasons.append(
+            f"weight sync: learner state {learner / GIB:.1f} GiB + engine weights {e_weights / GIB:.1f} GiB "
+            f"exceed {budget / GIB:.1f} GiB; raise rollout.engine_tp or shard the learner more"
         )
     if kv_tokens < w.seq_len:
         reasons.append(
@@ -598,6 +610,7 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
         kv_cache=max(0, kv),
         kv_tokens=kv_tokens,
         rollout_peak=rollout_peak,
+        sync_peak=sync_peak,
         train_peak=train_peak,
         total=total,
         budget=budget,

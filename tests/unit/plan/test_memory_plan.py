@@ -60,10 +60,10 @@ def test_countdown_fits_with_margin_where_its_old_mesh_did_not():
     cfg = load_config(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml", check_paths=False)
     plan = plan_memory(cfg, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
     assert plan.margin >= 8 * GIB, plan.table()  # 10% of the GPU
-    old = ["mesh.pp=1", "mesh.ep=4", "rollout.engine_tp=2", "rollout.mem_fraction_static=0.5"]
+    old = ["mesh.pp=1", "mesh.ep=4", "rollout.engine_tp=2"]
     before = load_config(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml", old, check_paths=False)
     plan = plan_memory(before, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
-    assert not plan.fits and plan.rollout_peak > 100 * GIB
+    assert not plan.fits and plan.sync_peak > 90 * GIB  # 66 GiB of learner beside 28 GiB of engine weights
 
 
 def test_model_sizes_match_the_published_parameter_counts():
@@ -117,6 +117,16 @@ def test_activations_scale_with_tokens_and_shrink_with_recompute_and_sharding():
     assert one == int(per_layer * 4096 * 49)
 
 
+def test_phases_learner_offloaded_while_sampling_and_beside_the_engine_weights_in_the_sync():
+    cfg = load_config(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml", check_paths=False)
+    plan = plan_memory(cfg, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
+    assert plan.rollout_peak == int(cfg.rollout.mem_fraction_static * 80 * GIB)
+    assert plan.train_peak == plan.params + plan.grads + plan.optimizer + plan.activations + plan.logits
+    largest = learner_state_bytes(QWEN3_30B, cfg.mesh, 16).total  # the last stage's, with the output layer
+    assert plan.sync_peak == largest + plan.engine_weights + 2 * (cfg.sync.bucket_mb << 20)
+    assert plan.total == max(plan.rollout_peak, plan.sync_peak, plan.train_peak)
+
+
 def test_pipeline_in_flight_micro_batches_are_counted_on_the_first_stage():
     w = Workload(mesh=PlanMesh(16, tp=2, pp=2, ep=8, sequence_parallel=True), seq_len=2048, micro_batches=64)
     plan = plan_workload(QWEN3_30B, w)
@@ -147,12 +157,9 @@ def test_max_micro_batch_is_the_largest_that_fits():
         check_paths=False,
     )
     assert not plan_memory(over, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80).fits
-    # and the largest KV cache: the whole budget minus the resident learner and the engine weights
+    # and the largest KV cache: the learner is offloaded while sampling, so all but the engine weights
     per_token = kv_bytes_per_token(QWEN3_30B, 4)
-    assert (
-        plan.max_kv_tokens
-        == (plan.budget - (plan.params + plan.grads + plan.optimizer) - plan.engine_weights) // per_token
-    )
+    assert plan.max_kv_tokens == (plan.budget - plan.engine_weights) // per_token
 
 
 def test_plan_cli_prints_the_table_and_exits_1_when_it_does_not_fit(capsys):

@@ -4,8 +4,8 @@ must be classified as fitting; variants made deliberately too large must not. Th
 is in docs/scaling.md.
 
 Each `Workload` states only what the source sets or what its framework defaults to (noted inline). The
-learner knobs megagrpo lacks (optimizer CPU offload, offloading the learner while sampling) are the
-Workload's `optimizer_offload` and `offload_in_rollout`.
+learner knob megagrpo lacks (optimizer CPU offload) is the Workload's `optimizer_offload`; whether the
+learner leaves the GPU while the engine samples (megagrpo, NeMo-RL and slime do) is `offload_in_rollout`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ PUBLISHED = [
             micro_batches=20,  # ppo_mini_batch_size 64 x n 5 / DP 4 / 4
             recompute="full",  # enable_gradient_checkpointing=True
             reference=True,  # use_kl_loss=True; ref param_offload defaults to False
+            offload_in_rollout=False,  # actor param/grad/optimizer_offload default to False
             engine_tp=4,
             engine_mem_fraction=0.6,  # vLLM gpu_memory_utilization
         ),

@@ -42,6 +42,17 @@ def layout_problems(
         )
     if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
         out.append(("vpp", f"{vpp} needs pp > 1 and vpp >= 1; set vpp to null"))
+    if cp > 1:
+        # megatron-core leaves the context-parallel split to the caller (each CP rank takes 2 of the 2*cp
+        # chunks of every sequence, and logprobs and losses are reduced over CP); the learner does neither.
+        out.append(
+            (
+                "cp",
+                f"{cp}: context parallelism is not supported yet (the learner neither splits sequences "
+                "over CP ranks nor reduces logprobs and losses over CP, so every CP rank would train on "
+                "the whole batch); set mesh.cp=1 and use tp/pp/ep for long sequences",
+            )
+        )
     return out
 
 

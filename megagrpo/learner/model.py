@@ -104,15 +104,6 @@ def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
             )
     elif mesh.ep > 1 or mesh.etp > 1:
         raise MegagrpoError(f"mesh.ep={mesh.ep}/etp={mesh.etp} > 1 needs a MoE model; {arch.family} is dense")
-    if mesh.cp > 1:
-        # megatron-core leaves the context-parallel split to the caller: each CP rank must get its 2 of the
-        # 2*cp chunks of every sequence, and logprobs/losses must be reduced over CP. The learner does
-        # neither yet, so a CP>1 run would train every CP rank on the whole batch and report wrong losses.
-        raise MegagrpoError(
-            f"mesh.cp={mesh.cp}: context parallelism is not supported yet (the learner does not split "
-            "sequences over CP ranks nor reduce logprobs and losses over CP); set mesh.cp=1 and use "
-            "tp/pp/ep for long sequences"
-        )
 
 
 def use_transformer_engine(layer_spec: str = "auto") -> bool:

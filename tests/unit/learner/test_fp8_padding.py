@@ -124,14 +124,11 @@ def test_logprobs_do_not_depend_on_the_fp8_padding(learner, monkeypatch, packed)
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_is_rejected_naming_the_field(cp):
-    from megagrpo.config.model import ModelArch
+    from megagrpo.config import config_from_dict
     from megagrpo.errors import MegagrpoError
     from megagrpo.learner.mesh import MeshConfig
-    from megagrpo.learner.model import transformer_config_from_arch
 
-    arch = ModelArch(
-        family="llama", vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=4,
-        head_dim=8, ffn_hidden_size=64, max_position_embeddings=64, rope_theta=1e4, norm_eps=1e-6,
-    )  # fmt: skip
-    with pytest.raises(MegagrpoError, match=rf"mesh.cp={cp}: context parallelism is not supported"):
-        transformer_config_from_arch(arch, MeshConfig(cp=cp))
+    with pytest.raises(MegagrpoError, match=rf"mesh.cp: {cp}: context parallelism is not supported"):
+        MeshConfig(cp=cp).data_parallel_size(8)  # what init_mesh checks
+    with pytest.raises(MegagrpoError, match=r"mesh\.cp.*context parallelism is not supported"):
+        config_from_dict({"model": {"hf_path": "m"}, "mesh": {"cp": cp}})

@@ -26,8 +26,8 @@ the Transformer Engine spec (flash attention: no [T, T] score matrix) in the lea
   MoE        2H/s (norm) + fp32 router input H/s and logits/probs 2E/s,
              + (k/s)(2H*etp + 3F_e)      per routed copy: permuted input, fc1 output, fc2 input, fc2 output
 where s = tp with sequence parallelism else 1. A micro-batch of B x T tokens saves L_stage layers of
-that (full recompute: only each layer's H/s input, plus one layer recomputed), plus one layer's worth
-of transient gradients in backward. The first pipeline stage holds min(PP, micro-batches) micro-batches
+that plus one layer's worth of transient gradients in backward (full recompute: only each layer's H/s
+input, plus the one layer being recomputed). The first pipeline stage holds min(PP, micro-batches) micro-batches
 in flight (1F1B); the last stage also holds the logits [T, V/tp], their gradient, and two fp32 blocks of
 `chunk_tokens` rows (`learner/logprobs.py`). Not modelled: the allocator's fragmentation, and the CPU
 spec's `TorchCoreAttention`, which saves [T, T] scores (CPU only).
@@ -312,16 +312,15 @@ def activation_bytes(
     t = tokens / m.cp
     per_layer = [layer_activation_bytes_per_token(arch, m, i, a) * t for i in layers]
     if recompute == "full":
+        # each layer keeps its input; the layer in backward is recomputed, and its activations are freed
+        # as its backward proceeds (measured on an H100: one layer's worth, not two; docs/scaling.md)
         saved = per_stage * t * a * arch.hidden_size / m.seq_shard
-        one = saved + max(per_layer)  # the layer being recomputed
-    elif recompute == "none":
-        saved = sum(per_layer)
-        one = saved
-    else:
+        return int(saved * in_flight + max(per_layer))
+    if recompute != "none":
         raise MegagrpoError(f"recompute={recompute!r}: use 'none' or 'full'")
-    # in-flight micro-batches keep what they saved; the one in backward also holds its recompute and
-    # one layer's worth of transient gradients.
-    return int(saved * (in_flight - 1) + one + max(per_layer))
+    # in-flight micro-batches keep what they saved; the one in backward also holds one layer's worth of
+    # transient gradients
+    return int(sum(per_layer) * in_flight + max(per_layer))
 
 
 def logits_bytes(arch: ModelArch, mesh: Any, tokens: int, *, act_dtype: str = "bfloat16") -> int:

@@ -164,6 +164,7 @@ def test_sft_stage_learns_and_writes_an_hf_model_the_rl_stage_can_start_from(tmp
     recs = records(tmp_path / "run" / "sft")
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert recs[-1]["sft/nll"] < recs[0]["sft/nll"]  # the same 64 problems, seen again: the NLL falls
+    assert all(r["loss/grad_norm"] > 0 and r["loss/lr"] == pytest.approx(3e-3) for r in recs)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # the RL stage's log is its own
     out = tmp_path / "sft_model"
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()

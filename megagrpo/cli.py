@@ -10,11 +10,9 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from megagrpo.errors import MegagrpoError
 
-REPO = Path(__file__).resolve().parents[1]
 EXIT_USER_ERROR = 2
 
 
@@ -35,23 +33,16 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _tool(name: str) -> Path:
-    return REPO / "tools" / name
-
-
-def _forward(tool: str, args: list[str]) -> int:
-    """Run a tools/ script with this interpreter; the tools keep their own --help."""
-    return subprocess.call([sys.executable, str(_tool(tool)), *args])
-
-
 def _spawn_torchrun(nproc: int, mode: str, argv_rest: list[str]) -> int:
+    """Start `nproc` local ranks of the installed package's per-process entry (megagrpo.launch.run)."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        str(REPO / "launch" / "run.py"),
+        "-m",
+        "megagrpo.launch.run",
         mode,
         *argv_rest,
     ]
@@ -80,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         _add_run_args(sub.add_parser(name, help=help_, description=help_))
     for name, help_ in (
-        ("convert", "HF <-> Megatron checkpoint conversion (tools/convert_*.py)"),
-        ("probe", "parallelism-mismatch probe (tools/mismatch_probe.py)"),
+        ("convert", "HF <-> Megatron checkpoint conversion (megagrpo.convert)"),
+        ("probe", "parallelism-mismatch probe (megagrpo.probe)"),
     ):
         sp = sub.add_parser(name, help=help_, description=help_, add_help=False)
         sp.add_argument("args", nargs=argparse.REMAINDER)
@@ -96,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] in (["convert"], ["probe"]):  # their own parsers; REMAINDER would refuse a leading --help
+        args = argparse.Namespace(cmd=argv[0], args=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         if args.cmd == "convert":
             rest = args.args
@@ -106,10 +100,15 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return EXIT_USER_ERROR if rest and rest[0] not in ("-h", "--help") else 0
-            tool = "convert_hf_to_megatron.py" if rest[0] == "hf-to-megatron" else "convert_megatron_to_hf.py"
-            return _forward(tool, rest[1:])
+            if rest[0] == "hf-to-megatron":
+                from megagrpo.convert.hf_to_megatron import main as convert_main
+            else:
+                from megagrpo.convert.megatron_to_hf import main as convert_main
+            return convert_main(rest[1:], prog=f"megagrpo convert {rest[0]}")
         if args.cmd == "probe":
-            return _forward("mismatch_probe.py", args.args)
+            from megagrpo.probe import main as probe_main
+
+            return probe_main(args.args, prog="megagrpo probe")
         if args.cmd == "submit":
             from megagrpo.submit.command import run_submit
 

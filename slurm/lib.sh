@@ -4,10 +4,10 @@
 # The batch shell is the one process that receives the preemption signal (`#SBATCH --signal=B:USR1@N`,
 # or `scancel --batch --signal=USR1 JOB`). It does not forward the signal to the job steps: a step-wide
 # signal reaches every process of the step, SGLang's scheduler subprocesses included, and they die of it.
-# Instead it creates a stop file on the shared log directory; launch/run.py watches that file on every rank
-# and raises SIGUSR1 in its own process only, so the trainer checkpoints at the next step boundary and exits
-# with MEGAGRPO_REQUEUE_EXIT. The script maps that exit to `scontrol requeue`, and the requeued job resumes
-# with `--resume auto`.
+# Instead it creates a stop file on the shared log directory; every rank (megagrpo.launch.run) watches that
+# file and raises SIGUSR1 in its own process only, so the trainer checkpoints at the next step boundary and
+# exits with MEGAGRPO_REQUEUE_EXIT. The script maps that exit to `scontrol requeue`, and the requeued job
+# resumes with `--resume auto`.
 
 # = megagrpo.trainer.signals.REQUEUE_EXIT_CODE (a unit test keeps the two equal)
 MEGAGRPO_REQUEUE_EXIT=75

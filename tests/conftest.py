@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Factory: tiny_model(arch="qwen3_moe", **kwargs) -> Path of a cached HF model directory."""
-    from tools.make_tiny_model import make_tiny_model
+    from megagrpo.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     cache: dict[str, Path] = {}

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megagrpo.algo.aggregation import loss_normaliser  # noqa: E402
-from megagrpo.algo.losses import VARIANTS, policy_loss  # noqa: E402
+from megagrpo.algo.aggregation import loss_normaliser
+from megagrpo.algo.losses import VARIANTS, policy_loss
 
 CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gmpo": (0.4, 0.4)}
 

@@ -27,10 +27,6 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -70,7 +66,7 @@ def child(mode: str, model_dir: str, out_dir: str) -> dict:
     import torch  # noqa: F401
     from safetensors.torch import load_file
 
-    from tools.convert_hf_to_megatron import convert, init_single_process
+    from megagrpo.convert.hf_to_megatron import convert, init_single_process
 
     if mode == "convert":
         init_single_process()  # imports megatron and starts the one-process group before measuring
@@ -148,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--repeats", type=int, default=2, help="alternating runs of each; the best time is kept")
     a = p.parse_args(argv)
-    from tools.make_tiny_model import make_tiny_model
+    from megagrpo.tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench_convert.", dir=a.workdir))
     try:

@@ -31,15 +31,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from megagrpo.learner.logprobs import token_logprobs_and_entropy  # noqa: E402
+from megagrpo.learner.logprobs import token_logprobs_and_entropy
 
 SEQ_LEN = 1024  # the selective baseline loops over sequences of this many tokens, as TRL loops over rows
 

@@ -36,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 PHASES = ("rollout", "reward", "sleep", "old_logp", "train", "sync")
 OTHER = "other"  # step time outside every named phase (batch building, mismatch metrics, broadcasts, ...)
@@ -237,7 +235,7 @@ def bench_overrides(tmp: Path, model: Path, args: argparse.Namespace) -> list[st
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from megagrpo.config.loader import load_config
-    from tools.make_tiny_model import make_tiny_model
+    from megagrpo.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_step_") as td:
         tmp = Path(td)

@@ -38,9 +38,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 _TIMING_DIR_ENV = "MEGAGRPO_BENCH_SYNC_TIMING_DIR"
 
 
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megagrpo.rollout import RolloutConfig, RolloutEngine
     from megagrpo.sync import bucketize, sync_weights
-    from tools.make_tiny_model import make_tiny_model
+    from megagrpo.tiny_model import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.submit.render import LAYOUTS, TEMPLATE_DIR, render_layout
+from megagrpo.submit.render import LAYOUTS, render_layout
 
-REPO = TEMPLATE_DIR.parent
-STAGES = ("train", "sft", "eval", "check")  # check: launch/mesh_check.py on the config's mesh and model
+STAGES = ("train", "sft", "eval", "check")  # check: megagrpo.launch.mesh_check on the config's mesh and model
 _SAFE = re.compile(r"^[A-Za-z0-9_./+@:,=-]+$")  # no spaces or shell syntax in #SBATCH paths and names
 
 
@@ -42,7 +41,7 @@ def add_submit_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--stage",
         choices=STAGES,
         default="train",
-        help="what the job runs (default: train); check: the distributed bring-up check (launch/mesh_check.py: "
+        help="what the job runs (default: train); check: the distributed bring-up check (megagrpo.launch.mesh_check: "
         "collectives, group sizes, sharded logprobs vs a single-process reference) on the same shape",
     )
     p.add_argument(
@@ -124,15 +123,16 @@ def _sbatch_lines(args: argparse.Namespace, shape, partition: str | None) -> str
 
 
 def _program(stage: str, cfg, snapshot: Path, log_dir: Path, job_name: str) -> str:
-    """The per-rank program and its arguments, as they appear on the launcher's command line."""
+    """The per-rank program and its arguments, as they appear after `python` or `torchrun` on the
+    launcher's command line: a module of the installed package, so the job needs no checkout."""
     if stage == "check":
         m = cfg.mesh
         out = f'"{log_dir}/{job_name}-$SLURM_JOB_ID.check.json"'
         model = shlex.quote(str(Path(cfg.model.hf_path).resolve()))
-        check = shlex.quote(str(REPO / "launch" / "mesh_check.py"))
-        return f"{check} --out {out} --tp {m.tp} --ep {m.ep} --pp {m.pp} --model {model}"
-    run = shlex.quote(str(REPO / "launch" / "run.py"))
-    return f"{run} {stage} {shlex.quote(str(snapshot))} --resume auto"
+        return (
+            f"-m megagrpo.launch.mesh_check --out {out} --tp {m.tp} --ep {m.ep} --pp {m.pp} --model {model}"
+        )
+    return f"-m megagrpo.launch.run {stage} {shlex.quote(str(snapshot))} --resume auto"
 
 
 def run_submit(args: argparse.Namespace) -> int:

@@ -3,17 +3,21 @@
 The templates are plain bash with `{{name}}` fields (so that bash's own `${VAR}` stays untouched);
 `{{lib_sh}}` is replaced by slurm/lib.sh itself, so a rendered script is self-contained: a requeue days
 later runs exactly what was submitted, whatever happened to the checkout since.
+
+The repository's `slurm/` is the one copy of the templates. The package reaches it as its resource
+`megagrpo/submit/slurm`, a symbolic link to `../../slurm` that the wheel build replaces by the files
+(package data in pyproject.toml), so an installed megagrpo renders without a checkout.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from pathlib import Path
+from importlib.resources import files
 
 from megagrpo.errors import MegagrpoError
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm"
+TEMPLATE_DIR = files("megagrpo.submit") / "slurm"
 LAYOUTS = {
     "single": "single_node.sbatch",  # one node, one srun task running torchrun --standalone
     "torchrun": "multi_node_torchrun.sbatch",  # one srun task per node, each running torchrun
@@ -36,7 +40,9 @@ def template_text(layout: str) -> str:
         raise MegagrpoError(f"--layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     path = TEMPLATE_DIR / LAYOUTS[layout]
     if not path.is_file():
-        raise MegagrpoError(f"{path}: sbatch template missing; is this a complete megagrpo checkout?")
+        raise MegagrpoError(
+            f"{path}: sbatch template missing; reinstall megagrpo (the wheel ships slurm/ as package data)"
+        )
     return path.read_text()
 
 

@@ -134,9 +134,9 @@ def worker(rank: int, world: int, outdir: Path, *, models: dict, cases: list, re
     import torch.distributed as dist
 
     from megagrpo.config.model import ModelArch
+    from megagrpo.convert.hf_to_megatron import convert, read_checkpoint_info
+    from megagrpo.convert.megatron_to_hf import layer_offset, load_model
     from megagrpo.learner.mesh import DistEnv, MeshConfig, destroy_mesh, init_mesh
-    from tools.convert_hf_to_megatron import convert, read_checkpoint_info
-    from tools.convert_megatron_to_hf import layer_offset, load_model
 
     env = DistEnv.from_environ()
     init_mesh(MeshConfig(), env)

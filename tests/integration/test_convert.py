@@ -36,10 +36,10 @@ SHARD_BYTES = 200_000  # small, so the exported model is sharded with an index
 
 def worker(rank: int, world: int, outdir: Path, *, models: dict, refs: str) -> None:
     from megagrpo.config.model import ModelArch
+    from megagrpo.convert.hf_to_megatron import build_model, convert, init_single_process
+    from megagrpo.convert.megatron_to_hf import export, load_model
     from megagrpo.learner.mesh import MeshConfig
     from tests.dist.test_bridge_dist import _forward_logits
-    from tools.convert_hf_to_megatron import build_model, convert, init_single_process
-    from tools.convert_megatron_to_hf import export, load_model
 
     init_single_process()
     reference = torch.load(refs)
@@ -160,14 +160,14 @@ def _no_output(parent: Path) -> None:
 
 
 def test_hf_to_megatron_missing_shard(tiny_model, tmp_path):
-    from tools.convert_hf_to_megatron import main
+    from megagrpo.convert.hf_to_megatron import main
 
     src = shutil.copytree(tiny_model("qwen3"), tmp_path / "m")
     (src / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}})
     )
     with pytest.raises(MegagrpoError, match="model-00002-of-00002.safetensors"):
-        from tools.convert_hf_to_megatron import convert
+        from megagrpo.convert.hf_to_megatron import convert
 
         convert(src, tmp_path / "out", progress=False)
     assert main([str(src), str(tmp_path / "out"), "--no-progress"]) == 2
@@ -175,7 +175,7 @@ def test_hf_to_megatron_missing_shard(tiny_model, tmp_path):
 
 
 def test_hf_to_megatron_bad_shape_and_model_type(tiny_model, tmp_path):
-    from tools.convert_hf_to_megatron import convert
+    from megagrpo.convert.hf_to_megatron import convert
 
     src = shutil.copytree(tiny_model("qwen3_moe"), tmp_path / "m")
     cfg = json.loads((src / "config.json").read_text())
@@ -189,7 +189,7 @@ def test_hf_to_megatron_bad_shape_and_model_type(tiny_model, tmp_path):
 
 
 def test_megatron_to_hf_refuses_foreign_directory(tiny_model, tmp_path):
-    from tools.convert_megatron_to_hf import export, main
+    from megagrpo.convert.megatron_to_hf import export, main
 
     with pytest.raises(MegagrpoError, match="not a megagrpo checkpoint"):
         export(tiny_model("qwen3"), tmp_path / "out")

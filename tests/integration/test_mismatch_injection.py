@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.mismatch_probe import Layout, learner_logprobs, pair_metrics, probe_results, sample
+from megagrpo.probe import Layout, learner_logprobs, pair_metrics, probe_results, sample
 
 PROMPTS = [[5, 17, 33, 2, 90, 14], [1, 307, 260, 202], [44, 45, 46, 47, 48, 49, 50, 51], [9, 8, 7]]
 CASES = {  # name -> (inject, target)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from megagrpo.errors import MegagrpoError
-from tools.mismatch_probe import load_prompts, main, parse_injections, parse_layout, parse_layouts
+from megagrpo.probe import load_prompts, main, parse_injections, parse_layout, parse_layouts
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 33, 2, 90, 14], [1, 307, 260, 202], [44, 45, 46, 47, 48, 49, 50, 51]]

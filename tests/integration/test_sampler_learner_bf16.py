@@ -4,7 +4,7 @@ and the same weights, within the bf16 tolerance measured here (the fp32 case is 
 Same weights: the tiny Qwen3-MoE's weights are rounded to bf16 once and saved (as fp32 values that bf16
 holds exactly), so the bf16 engine and the fp32 learner hold identical numbers and the gap is the engine's
 bf16 arithmetic only. The learner scores the sampled tokens twice: with its own routing ("free") and
-replaying the sampler's routes (R3), in one `torchrun` run (tools/mismatch_probe.learner_logprobs, layout 1).
+replaying the sampler's routes (R3), in one `torchrun` run (megagrpo.probe.learner_logprobs, layout 1).
 The engine is shut down before the learner runs (an idle scheduler busy-polls a core).
 """
 
@@ -55,7 +55,7 @@ def sampled_bf16(bf16_model_dir):
 
 @pytest.mark.slow
 def test_bf16_sampler_logprobs_match_learner(sampled_bf16, bf16_model_dir, tmp_path):
-    from tools.mismatch_probe import learner_logprobs, parse_layout
+    from megagrpo.probe import learner_logprobs, parse_layout
 
     batch = sampled_bf16
     path = tmp_path / "batch.pt"

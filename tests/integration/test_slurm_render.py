@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.bootstrap import mark_requeue, watch_stop_file
 from megagrpo.errors import MegagrpoError
+from megagrpo.launch.bootstrap import mark_requeue, watch_stop_file
 from megagrpo.learner.mesh import DistEnv
 from megagrpo.submit.render import LAYOUTS, TEMPLATE_DIR, render, render_layout
 
@@ -42,7 +42,7 @@ def values(**over: str) -> dict[str, str]:
         python="/work/repo/.venv/bin/python",
         device="gpu",
         stage="train",
-        program="/work/repo/launch/run.py train /tmp/mg-logs/c.yaml --resume auto",
+        program="-m megagrpo.launch.run train /tmp/mg-logs/c.yaml --resume auto",
     )
     v.update(over)
     return v
@@ -183,7 +183,9 @@ def test_lib_requeues_on_the_marker_when_torchrun_hides_the_exit_code(tmp_path):
 def test_slurm_task_wrapper_ignores_usr1_and_sets_the_node_rank():
     r = subprocess.run(
         [
-            str(REPO / "launch" / "slurm_task.sh"),
+            sys.executable,
+            "-m",
+            "megagrpo.launch.slurm_task",
             sys.executable,
             "-c",
             "import os, signal; print(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN, os.environ['PET_NODE_RANK'])",
@@ -196,7 +198,7 @@ def test_slurm_task_wrapper_ignores_usr1_and_sets_the_node_rank():
     assert r.stdout.split() == ["True", "3"], r.stderr
 
 
-# -- launch/bootstrap.py ---------------------------------------------------------------------------
+# -- megagrpo/launch/bootstrap.py ------------------------------------------------------------------
 
 
 def test_stop_file_raises_usr1_only_once_a_handler_is_installed(tmp_path):

@@ -87,7 +87,7 @@ def records(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
-    from tools.make_tiny_model import make_tiny_model
+    from megagrpo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("model") / "m", "qwen3_moe", seed=1)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tools.make_tiny_model import ARCHS, make_tiny_model
+from megagrpo.tiny_model import ARCHS, make_tiny_model
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megagrpo.config import Config, load_config
-from tools import gen_config_docs as gen
+from megagrpo.config import docs as gen
+
+REPO = Path(__file__).resolve().parents[3]
+DOC_PATH = REPO / "docs" / "config.md"
+REFERENCE_PATH = REPO / "configs" / "reference.yaml"
 
 
 def test_docs_are_up_to_date_with_the_schema():
-    assert gen.DOC_PATH.read_text() == gen.render_markdown(), "run: python tools/gen_config_docs.py"
-    assert gen.REFERENCE_PATH.read_text() == gen.render_reference_yaml(), (
-        "run: python tools/gen_config_docs.py"
-    )
+    assert DOC_PATH.read_text() == gen.render_markdown(), "run: python tools/gen_config_docs.py"
+    assert REFERENCE_PATH.read_text() == gen.render_reference_yaml(), "run: python tools/gen_config_docs.py"
 
 
 def test_docs_list_every_field():
@@ -21,15 +25,15 @@ def test_docs_list_every_field():
 
 
 def test_reference_config_is_the_defaults():
-    ref = load_config(gen.REFERENCE_PATH, check_paths=False)
+    ref = load_config(REFERENCE_PATH, check_paths=False)
     assert ref == Config.model_validate({"model": {"hf_path": gen.PLACEHOLDER_MODEL}})
 
 
 def test_shipped_configs_validate():
     for name in ("demo_qwen3_moe", "grpo_math_dense", "countdown_qwen3_moe_gdpo"):
-        cfg = load_config(gen.REPO / "configs" / f"{name}.yaml", check_paths=False)
+        cfg = load_config(REPO / "configs" / f"{name}.yaml", check_paths=False)
         assert cfg.model.hf_path
-    demo = load_config(gen.REPO / "configs" / "demo_qwen3_moe.yaml", check_paths=False)
+    demo = load_config(REPO / "configs" / "demo_qwen3_moe.yaml", check_paths=False)
     assert demo.algo.variant == "gspo" and demo.replay == "R3" and demo.algo.tis.cap == "auto"
     sft, rl = demo.sft.data.synthetic, demo.data.synthetic  # RL on harder problems than SFT taught
     assert sft.min_digits <= rl.min_digits and sft.max_digits <= rl.max_digits

@@ -9,7 +9,7 @@ import pytest
 from megagrpo.config import DataConfig, SyntheticConfig
 from megagrpo.data import PromptFormatter, build_prompt_sets
 from megagrpo.errors import MegagrpoError
-from tools.make_tiny_model import train_tokenizer
+from megagrpo.tiny_model import train_tokenizer
 
 
 @pytest.fixture(scope="module")

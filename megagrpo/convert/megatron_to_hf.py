@@ -1,0 +1,154 @@
+"""Convert a megagrpo megatron-core dist checkpoint back into a Hugging Face model directory.
+
+    megagrpo convert megatron-to-hf CKPT_DIR OUT_DIR [--dtype bfloat16] [--max-shard-bytes N]
+    torchrun --nproc-per-node 4 -m megagrpo.convert.megatron_to_hf CKPT_DIR OUT_DIR --tp 2 --ep 2
+
+OUT_DIR receives sharded safetensors (+ index), `config.json`, tokenizer and generation config, loadable
+by `transformers.AutoModelForCausalLM` and SGLang. The model is loaded on the current mesh (one process,
+or the torchrun mesh given by --tp/--pp/--ep/--etp) and exported through the same streaming iterator the
+weight sync uses (`megagrpo.bridge.export.iter_hf_buckets`): TP/EP shards and PP stages are gathered to
+rank 0, which writes one shard file per bucket. Output is written atomically (temp dir + rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
+from megagrpo.bridge.hf_config import hf_config_from_arch
+from megagrpo.bridge.hf_io import atomic_output_dir, copy_side_files, write_hf_checkpoint
+from megagrpo.bridge.maps import hf_names
+from megagrpo.config.model import ModelArch
+from megagrpo.convert.hf_to_megatron import DTYPES, build_model, init_single_process, read_checkpoint_info
+from megagrpo.errors import MegagrpoError
+
+DEFAULT_SHARD_BYTES = 4 * 1024**3
+
+
+def load_model(ckpt_dir: Path, arch: ModelArch, mesh_cfg, dtype: torch.dtype) -> list:
+    """Build this rank's chunks on the current mesh and load the dist checkpoint into them."""
+    from megatron.core import dist_checkpointing
+
+    chunks = build_model(arch, mesh_cfg, dtype=dtype)
+    for chunk in chunks:
+        try:
+            state = dist_checkpointing.load(chunk.sharded_state_dict(), str(ckpt_dir))
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise MegagrpoError(
+                f"{ckpt_dir}: cannot load the dist checkpoint into a {arch.family} model: {e}"
+            ) from e
+        # a learner checkpoint's common state adds top-level entries (content_metadata, other chunks)
+        own = set(chunk.state_dict())
+        chunk.load_state_dict({k: v for k, v in state.items() if k in own}, strict=True)
+    return chunks
+
+
+def layer_offset(chunk) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(chunk.config)
+
+
+def export(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict | None:
+    """Export on the current mesh; rank 0 returns a summary, other ranks None."""
+    import torch.distributed as dist
+
+    ckpt = Path(ckpt_dir)
+    meta = read_checkpoint_info(ckpt)  # refuse foreign directories before touching anything
+    arch = ModelArch.from_dict(meta["arch"])
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MegagrpoError(
+            f"{out}: output directory exists and is not empty; remove it or choose another path"
+        )
+    load_dtype = DTYPES[meta["dtype"]]
+    out_dtype = DTYPES[dtype] if dtype else load_dtype
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        from megagrpo.compat import apply_cpu_compat
+        from megagrpo.learner.mesh import MeshConfig, init_mesh
+
+        apply_cpu_compat()
+        mesh_cfg = MeshConfig(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1 and arch.is_moe)
+        init_mesh(mesh_cfg)
+    else:
+        if (tp, pp, ep, etp) != (1, 1, 1, 1):
+            raise MegagrpoError("--tp/--pp/--ep/--etp > 1 need torchrun with that many processes")
+        init_single_process()
+        from megagrpo.learner.mesh import MeshConfig
+
+        mesh_cfg = MeshConfig()
+    from megatron.core import parallel_state
+
+    chunks = load_model(ckpt, arch, mesh_cfg, load_dtype)
+    if len(chunks) != 1:
+        raise MegagrpoError("virtual pipeline stages are not supported by the exporter; unset mesh.vpp")
+    groups = ExportGroups.from_parallel_state(parallel_state, layer_offset=layer_offset(chunks[0]))
+    buckets = iter_hf_buckets(
+        chunks[0].named_parameters(), arch, bucket_bytes=max_shard_bytes, groups=groups, dtype=out_dtype
+    )
+    if dist.get_rank() != 0:
+        for _ in buckets:  # drive the collectives; only rank 0 receives tensors
+            pass
+        return None
+    with atomic_output_dir(out) as tmp:
+        weight_map = write_hf_checkpoint(tmp, buckets, expected_names=hf_names(arch))
+        base = json.loads((ckpt / "config.json").read_text()) if (ckpt / "config.json").is_file() else None
+        cfg = hf_config_from_arch(arch, base=base, dtype=str(out_dtype).removeprefix("torch."))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        copied = copy_side_files(ckpt, tmp)
+        if "generation_config.json" not in copied:
+            gen = {
+                k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None
+            }
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return {"out_dir": str(out), "tensors": len(weight_map), "files": len(set(weight_map.values()))}
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("ckpt_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's dtype")
+    p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
+    for axis in ("tp", "pp", "ep", "etp"):
+        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size of the torchrun mesh")
+    a = p.parse_args(argv)
+    try:
+        s = export(
+            a.ckpt_dir,
+            a.out_dir,
+            tp=a.tp,
+            pp=a.pp,
+            ep=a.ep,
+            etp=a.etp,
+            dtype=a.dtype,
+            max_shard_bytes=a.max_shard_bytes,
+        )
+    except MegagrpoError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if s is not None:
+        print(json.dumps(s))
+    return 0
+
+
+if __name__ == "__main__":  # the torchrun entry (`-m megagrpo.convert.megatron_to_hf`)
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Write a tiny Hugging Face model directory with random weights and a locally trained tokenizer.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a built-in corpus (digits kept
+as single tokens, so arithmetic tasks tokenise cleanly) and wrapped as a `PreTrainedTokenizerFast`
+with a chat template. Tests, benchmarks and the demo build every model they use with `make_tiny_model`.
+
+    python tools/make_tiny_model.py OUT_DIR --arch qwen3_moe [--experts 8 --topk 2 --seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A tiny model learns to add numbers and to answer in a
+strict format. Question: what is 12 + 34? Answer: 46. Question: what is 123 + 456? Answer: 579.
+Think step by step, then give the final answer in the form <answer>579</answer>. The sum of two
+numbers is computed digit by digit from the right, carrying a one when a column exceeds nine.
+Reinforcement learning from verifiable rewards samples several completions for each prompt, scores
+each one, and pushes up the probability of completions that beat their group's average.
+Mixture of experts models route every token to a few experts chosen by a learned router.
+system user assistant You are a helpful assistant. Solve the problem. Use the given numbers once.
+Countdown: reach the target using + - * and each number at most once. Target: 24. Numbers: 3 4 6.
+"""
+
+
+def train_tokenizer(vocab_size: int):
+    """Byte-level BPE trained on the built-in corpus; returns a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+    return fast
+
+
+def make_config(
+    arch: str,
+    vocab_size: int,
+    tok,
+    *,
+    hidden: int,
+    layers: int,
+    experts: int,
+    topk: int,
+    tie: bool,
+    max_pos: int,
+):
+    from transformers import AutoConfig
+
+    heads, kv_heads, head_dim = 4, 2, hidden // 4
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        hidden_act="silu",
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|pad|>"),
+        torch_dtype="float32",
+    )
+    if arch == "qwen3":
+        common["head_dim"] = head_dim
+    if arch == "qwen3_moe":
+        common.update(
+            head_dim=head_dim,
+            num_experts=experts,
+            num_experts_per_tok=topk,
+            moe_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
+    if arch == "mixtral":
+        common.update(num_local_experts=experts, num_experts_per_tok=topk, output_router_logits=False)
+    if arch == "qwen2":
+        common.update(use_sliding_window=False)
+    return AutoConfig.for_model(arch, **common)
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen3_moe",
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    experts: int = 8,
+    topk: int = 2,
+    vocab_size: int = 1024,
+    tie: bool = False,
+    max_pos: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+) -> Path:
+    """Create the model directory atomically (written beside it, then renamed) and return its path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if arch not in ARCHS:
+        raise SystemExit(f"error: --arch {arch!r} is not supported; choose one of {', '.join(ARCHS)}")
+    out = Path(out_dir)
+    tok = train_tokenizer(min(vocab_size, 1024))
+    if len(tok) > vocab_size:
+        raise SystemExit(f"error: --vocab-size {vocab_size} is smaller than the tokenizer ({len(tok)})")
+    cfg = make_config(
+        arch,
+        vocab_size,
+        tok,
+        hidden=hidden,
+        layers=layers,
+        experts=experts,
+        topk=topk,
+        tie=tie,
+        max_pos=max_pos,
+    )
+    cfg.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--arch", default="qwen3_moe", choices=ARCHS)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8, help="MoE archs only")
+    p.add_argument("--topk", type=int, default=2, help="MoE archs only")
+    p.add_argument("--vocab-size", type=int, default=1024, help="model vocab; >= tokenizer size")
+    p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--max-pos", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    out = make_tiny_model(
+        a.out_dir,
+        a.arch,
+        hidden=a.hidden,
+        layers=a.layers,
+        experts=a.experts,
+        topk=a.topk,
+        vocab_size=a.vocab_size,
+        tie=a.tie,
+        max_pos=a.max_pos,
+        seed=a.seed,
+    )
+    print(json.dumps({"out_dir": str(out), "arch": a.arch}))
+    return 0

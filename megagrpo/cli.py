@@ -14,6 +14,10 @@ import sys
 from megagrpo.errors import MegagrpoError
 
 EXIT_USER_ERROR = 2
+VERBOSE_HELP = (
+    "show every library warning and log line; by default the known-harmless ones listed in "
+    "megagrpo/console.py are hidden"
+)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +35,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="start this many local processes with torchrun (default: run in this process, "
         "taking rank/world from torchrun, srun or mpirun variables if present)",
     )
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
 
 
 def _spawn_torchrun(nproc: int, mode: str, argv_rest: list[str]) -> int:
@@ -72,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_run_args(sub.add_parser(name, help=help_, description=help_))
     for name, help_ in (
         ("convert", "HF <-> Megatron checkpoint conversion (megagrpo.convert)"),
-        ("probe", "parallelism-mismatch probe (megagrpo.probe)"),
+        ("probe", "parallelism-mismatch probe (megagrpo.probe); --verbose: " + VERBOSE_HELP),
     ):
         sp = sub.add_parser(name, help=help_, description=help_, add_help=False)
         sp.add_argument("args", nargs=argparse.REMAINDER)
@@ -91,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(cmd=argv[0], args=argv[1:])
     else:
         args = parser.parse_args(argv)
+    if args.cmd == "probe" and "--verbose" in args.args:
+        args.args, args.verbose = [a for a in args.args if a != "--verbose"], True
+    if args.cmd in ("train", "sft", "eval", "probe"):
+        from megagrpo.console import quiet_known_noise, verbose_requested
+
+        quiet_known_noise(verbose=getattr(args, "verbose", False) or verbose_requested())
     try:
         if args.cmd == "convert":
             rest = args.args

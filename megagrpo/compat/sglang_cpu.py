@@ -48,6 +48,10 @@ active in the child without sitecustomize or an installed entry point:
 The detokenizer subprocess is wrapped the same way (`Engine.run_detokenizer_process_func`): its imports reach
 `sglang.kernels.ops.kvcache.cache_move`, which imports `sgl_kernel` at module level.
 
+Console in the child. The parent's console filters (`megagrpo.console`) reach the child too: its warning
+filters as `-W` options on the child's command line, its log-record filters through `console.quiet_child()`
+at the import described in 2., before `apply()` imports SGLang.
+
 Hits in the child. `patching.HITS` counts in the process that ran the patched code; a scheduler's counts are
 invisible to the parent. If `MEGAGRPO_COMPAT_HITS_DIR` is set when the engine starts, each child appends the
 name of every patch the first time it is hit to `<dir>/<pid>.hits`; `read_child_hits(dir)` collects them.
@@ -64,6 +68,7 @@ from typing import Any
 
 import torch
 
+from megagrpo import console
 from megagrpo.compat import patching
 from megagrpo.compat.patching import replace
 
@@ -372,5 +377,7 @@ def read_child_hits(hits_dir: str | Path) -> dict[str, set[int]]:
 
 
 if os.environ.get(CHILD_ENV) == "1" and not torch.cuda.is_available():
-    # Imported in a spawned SGLang subprocess (the parent applied the patches): apply them here too.
+    # Imported in a spawned SGLang subprocess (the parent applied the patches): apply them here too,
+    # after the parent's console filters for log records (its warning filters arrived as -W options).
+    console.quiet_child()
     apply()

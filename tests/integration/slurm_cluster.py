@@ -256,6 +256,37 @@ class SlurmCluster:
             fields=fields,
         )
 
+    def release_requeued(self, job_id: int, timeout: float) -> JobInfo:
+        """Start a requeued job now instead of after Slurm's hold, once it can start without being refused.
+
+        A requeue makes slurmctld send REQUEST_TERMINATE_JOB stamped with its clock (whole seconds); each
+        slurmd revokes the job's credential as of that stamp, kills the old instance, runs its epilog and
+        reports back, and only then is the job's COMPLETING flag cleared, so `JobState=PENDING` means
+        every node has recorded the revocation. A launch credential whose creation second is not later
+        than the stamp is refused ("Job credential revoked") and the job ends FAILED; Slurm's hold of
+        cred_expire + 1 s avoids this. The stamp is at most the second in which PENDING was seen, so
+        StartTime is set once the clock is past that second.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job_id)
+            seen = time.time()
+            if info.restarts >= 1 and info.state == "PENDING":
+                break
+            if info.state not in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"):
+                raise RuntimeError(f"job {job_id} is {info.state}, not requeued; {self.ctld_log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not requeued after {timeout} s: {json.dumps(info.fields)}")
+            time.sleep(0.5)
+        time.sleep(max(0.0, int(seen) + 1 - time.time()))
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        return info
+
+    def ctld_log_tail(self, n: int = 30) -> str:
+        log = self.root / "log" / "slurmctld.log"
+        lines = log.read_text(errors="replace").splitlines()[-n:] if log.exists() else ["(no log)"]
+        return "slurmctld.log:\n" + "\n".join(lines)
+
     def wait_job(
         self, job_id: int, timeout: float, *, states: tuple[str, ...] = ("COMPLETED", "FAILED", "CANCELLED")
     ) -> JobInfo:

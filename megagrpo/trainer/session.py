@@ -383,9 +383,9 @@ class Session:
                         metrics.update(self.evaluate())
                     self._log(self.step, metrics, progress)
                     progress.update(task, completed=self.step)
-                    if cfg.schedule.save_every > 0 and (
-                        self.step % cfg.schedule.save_every == 0 or self.step == total
-                    ):
+                    # The last step always saves ("0 = end only"): a finished run is never lost.
+                    every = cfg.schedule.save_every
+                    if self.step == total or (every > 0 and self.step % every == 0):
                         self.save()
                 if self._stop_agreed():
                     path = self.save()

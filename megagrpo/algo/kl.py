@@ -58,3 +58,32 @@ def token_kl(
     _checks.finite_where("ref_logp", ref_logp, m)
     kl = _token_kl(torch.where(m, logp, 0.0), torch.where(m, ref_logp, 0.0), estimator)
     return torch.where(m, kl, 0.0)
+
+
+def kl_penalised_rewards(
+    rewards: Tensor,
+    logp: Tensor,
+    ref_logp: Tensor,
+    response_mask: Tensor,
+    coef: float,
+    estimator: str = "k3",
+) -> tuple[Tensor, Tensor]:
+    """KL-shaped reward r - coef * sum_t KL_t (Ziegler et al. 1909.08593 Sec. 2.2; InstructGPT 2203.02155 Eq. 2).
+
+    rewards: `[B]` sequence rewards. logp: `[B, T]` log-probabilities of the sampled tokens under the
+    policy that sampled them; ref_logp: `[B, T]` under the reference. response_mask: `[B, T]` the response
+    tokens (elsewhere the inputs may hold anything). Returns (penalised rewards `[B]`, penalty `[B]` =
+    coef * sum_t KL_t), both in `rewards`' dtype (fp32 at least). No gradient flows: a reward is a constant.
+    """
+    rewards = _checks.floating("rewards", rewards)
+    _checks.ndim("rewards", rewards, 1, "[B]")
+    _checks.finite_where("rewards", rewards, None)
+    _checks.positive("coef", coef, strict=False)
+    logp = _checks.floating("logp", logp).detach()
+    _checks.ndim("logp", logp, 2, "[B, T]")
+    if logp.shape[0] != rewards.shape[0]:
+        raise ValueError(f"logp has {logp.shape[0]} rows for {rewards.shape[0]} rewards")
+    kl = token_kl(logp, ref_logp.detach(), estimator, response_mask)
+    dt = torch.promote_types(rewards.dtype, torch.float32)
+    penalty = coef * kl.to(dt).sum(dim=1)
+    return rewards.to(dt) - penalty, penalty

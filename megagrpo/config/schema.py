@@ -246,6 +246,14 @@ class KlConfig(Section):
         description="Per-token KL estimator: k1 (log-ratio), k2 (squared), k3 (unbiased, non-negative), "
         "low_var_kl (k3 clamped to [-10, 10], robust to rare huge ratios).",
     )
+    placement: Literal["loss", "reward"] = Field(
+        default="loss",
+        description="loss: add coef*KL(pi_theta||pi_ref) to the objective, as in GRPO (DeepSeekMath Eq. "
+        "3). reward: subtract coef * sum_t KL_t of each response from its reward before advantages, the "
+        "RLHF shaping of Ziegler et al. 2019 / InstructGPT; KL_t compares the old policy (the sampler's "
+        "logprobs with algo.old_logp=rollout) with the reference, and the loss then carries no KL term "
+        "(loss/kl is still logged). Not with algo.advantages=gdpo.",
+    )
 
 
 class SoftOverlongConfig(Section):
@@ -485,6 +493,13 @@ class AlgoConfig(Section):
                     "ratio of the old policy, and with old_logp=rollout the old policy IS the sampler, so "
                     f"the weight is always 1: set algo.old_logp=recompute or algo.{name}.enabled=false",
                 )
+        if self.kl.placement == "reward" and self.advantages == "gdpo":
+            raise invalid(
+                "kl.placement",
+                "'reward' with algo.advantages=gdpo; GDPO z-scores each reward component within its group, "
+                "so a penalty folded into the summed reward has no component to live in: set "
+                "algo.kl.placement=loss or choose another algo.advantages",
+            )
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0 + self.clip_high:
             raise invalid(
                 "clip_ratio_c",

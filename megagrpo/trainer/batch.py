@@ -10,6 +10,9 @@ Keys (B rows, T = longest prompt + output):
   loss_mask     bool    [B, T]   the output tokens (cleared for filtered rows, see `overlong_filter`)
   sampler_logp  float32 [B, T]   the sampler's log p of each output token (0 elsewhere)
   advantages    float32 [B]      one advantage per completion
+  rewards       float32 [B]      when given: the sequence rewards the advantages came from (rows of one
+                                  prompt group are G consecutive rows; algo.kl.placement=reward reshapes
+                                  them to [B / G, G] to recompute advantages after the KL penalty)
   routes        int32   [B, T, L, K]  MoE only: the sampler's route of each token as an input
                                   (-1 for padding and the last token, see rollout.completion)
   response_len  int64   [B]      O
@@ -24,7 +27,9 @@ from torch import Tensor
 from megagrpo.rollout.completion import NO_ROUTE, Completion
 
 
-def rollout_batch(groups: list[list[Completion]], advantages: Tensor, *, pad_id: int) -> dict[str, Tensor]:
+def rollout_batch(
+    groups: list[list[Completion]], advantages: Tensor, *, pad_id: int, rewards: Tensor | None = None
+) -> dict[str, Tensor]:
     comps = [c for g in groups for c in g]
     B = len(comps)
     if advantages.numel() != B:
@@ -58,7 +63,19 @@ def rollout_batch(groups: list[list[Completion]], advantages: Tensor, *, pad_id:
     }
     if routes is not None:
         batch["routes"] = routes
+    if rewards is not None:
+        if rewards.numel() != B:
+            raise ValueError(f"rewards has {rewards.numel()} entries for {B} completions")
+        batch["rewards"] = rewards.reshape(B).to(torch.float32)
     return batch
+
+
+def response_mask(batch: dict[str, Tensor]) -> Tensor:
+    """bool `[B, T]`: the output tokens of each row (columns seq_lens - response_len .. seq_lens - 1),
+    whatever `loss_mask` has since cleared (overlong filtering)."""
+    cols = torch.arange(batch["input_ids"].shape[1], device=batch["seq_lens"].device)
+    end = batch["seq_lens"][:, None]
+    return (cols >= end - batch["response_len"][:, None]) & (cols < end)
 
 
 def select_rows(batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:

@@ -22,12 +22,13 @@ from megagrpo.algo.advantages import gdpo, group_advantages
 from megagrpo.algo.aggregation import loss_normaliser
 from megagrpo.algo.filters import keep_groups, overlong_mask, soft_overlong_penalty
 from megagrpo.algo.importance import importance_masks, importance_metrics
+from megagrpo.algo.kl import kl_penalised_rewards
 from megagrpo.algo.losses import policy_loss
 from megagrpo.config.schema import Config
 from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
 from megagrpo.diagnostics.mismatch import mismatch_metrics, token_ratio_quantiles
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
-from megagrpo.trainer.batch import rollout_batch, select_rows
+from megagrpo.trainer.batch import response_mask, rollout_batch, select_rows
 from megagrpo.trainer.session import Session, broadcast_from_rank0
 
 
@@ -191,7 +192,7 @@ class GRPOTrainer(Session):
                 adv = gdpo(per, self.rewards.weights, a.adv_eps)
             else:
                 adv = group_advantages(rewards, a.advantages, a.adv_eps)
-        batch = rollout_batch(dyn.groups, adv, pad_id=self.pad_id)
+        batch = rollout_batch(dyn.groups, adv, pad_id=self.pad_id, rewards=rewards)
         if a.overlong_filter:
             keep = overlong_mask([c.finish_reason for c in comps])
             batch["loss_mask"] &= keep[:, None]
@@ -293,6 +294,8 @@ class GRPOTrainer(Session):
             learner_batch["ref_logp"] = self.learner.forward(
                 learner_batch, reference=True, with_entropy=False
             )["logprobs"]
+            if a.kl.placement == "reward":
+                metrics.update(self._kl_in_reward(learner_batch))
         if replay is not None:
             metrics.update(replay.old_pass_metrics())
 
@@ -309,6 +312,30 @@ class GRPOTrainer(Session):
             metrics["perf/step_seconds"], 1e-9
         )
         return metrics
+
+    def _kl_in_reward(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """algo.kl.placement=reward: penalise each sequence's reward by coef * sum_t KL(old || ref) over its
+        response tokens and replace `batch["advantages"]` with the group advantages of the penalised
+        rewards. Local: every rank holds the same broadcast batch and computes the same advantages."""
+        a = self.cfg.algo
+        dev = batch["ref_logp"].device  # the learner's device; the rollout batch stays on the host
+        shaped, penalty = kl_penalised_rewards(
+            batch["rewards"].to(dev),
+            batch["old_logp"].to(dev),
+            batch["ref_logp"],
+            response_mask(batch).to(dev),
+            a.kl.coef,
+            a.kl.estimator,
+        )
+        G = self.cfg.rollout.group_size
+        adv = group_advantages(shaped.view(-1, G), a.advantages, a.adv_eps).reshape(-1)
+        batch["advantages"] = adv.to(batch["advantages"].device, torch.float32)
+        return {
+            "reward/kl_penalty_mean": float(penalty.mean()),
+            "adv/mean": float(adv.mean()),
+            "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+            "adv/abs_max": float(adv.abs().max()),
+        }
 
     def _updates(self, batch: dict[str, torch.Tensor], replay) -> dict[str, float]:
         """`ppo_epochs` passes over `ppo_mini_batches` mini-batches, one optimizer step each."""
@@ -350,7 +377,7 @@ class GRPOTrainer(Session):
                 agg_constant=a.agg_constant,
                 importance_weights=data.get("importance_weights"),
                 ref_logp=data.get("ref_logp"),
-                kl_coef=a.kl.coef,
+                kl_coef=a.kl.coef if a.kl.placement == "loss" else 0.0,  # reward: already in advantages
                 kl_estimator=a.kl.estimator,
                 token_weights=replay.token_weights(data) if rspo else None,  # RSPO: stop-gradient gamma
                 entropy=entropy,

@@ -60,7 +60,6 @@ def test_mis_masks_by_default_even_when_the_section_is_given():
     [
         ({"diagnostics": {"shadow_routing": True}}, "diagnostics.shadow_routing"),
         ({"diagnostics": {"shadow_precision": True}}, "diagnostics.shadow_precision"),
-        ({"algo": {"kl": {"placement": "reward"}}}, "algo.kl.placement"),
         ({"logging": {"jsonl": False}}, "logging.jsonl"),
     ],
 )

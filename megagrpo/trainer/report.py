@@ -16,8 +16,18 @@ PANELS = (
     ("clip fractions", ("loss/clip_frac_low", "loss/clip_frac_high")),
     ("mismatch KL (k3)", ("mismatch/kl_sampler_learner_k3", "mismatch/kl_learner_sampler_k3")),
     ("MoE top-k agreement", ("moe/agreement_rollout_old", "moe/agreement_old_current")),
-    ("importance cap", ("mismatch/tis_cap",)),
+    (
+        "RSPO router-shift gamma (old vs current)",
+        ("moe/router_shift_gamma_mean", "moe/router_shift_gamma_p1"),
+    ),
+    (
+        "TIS: token ratio quantiles and cap",
+        ("mismatch/token_ratio_p001", "mismatch/token_ratio_p999", "mismatch/tis_cap"),
+    ),
 )
+# Token ratios near 1 and a cap up to 10 (its value before the first measurement) share one panel: on a
+# log axis both the departures from 1 and the distance to the cap stay readable.
+LOG_Y = {"TIS: token ratio quantiles and cap"}
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -38,6 +48,7 @@ def write_report(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     run_dir = Path(run_dir)
     records = read_jsonl(run_dir / "metrics.jsonl")
@@ -53,6 +64,11 @@ def write_report(
                 ax.plot(xs, ys, marker="o", ms=3, label=k)
         ax.set_title(name)
         ax.set_xlabel("step")
+        if name in LOG_Y:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+            ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+            ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:

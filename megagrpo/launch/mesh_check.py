@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     from megagrpo.learner.mesh import MeshConfig, destroy_mesh, init_mesh
 
     apply_cpu_compat(megatron=True, sglang=False)
-    mesh_cfg = MeshConfig(tp=a.tp, ep=a.ep, pp=a.pp, sequence_parallel=a.tp > 1)  # MoE + TP needs SP
+    # Sequence parallelism wherever TP: legal for every layout and required with EP (config.mesh_rules,
+    # which MeshConfig.validate applies before any group is built).
+    mesh_cfg = MeshConfig(tp=a.tp, ep=a.ep, pp=a.pp, sequence_parallel=a.tp > 1)
     result: dict = {"launcher": env.launcher, "world": env.world_size, "tp": a.tp, "ep": a.ep, "pp": a.pp}
     if a.model:
         from megagrpo.learner.learner import Learner, LearnerConfig

@@ -267,8 +267,9 @@ def init_mesh(
         expert_model_parallel_size=mesh_cfg.ep,
         expert_tensor_parallel_size=mesh_cfg.etp,
         distributed_timeout_minutes=max(1, timeout_s // 60),
-        # Also on GPUs: the memory-efficient checkpoint gather of the DistributedOptimizer state
-        # (learner.checkpoint) runs over the gloo data-parallel groups, into host memory of DP rank 0 only.
+        # Also on GPUs: megatron-core's optimizer asks for the gloo DP groups when it is built (without them
+        # no optimizer can be made; seen on an H100), and the memory-efficient checkpoint gather of the
+        # DistributedOptimizer state runs over them into the host memory of DP rank 0 only.
         create_gloo_process_groups=True,
     )
     # Same seed on every rank: megatron's tracker derives the TP/EP-specific streams from it, and the

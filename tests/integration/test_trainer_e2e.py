@@ -122,6 +122,22 @@ def test_a_raising_reward_is_counted_and_never_stops_the_run(two_step_run):
     assert all(r["loss/tokens"] > 0 or r.get("rollout/skipped_step") == 1 for r in steps)
 
 
+def test_console_shows_the_steps_without_the_known_library_noise(two_step_run):
+    """The default console (megagrpo/console.py): step lines, and none of the known-harmless library
+    messages, neither from the CLI process nor from SGLang's spawned children."""
+    tmp, res = two_step_run
+    assert res.returncode == 0
+    out = res.stdout + res.stderr
+    assert re.search(r"^step 2 ", out, re.M), out[-3000:]
+    for noise in (
+        "Transformer Engine and Apex are not installed",  # megatron-core, warnings
+        "GPTModel IS DEPRECATED",  # megatron-core, logging
+        "Only CUDA, HIP and XPU support AWQ",  # SGLang, in the parent and in its children
+        "Triton is not supported on current platform",  # SGLang's children
+    ):
+        assert noise not in out, f"{noise!r} is on the console:\n{out[-3000:]}"
+
+
 def test_eval_of_a_checkpoint_repeats_the_runs_own_evaluation(two_step_run):
     """`megagrpo eval --resume step_2` scores the held-out set greedily with the step-2 weights: the same
     numbers the training run logged at step 2, written under run/eval/ without touching the run's log."""
@@ -159,8 +175,9 @@ def test_sft_stage_learns_and_writes_an_hf_model_the_rl_stage_can_start_from(tmp
             "data": sft_data,
         },
     )
-    res = cli("sft", str(cfg))
+    res = cli("sft", str(cfg), "--verbose")
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "Transformer Engine and Apex are not installed" in res.stderr  # --verbose hides nothing
     recs = records(tmp_path / "run" / "sft")
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert recs[-1]["sft/nll"] < recs[0]["sft/nll"]  # the same 64 problems, seen again: the NLL falls

@@ -204,6 +204,7 @@ class Learner:
         self, path: str | Path, *, consumed_samples: int = 0, extra: dict[str, Any] | None = None
     ) -> Path:
         """Save policy weights, optimizer, scheduler, RNG and `self.step` to `path` (collective)."""
+        self._require_on_device()
         return save_checkpoint(
             path,
             self.model,
@@ -218,6 +219,7 @@ class Learner:
     def load(self, path: str | Path, *, weights_only: bool = False) -> CheckpointMeta:
         """Resume from `path` (weights, optimizer, scheduler, RNG, step); `weights_only` loads just the
         weights (initial weights from a converted model), into the reference model too when present."""
+        self._require_on_device()
         meta = load_checkpoint(
             path,
             self.model,

@@ -252,7 +252,9 @@ class KlConfig(Section):
         "3). reward: subtract coef * sum_t KL_t of each response from its reward before advantages, the "
         "RLHF shaping of Ziegler et al. 2019 / InstructGPT; KL_t compares the old policy (the sampler's "
         "logprobs with algo.old_logp=rollout) with the reference, and the loss then carries no KL term "
-        "(loss/kl is still logged). Not with algo.advantages=gdpo.",
+        "(loss/kl is still logged). With a std-normalised estimator (grpo, batch_std, rank) a group of "
+        "equal raw rewards is then ordered by its KL penalties alone, at full advantage scale. Not with "
+        "algo.advantages=gdpo.",
     )
 
 

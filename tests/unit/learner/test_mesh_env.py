@@ -80,9 +80,9 @@ def test_bad_values():
 def test_data_parallel_inferred_and_impossible_meshes_named():
     assert MeshConfig(tp=2, pp=2).data_parallel_size(8) == 2
     assert MeshConfig(tp=2, ep=2, etp=2, sequence_parallel=True).data_parallel_size(4) == 2
-    with pytest.raises(MegagrpoError, match=r"tp\*cp\*pp = 2\*1\*2 = 4"):
+    with pytest.raises(MegagrpoError, match=r"tp\*pp\*cp = 2\*2\*1 = 4 does not divide the world size 6"):
         MeshConfig(tp=2, pp=2).data_parallel_size(6)
-    with pytest.raises(MegagrpoError, match=r"etp\*ep\*pp"):
+    with pytest.raises(MegagrpoError, match=r"ep\*etp\*pp = 4\*1\*1 = 4 does not divide the world size 2"):
         MeshConfig(ep=4).data_parallel_size(2)
     with pytest.raises(MegagrpoError, match="sequence_parallel"):
         MeshConfig(sequence_parallel=True).validate()

@@ -1,0 +1,578 @@
+"""The option matrix: every shipped config and every algorithm option value runs 2 real training steps.
+
+Each case goes through `megagrpo.cli.main` (argument parsing, config loading and validation, the trainer
+entry) in this process, one case after another, with a tiny model of the config's family in place of
+its model and small batch sizes. Options are combined into few runs (a covering design: each case
+carries one policy variant plus a different advantage method, TIS/MIS level/mode/cap, KL estimator,
+replay mode, ...). `test_cases_cover_every_option_value` checks, from the validated config of every case,
+that the union of cases covers every allowed value of every option in `OPTIONS`, with the allowed
+values read from the schema's Literal/bool types: a new value in the schema without a case fails it.
+
+What each run must show is derived from its own validated config (`run_problems`): two logged steps
+that trained with a finite loss, and for each active option its signature in metrics.jsonl (the TIS/MIS
+fractions of its level and mode, the adaptive cap, the KL term, replay counters, RSPO gamma, ...).
+
+Engine start-up (SGLang's scheduler processes, ~20 s idle, minutes on a loaded machine) dominates a
+2-step run, so the SGLang engines are pooled per (architecture, engine settings): a case's engine is a
+previous case's, given back the case's initial weights from its HF directory with
+`update_weights_from_disk` (what a fresh engine would load). Everything else, the learner, the
+trainer, rewards, sync, is built anew per case. A case that fails drops its engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from megagrpo.config.loader import load_config
+from megagrpo.config.schema import Config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+PARITY = {"name": "tests.integration.trainer_rewards:output_parity", "weight": 0.5}
+STEPS = 2
+
+# ------------------------------------------------------------------------------------------- the cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    config: str  # a file under configs/
+    family: str  # tiny model family standing in for the config's model
+    options: tuple[str, ...] = ()  # dotted overrides that select options (beyond the size overrides)
+
+
+# Every case samples in bf16 against the fp32 learner (`rollout.dtype: auto` on a GPU): a real mismatch,
+# so TIS/MIS masks and truncation have ratios to act on.
+CASES = (
+    # The shipped configs, options as shipped.
+    Case("config_reference", "reference.yaml", "qwen3_moe"),
+    Case("config_grpo_math_dense", "grpo_math_dense.yaml", "qwen3"),
+    Case("config_countdown_gdpo", "countdown_qwen3_moe_gdpo.yaml", "qwen3_moe"),
+    Case("config_demo", "demo_qwen3_moe.yaml", "qwen3_moe"),  # RL stage, from the SFT case's model
+    # One case per remaining policy variant, each carrying other options.
+    Case(
+        "gspo_token",
+        "reference.yaml",
+        "qwen3_moe",
+        (
+            "algo.variant=gspo_token",
+            "algo.advantages=dr_grpo",
+            "algo.agg=seq-mean-token-sum",
+            "algo.overlong_filter=true",
+            "rollout.stop=[e]",  # ~1 in 4 tokens holds an 'e': most responses stop, some are truncated
+            "algo.tis={enabled: true, level: sequence, mode: mask, cap: 3.0}",
+            "algo.mis={enabled: true, level: geometric, mode: truncate, cap: auto, auto: {quantile: 0.97}}",
+            "algo.kl={coef: 0.05, estimator: k1}",
+            "replay=R2",
+        ),
+    ),
+    Case(
+        "gmpo",
+        "reference.yaml",
+        "qwen3_moe",
+        (
+            "algo.variant=gmpo",
+            "algo.advantages=rloo",
+            "algo.agg=seq-mean-token-sum-norm",
+            "algo.dynamic_sampling=false",
+            "algo.tis={enabled: true, level: geometric, mode: truncate, cap: 1.5}",
+            "algo.mis={enabled: true, level: token, mode: icepop, cap: 1.05, cap_low: 0.95}",
+            "algo.kl={coef: 0.05, estimator: k2}",
+            "algo.router_shift=true",
+            "replay=none",
+        ),
+    ),
+    Case(
+        "cispo",
+        "reference.yaml",
+        "qwen3_moe",
+        (
+            "algo.variant=cispo",
+            "algo.advantages=batch_std",
+            "algo.tis={enabled: true, level: token, mode: icepop, cap: auto, auto: {quantile: 0.99}}",
+            "algo.mis={enabled: true, level: sequence, mode: mask, cap: 2.0}",
+            "algo.kl={coef: 0.05, estimator: k3, placement: reward}",
+            "diagnostics.mismatch=false",
+            "replay=R3",
+        ),
+    ),
+    Case(
+        "sapo",
+        "reference.yaml",
+        "qwen3_moe",
+        (
+            "algo.variant=sapo",
+            "algo.advantages=rank",
+            "algo.agg=seq-mean-token-mean",
+            "algo.tis={enabled: true, level: sequence, mode: truncate, cap: 2.0}",
+            "algo.mis={enabled: true, level: token, mode: mask, cap: auto}",
+            "algo.kl={coef: 0.05, estimator: low_var_kl, placement: reward}",
+            "algo.soft_overlong={enabled: true, cache_len: 4}",
+            "replay=R2",
+        ),
+    ),
+    Case(
+        "reinforce",
+        "reference.yaml",
+        "qwen3_moe",
+        (
+            "algo.variant=reinforce",
+            "algo.old_logp=rollout",
+            "diagnostics.mismatch=false",
+            "algo.dynamic_sampling=false",
+            "algo.kl={coef: 0.05, estimator: k3, placement: reward}",
+            "replay=R3",
+        ),
+    ),
+)
+SFT_CONFIG = "demo_qwen3_moe.yaml"
+
+# (option path -> how its values are read). The allowed values come from the schema (`allowed_values`);
+# a value counts for a case only where the option is active (`ACTIVE_WHEN`).
+OPTIONS = (
+    "algo.variant",
+    "algo.advantages",
+    "algo.agg",
+    "algo.kl.estimator",
+    "algo.kl.placement",
+    "algo.tis.level",
+    "algo.tis.mode",
+    "algo.tis.cap",
+    "algo.tis.auto.quantile",
+    "algo.mis.level",
+    "algo.mis.mode",
+    "algo.mis.cap",
+    "algo.mis.auto.quantile",
+    "algo.old_logp",
+    "replay",
+    "algo.router_shift",
+    "algo.dynamic_sampling",
+    "algo.overlong_filter",
+    "algo.soft_overlong.enabled",
+    "algo.tis.enabled",
+    "algo.mis.enabled",
+    "diagnostics.mismatch",
+)
+ACTIVE_WHEN = {
+    "algo.kl.": lambda c: c.algo.kl.coef > 0,
+    "algo.tis.auto.": lambda c: c.algo.tis.enabled and c.algo.tis.cap == "auto",
+    "algo.mis.auto.": lambda c: c.algo.mis.enabled and c.algo.mis.cap == "auto",
+    "algo.tis.": lambda c: c.algo.tis.enabled,
+    "algo.mis.": lambda c: c.algo.mis.enabled,
+}
+# Literal/bool options under these sections that are deliberately not in OPTIONS, with the reason.
+NOT_COVERED: dict[str, str] = {}
+
+
+def _field(path: str):
+    """The pydantic FieldInfo of a dotted schema path."""
+    model: type[BaseModel] = Config
+    *parents, leaf = path.split(".")
+    for p in parents:
+        model = _section(model.model_fields[p].annotation)
+    return model.model_fields[leaf]
+
+
+def _section(ann) -> type[BaseModel]:
+    for a in _members(ann):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    raise TypeError(f"{ann} is not a section")
+
+
+def _members(ann) -> list:
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return [m for a in typing.get_args(ann) for m in _members(a)]
+    return [ann]
+
+
+def allowed_values(path: str) -> set:
+    """The values a case can give `path`, from the schema: Literal members, both booleans, 'fixed' for a
+    number beside a Literal ('auto' caps), 'default'/'other' for the auto-cap quantile."""
+    if path.endswith(".auto.quantile"):
+        return {"default", "other"}
+    out: set = set()
+    for m in _members(_field(path).annotation):
+        if typing.get_origin(m) is typing.Literal:
+            out.update(typing.get_args(m))
+        elif m is bool:
+            out.update({False, True})
+        elif m in (int, float):
+            out.add("fixed")
+        elif m is type(None):
+            continue
+        else:
+            raise TypeError(f"{path}: no value classes for {m}")
+    return out
+
+
+def value_class(cfg: Config, path: str):
+    """The class of `path`'s value in `cfg` (see `allowed_values`); None where the option is inactive."""
+    for prefix, active in ACTIVE_WHEN.items():
+        if path.startswith(prefix) and not path.endswith(".enabled") and not active(cfg):
+            return None
+    node = cfg
+    for p in path.split("."):
+        node = getattr(node, p)
+    if path.endswith(".auto.quantile"):
+        return "default" if node == _field(path).default else "other"
+    if isinstance(node, float | int) and not isinstance(node, bool):
+        return "fixed"
+    return node
+
+
+def literal_options(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every Literal- or bool-typed field under algo, replay and diagnostics (what OPTIONS must list)."""
+    out = []
+    for name, info in model.model_fields.items():
+        path = prefix + name
+        if not prefix and name not in ("algo", "replay", "diagnostics"):
+            continue
+        members = _members(info.annotation)
+        sections = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+        if sections:
+            out += literal_options(sections[0], path + ".")
+        elif any(typing.get_origin(m) is typing.Literal or m is bool for m in members):
+            out.append(path)
+    return out
+
+
+# ------------------------------------------------------------------------------------ running a case
+
+
+def size_overrides(tmp: Path, model: Path) -> list[str]:
+    """A tiny model, a tiny batch, 2 steps, single process, outputs under `tmp`."""
+    return [
+        f"model.hf_path={model}",
+        "mesh={tp: 1, pp: 1, ep: 1, etp: 1, cp: 1, sequence_parallel: false}",
+        "rollout.engine_tp=1",
+        "rollout.dtype=bfloat16",
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=8",
+        "rollout.max_total_tokens=4096",
+        "algo.soft_overlong.cache_len=4",  # the ramp scaled with max_new_tokens (inert when disabled)
+        f"schedule.steps={STEPS}",
+        "schedule.micro_batch_size=8",
+        "schedule.eval_every=0",
+        "schedule.save_every=0",
+        f"checkpoint.dir={tmp / 'ckpt'}",
+        f"logging.out_dir={tmp / 'run'}",
+        "logging.tensorboard=false",
+        "logging.console=false",
+    ]
+
+
+def data_overrides(shipped: dict, tmp: Path) -> list[str]:
+    data = shipped.get("data", {})
+    if data.get("train_path"):  # a prompt file: a small math set in its place
+        rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(8) for b in range(4)]
+        path = tmp / "math.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return [f"data.train_path={path}", f"data.eval_path={path}"]
+    return ["data.synthetic.num_train=64", "data.synthetic.num_eval=4"]
+
+
+def reward_override(shipped: dict) -> str:
+    """The config's own rewards plus one that varies across a random model's samples, so that groups
+    survive dynamic sampling and every step trains (a tiny random model never solves the task)."""
+    fns = shipped.get("rewards", {}).get("functions") or [{"name": "math"}]
+    return "rewards.functions=" + json.dumps([*fns, PARITY])
+
+
+def case_overrides(case: Case, tmp: Path, model: Path) -> list[str]:
+    shipped = yaml.safe_load((CONFIGS / case.config).read_text()) or {}
+    return [
+        *size_overrides(tmp, model),
+        *data_overrides(shipped, tmp),
+        reward_override(shipped),
+        *case.options,
+    ]
+
+
+def records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def run_problems(cfg: Config, recs: list[dict]) -> list[str]:
+    """What the run's metrics fail to show of its config: every step trained with a finite loss, and each
+    active option's signature. Empty when the run did what its config asks."""
+    a = cfg.algo
+    bad: list[str] = []
+    steps = [r["step"] for r in recs]
+    if steps != list(range(1, STEPS + 1)):
+        return [f"logged steps {steps}, expected 1..{STEPS}"]
+
+    def need(cond: bool, what: str, step: int) -> None:
+        if not cond:
+            bad.append(f"step {step}: {what}")
+
+    for r in recs:
+        s = r["step"]
+        get = r.get
+        need(get("rollout/skipped_step") == 0, "no update (rollout/skipped_step != 0)", s)
+        for k in ("loss/total", "loss/policy", "loss/grad_norm", "adv/mean", "adv/std", "reward/mean"):
+            need(_finite(get(k)), f"{k}={get(k)} is not finite", s)
+        need(get("loss/update_skipped", 0) == 0, "the optimizer skipped the update", s)
+        # Every response token is a loss token, except those of truncated responses under the overlong
+        # filter (a truncated response has exactly max_new_tokens); mini-batches split them.
+        n, trunc = get("rollout/completions", 0), get("rollout/truncated_frac", 0)
+        expect = round(n * get("rollout/response_len_mean", 0))
+        if a.overlong_filter:
+            expect -= round(trunc * n) * cfg.rollout.max_new_tokens
+            need(0 < trunc < 1, f"overlong filter: truncated_frac={trunc}, nothing to tell apart", s)
+        expect /= a.ppo_mini_batches  # loss/ metrics are means over the step's optimizer steps
+        need(
+            expect > 0 and get("loss/tokens") == expect, f"loss/tokens={get('loss/tokens')}, not {expect}", s
+        )
+        # Group-centred estimators. With KL in the reward, a group of equal rewards differs only by its
+        # tiny KL penalties, and float32 centring then leaves a visible mean: checked where it cannot.
+        centred = a.advantages in ("grpo", "dr_grpo", "rloo", "batch_std")
+        if centred and not (a.kl.coef > 0 and a.kl.placement == "reward"):
+            need(abs(get("adv/mean", 1)) < 1e-4, f"{a.advantages}: adv/mean={get('adv/mean')} is not 0", s)
+        # Dynamic sampling: off means one round and nothing dropped.
+        rounds, dropped = get("rollout/dynamic_rounds"), get("rollout/dynamic_dropped_frac")
+        if a.dynamic_sampling:
+            need(_finite(rounds) and rounds >= 1 and _finite(dropped), "dynamic sampling counters", s)
+        else:
+            need(rounds == 1 and dropped == 0, f"dynamic sampling off: rounds={rounds} dropped={dropped}", s)
+        # Old-policy log-probs: a recompute repeats the first training forward (ratio 1 when the step
+        # makes one update); the sampler's carry the bf16-vs-fp32 mismatch.
+        lo, hi = get("loss/ratio_min"), get("loss/ratio_max")
+        if a.old_logp == "recompute" and a.ppo_mini_batches == a.ppo_epochs == 1:
+            need(abs(lo - 1) < 1e-4 and abs(hi - 1) < 1e-4, f"recompute: ratio in [{lo}, {hi}], not 1", s)
+        else:
+            need(lo != 1 or hi != 1, "old_logp=rollout: every ratio is exactly 1", s)
+        need(
+            ("mismatch/kl_sampler_learner_k3" in r) == cfg.diagnostics.mismatch,
+            f"diagnostics.mismatch={cfg.diagnostics.mismatch} but mismatch/kl_sampler_learner_k3 "
+            f"{'absent' if cfg.diagnostics.mismatch else 'logged'}",
+            s,
+        )
+        for name, spec in (("tis", a.tis), ("mis", a.mis)):
+            bad += [f"step {s}: {p}" for p in _correction_problems(name, spec, r)]
+        if a.kl.coef > 0:
+            kl = get("loss/kl")
+            need(_finite(kl), f"kl: loss/kl={kl}", s)
+            if s == STEPS:  # the policy moved away from the reference in step 1
+                need(kl != 0 and (a.kl.estimator == "k1" or kl > 0), f"{a.kl.estimator}: loss/kl={kl}", s)
+        else:
+            need("loss/kl" not in r, "loss/kl logged without a KL term", s)
+        shaped = a.kl.coef > 0 and a.kl.placement == "reward"
+        pen = get("reward/kl_penalty_mean")
+        need(_finite(pen) if shaped else pen is None, f"kl placement: reward/kl_penalty_mean={pen}", s)
+        if shaped and s == STEPS:
+            need(pen != 0 and (a.kl.estimator == "k1" or pen > 0), f"kl in reward: penalty {pen}", s)
+        if cfg.replay in ("R2", "R3"):
+            for k in ("moe/replay_unconsumed", "moe/replay_reused", "moe/replay_fallback_tokens"):
+                need(get(k) == 0, f"replay {cfg.replay}: {k}={get(k)}", s)
+        else:
+            need("moe/replay_unconsumed" not in r, "replay counters without replay", s)
+        if cfg.replay == "R3" and a.old_logp == "recompute":  # the agreement is measured in the old pass
+            agr = get("moe/agreement_rollout_old")
+            need(_finite(agr) and agr > 0.9, f"R3: moe/agreement_rollout_old={agr}", s)
+        if a.router_shift:
+            g = get("moe/router_shift_gamma_mean")
+            need(_finite(g) and 0 < g <= 1, f"router_shift: moe/router_shift_gamma_mean={g}", s)
+    return bad
+
+
+def _correction_problems(name: str, spec, r: dict) -> list[str]:
+    """TIS/MIS signature: fractions that match the level and mode, and the cap rule."""
+    p = f"mismatch/{'is' if name == 'tis' else 'mis'}_"
+    cap_key = f"mismatch/{name}_cap"
+    if not spec.enabled:
+        return [f"{name} off but {p}weight_mean logged"] if f"{p}weight_mean" in r else []
+    bad = []
+    keys = ("weight_mean", "frac_zero_weight", "frac_token_above_cap", "frac_token_below_floor")
+    keys += ("frac_seq_above_cap", "frac_seq_veto")
+    missing = [p + k for k in keys if not _finite(r.get(p + k))]
+    if missing:
+        return [f"{name}: missing or non-finite {missing}"]
+    if spec.level == "token" and (r[p + "frac_seq_above_cap"] or r[p + "frac_seq_veto"]):
+        bad.append(f"{name} level token: sequence fractions {r[p + 'frac_seq_above_cap']}")
+    if spec.level != "token" and (r[p + "frac_token_above_cap"] or r[p + "frac_token_below_floor"]):
+        bad.append(f"{name} level {spec.level}: token fractions {r[p + 'frac_token_above_cap']}")
+    if spec.mode == "truncate" and spec.veto_low is None and r[p + "frac_zero_weight"] != 0:
+        bad.append(f"{name} truncate: {r[p + 'frac_zero_weight']} of the tokens got weight 0")
+    zero = r[p + "frac_zero_weight"]
+    if spec.mode != "truncate" and spec.level == "token":  # the out-of-range tokens are masked
+        out_of_range = r[p + "frac_token_above_cap"] + r[p + "frac_token_below_floor"]
+        if zero < out_of_range - 1e-12:
+            bad.append(f"{name} {spec.mode}: {zero} zero-weight tokens < {out_of_range} out of range")
+    if spec.mode == "mask" and spec.level != "token" and (zero > 0) != (r[p + "frac_seq_veto"] > 0):
+        bad.append(f"{name} mask {spec.level}: zero-weight tokens {zero} without a vetoed sequence or back")
+    if spec.cap == "auto":
+        low, high = spec.auto.clamp
+        if not (_finite(r.get(cap_key)) and low <= r[cap_key] <= high):
+            bad.append(f"{name} cap auto: {cap_key}={r.get(cap_key)} not in [{low}, {high}]")
+    elif cap_key in r:
+        bad.append(f"{name} cap {spec.cap}: {cap_key} logged")
+    return bad
+
+
+# ---------------------------------------------------------------------------------------- engine pool
+
+
+class EnginePool:
+    """SGLang engines shared by the cases of this module, keyed by architecture and engine settings.
+
+    Stands in for `megagrpo.rollout.engine.RolloutEngine` while the cases run: the trainer's
+    `RolloutEngine(cfg).start()` gets a started engine, whose weights are reloaded from the case's model
+    directory when it served an earlier case, and its `shutdown()` leaves the engine running for the
+    next case. `close()` shuts every engine down for real."""
+
+    def __init__(self) -> None:
+        from megagrpo.rollout.engine import RolloutEngine
+
+        self.cls = RolloutEngine
+        self.engines: dict[tuple, RolloutEngine] = {}
+        self.starts = 0
+
+    @staticmethod
+    def key(cfg) -> tuple:
+        hf = json.loads((Path(cfg.model_path) / "config.json").read_text())
+        arch = tuple(hf.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"))
+        settings = dataclasses.asdict(dataclasses.replace(cfg, model_path=""))
+        return (arch, json.dumps(settings, sort_keys=True, default=str))
+
+    def __call__(self, cfg):
+        key = self.key(cfg)
+        eng = self.engines.get(key)
+        if eng is None:
+            eng = self.cls(cfg)  # started by the trainer's own start() call
+            eng.shutdown = lambda: None
+            self.engines[key] = eng
+            self.starts += 1
+            return eng
+        eng.resume()
+        ok, message, *_ = eng.engine.update_weights_from_disk(cfg.model_path)
+        if not ok:
+            raise RuntimeError(f"update_weights_from_disk({cfg.model_path}) failed: {message}")
+        return eng
+
+    def drop_all(self) -> None:
+        for eng in self.engines.values():
+            self.cls.shutdown(eng)
+        self.engines.clear()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    import megagrpo.rollout.engine as engine_module
+    from megagrpo.compat import apply_cpu_compat
+
+    apply_cpu_compat(megatron=True, sglang=True)
+    p = EnginePool()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_module, "RolloutEngine", p)
+        yield p
+    p.drop_all()
+
+
+def run_cli(pool: EnginePool, *argv: str) -> int:
+    from megagrpo.cli import main
+
+    try:
+        rc = main(list(argv))
+    except BaseException:
+        pool.drop_all()  # an engine left mid-step by a crash must not serve the next case
+        raise
+    if rc != 0:
+        pool.drop_all()
+    return rc
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model):
+    return {"qwen3_moe": tiny_model("qwen3_moe"), "qwen3": tiny_model("qwen3")}
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, models, pool):
+    """`megagrpo sft` on the demo config (its cold-start stage), from the tiny MoE model."""
+    tmp = tmp_path_factory.mktemp("sft")
+    out = tmp / "sft_model"
+    argv = [
+        "sft",
+        str(CONFIGS / SFT_CONFIG),
+        f"model.hf_path={out}",
+        f"sft.base_path={models['qwen3_moe']}",
+        f"sft.output_dir={out}",
+        f"sft.steps={STEPS}",
+        "sft.batch_size=16",
+        "sft.data.synthetic.num_train=64",
+        "sft.data.synthetic.num_eval=4",
+        f"checkpoint.dir={tmp / 'ckpt'}",
+        f"logging.out_dir={tmp / 'run'}",
+        "logging.tensorboard=false",
+        "logging.console=false",
+    ]
+    return tmp, out, run_cli(pool, *argv)
+
+
+# ------------------------------------------------------------------------------------------ the tests
+
+
+def case_config(case: Case, tmp: Path = Path("/nonexistent"), model: Path = Path("/nonexistent")) -> Config:
+    return load_config(CONFIGS / case.config, case_overrides(case, tmp, model), check_paths=False)
+
+
+def test_cases_cover_every_option_value(tmp_path):
+    """The union of the cases' validated configs takes every allowed value of every listed option, and
+    every Literal/bool option under algo, replay and diagnostics is listed (or excused)."""
+    unlisted = sorted(set(literal_options()) - set(OPTIONS) - set(NOT_COVERED))
+    assert not unlisted, f"options with no row in OPTIONS: {unlisted}"
+    stale = sorted(p for p in NOT_COVERED if p in OPTIONS or p not in literal_options())
+    cfgs = {c.name: case_config(c, tmp_path) for c in CASES}
+    taken: dict[str, set] = {p: set() for p in OPTIONS}
+    for cfg in cfgs.values():
+        for p in OPTIONS:
+            v = value_class(cfg, p)
+            if v is not None:
+                taken[p].add(v)
+    missing = {p: sorted(map(str, allowed_values(p) - taken[p])) for p in OPTIONS}
+    missing = {p: v for p, v in missing.items() if v}
+    assert not missing, f"option values no case runs: {missing}"
+    assert not stale, f"NOT_COVERED rows that are no longer uncovered options: {stale}"
+
+
+def test_sft_stage_of_the_demo_config(sft_run):
+    tmp, out, rc = sft_run
+    assert rc == 0
+    recs = records(tmp / "run" / "sft")
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert all(_finite(r["sft/nll"]) and r["sft/tokens"] > 0 for r in recs)
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sft_run):
+    model = models[case.family]
+    if case.config == SFT_CONFIG:  # the demo's RL stage starts from its SFT stage's model
+        _, sft_out, sft_rc = sft_run
+        assert sft_rc == 0, "the SFT stage this case starts from failed"
+        model = sft_out
+    overrides = case_overrides(case, tmp_path, model)
+    cfg = load_config(CONFIGS / case.config, overrides)
+    rc = run_cli(pool, "train", str(CONFIGS / case.config), *overrides)
+    assert rc == 0
+    problems = run_problems(cfg, records(tmp_path / "run"))
+    assert not problems, "\n".join(problems)
+    # schedule.save_every=0 means "end only": the finished run is checkpointed.
+    assert (tmp_path / "ckpt" / f"step_{STEPS:08d}" / "meta.json").is_file()

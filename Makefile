@@ -42,7 +42,10 @@ setup: $(VENV)/.installed
 	  $(VENV)/bin/python -m uv pip install -q --python $(VENV)/bin/python --no-deps --no-build-isolation -e . \
 	  && echo "$(CURDIR)" > $(VENV)/.linked-from; }
 
-$(VENV)/.installed: $(LOCK)
+# Order-only: the venv's path already carries the lock's hash, so a changed lock means another venv. A
+# time-based rule would rebuild (and delete) the shared venv on every fresh clone, whose lock file is
+# always newer than the stamp.
+$(VENV)/.installed: | $(LOCK)
 	@if [ -z "$(PYTHON312)" ]; then \
 	  echo "error: Python 3.12 not found. Install it (e.g. 'pyenv install 3.12.1') or put python3.12 on PATH." >&2; exit 1; fi
 	@echo "==> creating $(VENV) with $(PYTHON312)"

@@ -11,6 +11,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.gpu._common import grpo_loss
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -22,8 +24,6 @@ pytestmark = [
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_fp8_forward_and_step_on_odd_token_counts(one_rank, hf_moe, packed):
-    from megagrpo.algo.aggregation import loss_normaliser
-    from megagrpo.algo.losses import policy_loss
     from megagrpo.bridge.hf_config import arch_from_hf
     from megagrpo.learner import forward
     from megagrpo.learner.learner import Learner, LearnerConfig
@@ -57,15 +57,7 @@ def test_fp8_forward_and_step_on_odd_token_counts(one_rank, hf_moe, packed):
         out = learner.forward(batch)
         assert torch.isfinite(out["logprobs"]).all() and (out["logprobs"][mask] < 0).all()
         batch["old_logp"] = out["logprobs"]
-        norm = loss_normaliser(mask, "token-mean")
-
-        def loss_fn(logp, entropy, mb):
-            return policy_loss(
-                logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], variant="grpo", clip_low=0.2,
-                clip_high=0.28, agg="token-mean", normaliser=norm,
-            )  # fmt: skip
-
-        metrics = learner.train_step(batch, loss_fn)
+        metrics = learner.train_step(batch, grpo_loss(batch))
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     finally:
         learner.close()

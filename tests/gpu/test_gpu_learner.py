@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from tests.gpu._common import grpo_loss
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -95,21 +97,6 @@ def test_logprobs_match_the_fp32_cpu_reference(one_rank, hf_moe):
     assert errs[torch.bfloat16][1] < 0.1, errs
 
 
-def _grpo_loss(batch):
-    from megagrpo.algo.aggregation import loss_normaliser
-    from megagrpo.algo.losses import policy_loss
-
-    norm = loss_normaliser(batch["loss_mask"], "token-mean")
-
-    def loss_fn(logp, entropy, mb):
-        return policy_loss(
-            logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], variant="grpo", clip_low=0.2,
-            clip_high=0.28, agg="token-mean", normaliser=norm,
-        )  # fmt: skip
-
-    return loss_fn
-
-
 def test_grpo_train_steps_move_the_policy_along_the_advantages(one_rank, hf_moe):
     batch = _batch(1024, seed=1)
     learner = _learner(hf_moe, one_rank, torch.bfloat16, optimizer=True, lr=2e-3)
@@ -117,7 +104,7 @@ def test_grpo_train_steps_move_the_policy_along_the_advantages(one_rank, hf_moe)
         old = learner.forward(batch)["logprobs"]
         batch["old_logp"] = old.cpu()
         before = {n: p.detach().float().clone() for n, p in learner.chunks[0].named_parameters()}
-        metrics = [learner.train_step(batch, _grpo_loss(batch)) for _ in range(3)]
+        metrics = [learner.train_step(batch, grpo_loss(batch)) for _ in range(3)]
         new = learner.forward(batch)["logprobs"].cpu()
         moved = max(
             float((p.detach().float() - before[n]).abs().max())
@@ -142,7 +129,7 @@ def test_checkpoint_save_load_resumes_the_same_step(one_rank, hf_moe, tmp_path):
     learner = _learner(hf_moe, one_rank, torch.bfloat16, optimizer=True)
     try:
         batch["old_logp"] = learner.forward(batch)["logprobs"].cpu()
-        loss_fn = _grpo_loss(batch)
+        loss_fn = grpo_loss(batch)
         learner.train_step(batch, loss_fn)
         learner.save(tmp_path / "ckpt")
         m2 = learner.train_step(batch, loss_fn)

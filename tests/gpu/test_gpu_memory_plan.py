@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu._common import grpo_loss
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -57,8 +59,6 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
 
 
 def test_plan_matches_the_allocator(one_rank):
-    from megagrpo.algo.aggregation import loss_normaliser
-    from megagrpo.algo.losses import policy_loss
     from megagrpo.learner.learner import Learner, LearnerConfig
     from megagrpo.learner.optimizer import OptimizerConfig
     from megagrpo.plan.memory import activation_bytes, learner_state_bytes, logits_bytes
@@ -71,13 +71,7 @@ def test_plan_matches_the_allocator(one_rank):
     try:
         batch = _batch(arch.vocab_size)
         batch["old_logp"] = learner.forward(batch, with_entropy=False)["logprobs"].cpu()
-        norm = loss_normaliser(batch["loss_mask"], "token-mean")
-
-        def loss_fn(logp, entropy, mb):
-            return policy_loss(
-                logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], variant="grpo", clip_low=0.2,
-                clip_high=0.28, agg="token-mean", normaliser=norm,
-            )  # fmt: skip
+        loss_fn = grpo_loss(batch)
 
         learner.train_step(batch, loss_fn)  # Adam's state exists from here on
         torch.cuda.synchronize()

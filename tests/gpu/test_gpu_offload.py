@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu._common import grpo_loss
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -31,21 +33,6 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
         "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
         "old_logp": torch.full((B, T), -7.0),
     }
-
-
-def _loss_fn(batch):
-    from megagrpo.algo.aggregation import loss_normaliser
-    from megagrpo.algo.losses import policy_loss
-
-    norm = loss_normaliser(batch["loss_mask"], "token-mean")
-
-    def loss_fn(logp, entropy, mb):
-        return policy_loss(
-            logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], variant="grpo", clip_low=0.2,
-            clip_high=0.28, agg="token-mean", normaliser=norm,
-        )  # fmt: skip
-
-    return loss_fn
 
 
 def _learner(hf_dir, env, *, distributed_optimizer: bool):
@@ -91,7 +78,7 @@ def test_offload_frees_the_learner_and_reload_restores_every_byte(one_rank, hf_m
     learner = _learner(hf_moe, one_rank, distributed_optimizer=distributed_optimizer)
     try:
         batch = _batch(1024)
-        learner.train_step(batch, _loss_fn(batch))  # Adam state exists and the grad buffers hold grads
+        learner.train_step(batch, grpo_loss(batch))  # Adam state exists and the grad buffers hold grads
         before = _snapshot(learner)
         logp = learner.forward(batch)["logprobs"]
         owned = _owned_cuda_bytes(learner)
@@ -118,10 +105,10 @@ def test_offload_frees_the_learner_and_reload_restores_every_byte(one_rank, hf_m
         assert not changed, changed[:5]
         assert torch.equal(learner.forward(batch)["logprobs"], logp)
         # Training goes on from the restored state, through a second offload cycle too.
-        learner.train_step(batch, _loss_fn(batch))
+        learner.train_step(batch, grpo_loss(batch))
         learner.offload()
         learner.reload()
-        learner.train_step(batch, _loss_fn(batch))
+        learner.train_step(batch, grpo_loss(batch))
     finally:
         learner.close()
 
@@ -142,7 +129,7 @@ def test_optimizer_state_exists_before_the_first_step(one_rank, hf_moe):
         ]
         assert state and all(torch.count_nonzero(v) == 0 for v in state)
         batch = _batch(1024)
-        learner.train_step(batch, _loss_fn(batch))
+        learner.train_step(batch, grpo_loss(batch))
         assert _owned_cuda_bytes(learner) == owned
     finally:
         learner.close()

@@ -54,6 +54,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from megagrpo.config.mesh_rules import mesh_sizes
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 
@@ -107,13 +108,8 @@ class PlanMesh:
         )
 
     def check(self) -> None:
-        dense, expert = self.tp * self.cp * self.pp, self.ep * self.etp * self.pp
-        for what, size in (("tp*cp*pp", dense), ("ep*etp*pp", expert)):
-            if self.world_size % size:
-                raise MegagrpoError(
-                    f"mesh: {what} = {size} does not divide the {self.world_size} GPUs; change the mesh "
-                    "or --nodes/--gpus-per-node"
-                )
+        """The one divisibility rule (`config.mesh_rules.mesh_sizes`), on the planned number of GPUs."""
+        mesh_sizes(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp)
 
     @property
     def dp(self) -> int:

@@ -69,7 +69,8 @@ demo-clean:
 # daemons in-process, and a fresh process per file keeps one file's process state out of the next.
 test: setup
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest tests/unit tests/dist -m "not gpu" $(PYTEST_ARGS)
+	@# tests/gpu is collected too: without CUDA every test there is listed as skipped, with its reason.
+	$(PY) -m pytest tests/unit tests/dist tests/gpu $(PYTEST_ARGS)
 	@set -e; for f in tests/integration/test_*.py; do \
 	  echo "== $$f"; $(PY) -m pytest "$$f" -m "not gpu" $(PYTEST_ARGS); done
 

@@ -21,9 +21,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def mesh_config(cfg: Config) -> MeshConfig:
+    """The learner's mesh as the config gives it: `config.mesh_rules` already rejected an impossible one."""
     m = cfg.mesh
-    sp = m.sequence_parallel or (m.tp > 1 and m.ep > 1)
-    return MeshConfig(tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, cp=m.cp, sequence_parallel=sp)
+    return MeshConfig(tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, cp=m.cp, sequence_parallel=m.sequence_parallel)
 
 
 def learner_config(

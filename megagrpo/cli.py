@@ -61,7 +61,9 @@ def _check_world(cfg, stage: str, nproc: int | None) -> None:
 
     world = nproc or world_size_from_environ()
     if world is not None:  # None: the mpi4py bootstrap; init_mesh checks once MPI is up
-        check_mesh(cfg, world, stage)
+        import torch
+
+        check_mesh(cfg, world, stage, on_gpu=torch.cuda.is_available())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,8 +9,11 @@ Contract with the caller (the learner / sync), which owns megatron's `parallel_s
 - EVERY rank of the model-parallel replica (all TP x EP x PP ranks that hold one copy of the weights) calls
   `iter_hf_buckets` with the same arguments and iterates it to exhaustion, because the gathers are
   collectives. Ranks that are not the exporter get no buckets.
-- The exporter is the rank with rank 0 in its TP, ETP, EP and PP groups. DP replicas beyond EP each have
-  their own exporter and export independently.
+- By default the exporter is the rank with rank 0 in its TP, ETP, EP and PP groups. DP replicas beyond EP
+  each have their own exporter and export independently. `receive=True` makes any rank an exporter (an
+  engine owner, `rollout.groups`): after the TP/ETP/EP gathers every rank of the owning stage holds the
+  full tensor, and the owning stage sends it to each stage of its pipeline group that receives, so an
+  owner gets its engine's weights from its own replica, never through one global rank.
 - `params` are the rank's own `(name, tensor)` pairs as megatron names them inside its model chunk
   (`model.named_parameters()` or a state dict): layers numbered locally from `layer_offset`, experts by
   local index. SequentialMLP or TE-grouped expert names and local or TE norm names are all accepted.
@@ -127,10 +130,12 @@ def iter_hf_buckets(
     bucket_bytes: int,
     groups: ExportGroups | None = None,
     dtype: torch.dtype | None = None,
+    receive: bool | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of `(hf_name, tensor)` of at most `bucket_bytes` each (a larger single tensor comes alone).
 
     params: this rank's megatron `(name, tensor)` pairs (see the module contract). dtype: cast on export.
+    receive: whether this rank yields the buckets; None = the default exporter (see the module contract).
     Tensors yielded are CPU/device tensors detached from the model; they may alias the model's storage
     when no gather or transform was needed, so consume a bucket before the next optimizer step.
     """
@@ -140,6 +145,8 @@ def iter_hf_buckets(
     local = dict(params.items() if isinstance(params, Mapping) else params)
     local = {n: t.detach() for n, t in local.items() if not _SKIP.search(n)}
     place = _detect_placement(local, groups)
+    # PP receive buffers live where the parameters do: an NCCL group cannot receive into host memory.
+    device = next(iter(local.values())).device if local else torch.device("cpu")
     maps = param_maps(arch)
     tp, etp, ep, pp = groups.tp, groups.etp, groups.ep, groups.pp
     pp_rank, pp_size = _rank(pp), _size(pp)
@@ -161,7 +168,10 @@ def iter_hf_buckets(
 
     # Which pipeline stage owns each entry, and the dtype / padded vocab, agreed by every stage.
     my_layers = sorted({pm.layer for pm in maps if pm.mcore in held and pm.layer is not None})
+    if receive is None:
+        receive = _rank(tp) == 0 and _rank(etp) == 0 and _rank(ep) == 0 and pp_rank == 0
     info = {
+        "receive": bool(receive),
         "layers": my_layers,
         "first": "embedding.word_embeddings.weight" in held,
         "last": "decoder.final_layernorm.weight" in held,
@@ -181,8 +191,7 @@ def iter_hf_buckets(
     if missing:
         raise MegagrpoError(f"no pipeline stage holds {missing[0]!r}; check layer_offset and the model")
 
-    exporter = _rank(tp) == 0 and _rank(etp) == 0 and _rank(ep) == 0 and pp_rank == 0
-    in_exporter_pp_group = _rank(tp) == 0 and _rank(etp) == 0 and _rank(ep) == 0
+    receivers = [s for s, inf in enumerate(infos) if inf["receive"]]
     out_dtype = dtype
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
@@ -207,20 +216,22 @@ def iter_hf_buckets(
                 if pm0.mcore not in held:
                     raise MegagrpoError(f"pipeline stage {owner} should hold {pm0.mcore!r} but does not")
                 fulls = [tp_unshard(pm0, _all_gather(local[held[pm0.mcore]], tp))]
-        if owner != 0 and in_exporter_pp_group:
+        for dst in receivers:
+            if dst == owner:
+                continue
             if pp_rank == owner:
                 for t in fulls:
-                    dist.send(t.contiguous(), dist.get_global_rank(pp, 0), group=pp)
-            elif pp_rank == 0:
+                    dist.send(t.contiguous(), dist.get_global_rank(pp, dst), group=pp)
+            elif pp_rank == dst:
                 fulls = []
                 # the sender holds one expert of an expert unit (its EP rank's); all share one dtype
                 dtypes = infos[owner]["dtypes"]
                 unit_dtype = next(dtypes[pm.mcore] for pm in unit if pm.mcore in dtypes)
                 for pm in unit:
-                    t = torch.empty(_full_shape(pm, arch, padded_vocab), dtype=unit_dtype)
+                    t = torch.empty(_full_shape(pm, arch, padded_vocab), dtype=unit_dtype, device=device)
                     dist.recv(t, dist.get_global_rank(pp, owner), group=pp)
                     fulls.append(t)
-        if not exporter:
+        if not receive:
             continue
         for pm, full in zip(unit, fulls, strict=True):
             for name, t in zip(pm.hf, to_hf(pm, full, arch), strict=True):

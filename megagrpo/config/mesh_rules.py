@@ -91,3 +91,29 @@ def mesh_sizes(world_size: int, *, tp: int, pp: int, ep: int, etp: int, cp: int)
             "choose expert sizes whose product divides it, or change the number of processes"
         )
     return WorldSplit(dp=world_size // dense, expert_dp=world_size // expert)
+
+
+def engine_count(world_size: int, engine_tp: int, num_engines: int | None, *, on_gpu: bool) -> int:
+    """How many samplers a run starts: world / engine_tp on GPUs (one per colocation group of engine_tp
+    ranks), `rollout.num_engines` (default 1) on the CPU. MegagrpoError naming the field otherwise."""
+    if world_size % engine_tp:
+        raise MegagrpoError(
+            f"rollout.engine_tp: {engine_tp} does not divide the world size {world_size}; "
+            "each colocated engine needs engine_tp whole ranks"
+        )
+    if on_gpu:
+        n = world_size // engine_tp
+        if num_engines is not None and num_engines != n:
+            raise MegagrpoError(
+                f"rollout.num_engines: {num_engines} on GPUs, where colocated engines are one per "
+                f"engine_tp={engine_tp} GPUs, i.e. {n} on {world_size} GPUs; set it to null (or {n}), or "
+                "change rollout.engine_tp"
+            )
+        return n
+    n = 1 if num_engines is None else num_engines
+    if n > world_size:
+        raise MegagrpoError(
+            f"rollout.num_engines: {n} CPU engines on {world_size} ranks; each engine is owned by one rank, "
+            f"so use at most {world_size}"
+        )
+    return n

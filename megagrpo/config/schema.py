@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from megagrpo.config.mesh_rules import layout_problems, mesh_sizes
+from megagrpo.config.mesh_rules import engine_count, layout_problems, mesh_sizes
 from megagrpo.errors import MegagrpoError
 
 Variant = Literal["grpo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "reinforce"]
@@ -143,8 +143,17 @@ class RolloutConfig(Section):
     engine_tp: int = Field(
         default=1,
         ge=1,
-        description="Tensor-parallel size of each colocated SGLang engine; world_size / engine_tp engines "
-        "run. Independent of the learner mesh: inference usually wants less sharding.",
+        description="Tensor-parallel size of each colocated SGLang engine. On GPUs world_size / engine_tp "
+        "engines run, each on its own engine_tp GPUs of one node and owned by the first rank of them. "
+        "Independent of the learner mesh: inference usually wants less sharding.",
+    )
+    num_engines: int | None = Field(
+        default=None,
+        ge=1,
+        description="Number of samplers. null = world_size / engine_tp on GPUs (one per colocation group) "
+        "and 1 on the CPU. On the CPU any count up to the world size runs, on evenly spaced ranks, through "
+        "the same data-parallel path as on GPUs: the distributed tests use it to prove that the number of "
+        "engines changes no completion. On GPUs only world_size / engine_tp is accepted.",
     )
     mem_fraction_static: float = Field(
         default=0.5,
@@ -808,6 +817,16 @@ class DiagnosticsConfig(Section):
     )
 
 
+class DistConfig(Section):
+    timeout_minutes: int = Field(
+        default=30,
+        ge=1,
+        description="Timeout of every collective (torch.distributed and megatron's groups). A rank whose "
+        "peer is stuck raises after this instead of hanging; raise it when one engine's share of a step's "
+        "rollout (or a checkpoint write) takes longer.",
+    )
+
+
 class SyncConfig(Section):
     bucket_mb: int = Field(
         default=512,
@@ -886,6 +905,7 @@ class Config(Section):
         default_factory=DiagnosticsConfig, description="Train/inference mismatch measurement."
     )
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Learner -> SGLang weight sync.")
+    dist: DistConfig = Field(default_factory=DistConfig, description="Process groups and collectives.")
     sft: SftConfig = Field(default_factory=SftConfig, description="Cold-start SFT stage.")
 
     @model_validator(mode="after")
@@ -945,15 +965,16 @@ class MeshSizes:
     world_size: int
     dp: int  # data-parallel size: world / (tp * pp * cp)
     expert_dp: int  # expert data-parallel size: world / (ep * etp * pp)
-    num_engines: int  # colocated SGLang engines: world / rollout.engine_tp (0 for sft: no engine)
+    num_engines: int  # SGLang engines (mesh_rules.engine_count; 0 for sft: no engine)
     seqs_per_rank_per_minibatch: int  # train: one mini-batch's rows per DP rank; sft: one step's
 
 
 STAGES = ("train", "sft", "eval")
 
 
-def check_mesh(cfg: Config, world_size: int, stage: str = "train") -> MeshSizes:
-    """The mesh, the engine TP and the batch split against the world size; infers DP.
+def check_mesh(cfg: Config, world_size: int, stage: str = "train", *, on_gpu: bool = True) -> MeshSizes:
+    """The mesh, the engine count and the batch split against the world size; infers DP. `on_gpu`: the
+    job runs on GPUs (its engine count is world / engine_tp), else on CPUs (`rollout.num_engines`).
 
     Runs for every entry point (train, sft, eval, submit) before any process group or engine starts. The
     batch must split evenly over DP: the learner gives each rank whole sequences in micro-batches of at
@@ -967,12 +988,8 @@ def check_mesh(cfg: Config, world_size: int, stage: str = "train") -> MeshSizes:
     dp = split.dp
     engines = 0
     if stage != "sft":
-        if world_size % cfg.rollout.engine_tp:
-            raise MegagrpoError(
-                f"rollout.engine_tp: {cfg.rollout.engine_tp} does not divide the world size {world_size}; "
-                "each colocated engine needs engine_tp whole ranks"
-            )
-        engines = world_size // cfg.rollout.engine_tp
+        r = cfg.rollout
+        engines = engine_count(world_size, r.engine_tp, r.num_engines, on_gpu=on_gpu)
     per_rank = 0
     if stage == "train":
         n_seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size

@@ -52,6 +52,7 @@ class LearnerConfig:
     reference_model: bool = False  # build a frozen reference (KL) model on the same mesh
     ref_offload: bool = False  # keep the reference weights on the CPU between uses (GPU only)
     distributed_optimizer: bool = True
+    timeout_minutes: int = 30  # every collective's timeout (dist.timeout_minutes)
 
 
 class Learner:
@@ -71,7 +72,7 @@ class Learner:
         env: DistEnv | None = None,
     ) -> None:
         self.arch, self.cfg = arch, cfg
-        self.mesh: Mesh = init_mesh(cfg.mesh, env, seed=cfg.seed)
+        self.mesh: Mesh = init_mesh(cfg.mesh, env, seed=cfg.seed, timeout_s=cfg.timeout_minutes * 60)
         build = dict(
             dtype=cfg.dtype,
             fp8=cfg.fp8,

@@ -23,6 +23,7 @@ class RolloutConfig:
     max_total_tokens: int | None = None  # KV-cache size in tokens; None: SGLang sizes it from memory
     return_routes: bool = True  # MoE: record routed experts (needed for routing replay R3)
     seed: int = 0  # the engine's random seed (sampling RNG of the scheduler)
+    base_gpu_id: int = 0  # GPU: the first of the engine's tp_size GPUs on its node (rollout.groups)
     log_level: str = "error"
     extra_engine_args: dict = field(default_factory=dict)  # passed to sglang.Engine verbatim, last
 

@@ -9,7 +9,7 @@ are kept or `max_rounds` is reached; the result then holds fewer groups, and say
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,8 +19,10 @@ from megagrpo.config.schema import RolloutConfig as RolloutSection
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import Completion
 from megagrpo.rollout.config import SamplingConfig
+from megagrpo.rollout.groups import EngineGroups
 
-RewardFn = Callable[[list[Completion]], torch.Tensor]  # completions [n*G] (prompt-major) -> float [n*G]
+# reward_fn(prompts [n], completion groups [n][G]) -> float [n, G] (or [n * G], prompt-major)
+RewardFn = Callable[[list, list[list[Completion]]], torch.Tensor]
 KeepFn = Callable[[torch.Tensor], torch.Tensor]  # rewards [n, G] -> bool [n]
 
 
@@ -57,13 +59,21 @@ class DynamicSamplingConfig:
 
 @dataclass
 class DynamicBatch:
-    groups: list[list[Completion]]  # [n_kept][G], n_kept <= batch_prompts
-    rewards: torch.Tensor  # float32 [n_kept, G]
-    prompts: list = field(default_factory=list)  # the prompt of each kept group
+    """The kept groups. With engine groups, `groups`/`prompts`/`positions` are this rank's own kept groups
+    (those its engine sampled) and `rewards` is the whole batch's, on every rank."""
+
+    groups: list[list[Completion]]  # [n_mine][G], in batch order
+    rewards: torch.Tensor  # float32 [n_kept, G], every kept group of the batch, in batch order
+    prompts: list = field(default_factory=list)  # the prompt of each of `groups`
+    positions: list[int] = field(default_factory=list)  # batch position of each of `groups`
     rounds: int = 0
-    generated_groups: int = 0  # groups generated over all rounds
+    generated_groups: int = 0  # groups generated over all rounds, by every engine
     dropped_groups: int = 0  # zero-variance groups dropped
     full: bool = False  # True when batch_prompts groups were kept
+
+    @property
+    def kept(self) -> int:
+        return int(self.rewards.shape[0])
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -81,17 +91,26 @@ def check_group_size(group_size: int) -> None:
 
 
 def dynamic_sample(
-    generate: Callable[[Sequence, SamplingConfig, int], list[list[Completion]]],
+    generate: Callable[..., list[list[Completion]]],
     prompts: Iterator,
     sampling: SamplingConfig,
     cfg: DynamicSamplingConfig,
     reward_fn: RewardFn,
     keep_fn: KeepFn | None = None,
+    *,
+    engines: EngineGroups | None = None,
 ) -> DynamicBatch:
-    """Fill a batch of non-degenerate groups. `generate` is `RolloutEngine.generate`; `prompts` an iterator.
+    """Fill a batch of non-degenerate groups. `generate(prompts, sampling, G, index_offset=k)` is
+    `RolloutEngine.generate` (k: global index of the first request); `prompts` an iterator.
 
     Kept groups are returned in generation order, at most `batch_prompts`; extra kept groups of the last
     round are discarded (they would bias the batch toward no prompt in particular, so the first ones win).
+
+    engines: data-parallel sampling. Every rank calls this with the same prompt iterator; each round's
+    prompts are split by `engines.share`, each owner samples and scores its share, and the keep decision
+    is taken on every rank from the gathered rewards ([n, G] floats per round). A rank without an engine
+    takes part in the gathers with an empty share; `generate` is called on every rank (with an empty list
+    on those), so a caller counting engine calls counts the same on all of them.
     """
     check_group_size(cfg.group_size)
     if cfg.batch_prompts < 1:
@@ -101,31 +120,41 @@ def dynamic_sample(
     if cfg.max_rounds < 1:
         raise MegagrpoError(f"max_rounds={cfg.max_rounds} must be >= 1")
     keep_fn = keep_fn or _default_keep
-    out = DynamicBatch(groups=[], rewards=torch.empty(0, cfg.group_size))
+    G = cfg.group_size
+    out = DynamicBatch(groups=[], rewards=torch.empty(0, G))
     kept_rewards: list[torch.Tensor] = []
-    while out.rounds < cfg.max_rounds and len(out.groups) < cfg.batch_prompts:
-        missing = cfg.batch_prompts - len(out.groups)
+    while out.rounds < cfg.max_rounds and len(kept_rewards) < cfg.batch_prompts:
+        missing = cfg.batch_prompts - len(kept_rewards)
         draw = [p for _, p in zip(range(math.ceil(missing * cfg.oversample)), prompts)]
         if not draw:
-            break  # prompt source exhausted
+            break  # prompt source exhausted (the same on every rank: they draw the same prompts)
         out.rounds += 1
-        groups = generate(draw, sampling, cfg.group_size)
-        flat = [c for g in groups for c in g]
-        rewards = torch.as_tensor(reward_fn(flat), dtype=torch.float32)
-        if rewards.shape != (len(flat),):
-            raise MegagrpoError(
-                f"reward_fn returned shape {tuple(rewards.shape)}, expected ({len(flat)},): one reward per completion"
-            )
-        rewards = rewards.view(len(groups), cfg.group_size)
+        share = engines.share(len(draw)) if engines is not None else range(len(draw))
+        mine = draw[share.start : share.stop]
+        groups = generate(mine, sampling, G, index_offset=share.start * G)
+        rewards = torch.empty(0, G)
+        if mine:
+            rewards = torch.as_tensor(reward_fn(mine, groups), dtype=torch.float32)
+            if rewards.numel() != len(mine) * G:
+                raise MegagrpoError(
+                    f"reward_fn returned shape {tuple(rewards.shape)}, expected ({len(mine) * G},): one "
+                    "reward per completion"
+                )
+            rewards = rewards.reshape(len(mine), G)
+        if engines is not None:
+            rewards = engines.join_shares(rewards, len(draw))
         keep = keep_fn(rewards)
-        out.generated_groups += len(groups)
+        out.generated_groups += len(draw)
         out.dropped_groups += int((~keep).sum())
         for i in torch.nonzero(keep).flatten().tolist():
-            if len(out.groups) < cfg.batch_prompts:
-                out.groups.append(groups[i])
+            if len(kept_rewards) >= cfg.batch_prompts:
+                break
+            if i in share:
+                out.groups.append(groups[i - share.start])
                 out.prompts.append(draw[i])
-                kept_rewards.append(rewards[i])
+                out.positions.append(len(kept_rewards))
+            kept_rewards.append(rewards[i])
     if kept_rewards:
         out.rewards = torch.stack(kept_rewards)
-    out.full = len(out.groups) == cfg.batch_prompts
+    out.full = len(kept_rewards) == cfg.batch_prompts
     return out

@@ -112,6 +112,7 @@ class RolloutEngine:
             kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
         else:
             kw["enable_memory_saver"] = True  # release/resume really frees device memory
+            kw["base_gpu_id"] = cfg.base_gpu_id
             if cfg.fp8:
                 kw["quantization"] = "fp8"
             if cfg.deterministic:
@@ -301,9 +302,18 @@ class RolloutEngine:
         return sp
 
     def generate(
-        self, prompts: Sequence[Prompt], sampling: SamplingConfig, group_size: int = 1
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        group_size: int = 1,
+        *,
+        index_offset: int = 0,
     ) -> list[list[Completion]]:
         """G = `group_size` completions for each prompt, as `[n_prompts][G]`, in one batched engine call.
+
+        Request k of the call (prompt k // G, sample k % G) samples with seed `sampling.seed + index_offset
+        + k`: `index_offset` is the global index of the first request when a call is one engine's share of
+        a larger one (`rollout.groups`), so a request's seed does not depend on which engine serves it.
 
         Raises MegagrpoError for an empty prompt list, an empty prompt, group_size < 1, or a prompt whose
         length plus `max_new_tokens` exceeds the engine's context.
@@ -328,7 +338,7 @@ class RolloutEngine:
         for i, p in enumerate(ids):
             for g in range(group_size):
                 batch_ids.append(p)
-                seed = None if sampling.seed is None else sampling.seed + i * group_size + g
+                seed = None if sampling.seed is None else sampling.seed + index_offset + i * group_size + g
                 params.append(self._sampling_params(sampling, seed))
         want_routes = bool(self.engine.server_args.enable_return_routed_experts)
         host_sigterm = signal.getsignal(signal.SIGTERM)

@@ -45,7 +45,7 @@ def check_mesh_fits(cfg: Config, shape: JobShape, stage: str = "train") -> MeshS
             f"rollout.engine_tp = {cfg.rollout.engine_tp}); request more, or shrink the mesh"
         )
     try:
-        sizes = check_mesh(cfg, world, "eval" if stage == "check" else stage)
+        sizes = check_mesh(cfg, world, "eval" if stage == "check" else stage, on_gpu=shape.device == "gpu")
     except MegagrpoError as e:
         raise MegagrpoError(f"{shape.describe()}: {e}") from None
     if stage != "sft" and (

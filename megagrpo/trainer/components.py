@@ -43,6 +43,7 @@ def learner_config(
         reference_model=cfg.algo.kl.coef > 0,
         ref_offload=cfg.model.ref_offload,
         distributed_optimizer=cfg.optimizer.distributed,
+        timeout_minutes=cfg.dist.timeout_minutes,
     )
 
 

@@ -4,8 +4,9 @@ sample (dynamic sampling) -> reward -> advantages -> sampler sleeps -> old-polic
 R3 replay) -> mismatch metrics and TIS/MIS weights -> k mini-batch updates -> router statistics -> sync ->
 sampler wakes -> periodic evaluation -> checkpoint.
 
-Rank 0 owns the SGLang engine and the reward functions on a CPU mesh; the finished batch is broadcast so
-every learner rank trains on the same global batch (the learner shards it over DP itself).
+Sampling is data-parallel: each engine owner (`rollout.groups`) samples and scores its share of every
+round, dynamic sampling decides from the gathered rewards, and the kept groups are gathered so every
+learner rank holds the same global batch (the learner shards it over DP itself).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
 from megagrpo.diagnostics.mismatch import mismatch_metrics, token_ratio_quantiles
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
 from megagrpo.trainer.batch import response_mask, rollout_batch, select_rows
-from megagrpo.trainer.session import Session, broadcast_from_rank0
+from megagrpo.trainer.session import Session
 
 
 def response_lengths(completions) -> torch.Tensor:
@@ -150,54 +150,40 @@ class GRPOTrainer(Session):
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def _sample(self, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Rank 0: dynamic sampling, rewards, advantages -> the learner batch and rollout/reward/adv metrics."""
+    def _sample(self, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
+        """Every rank: data-parallel dynamic sampling and rewards, then the kept groups gathered in batch
+        order, advantages -> the learner batch and rollout/reward/adv metrics (the same on every rank)."""
         cfg, a = self.cfg, self.cfg.algo
-        G = cfg.rollout.group_size
-        scored: dict[int, Any] = {}
-
-        def reward_fn(flat):
-            prompts = [self.prompt_text[id(c)] for c in flat]
-            samples = [self.prompt_sample[id(c)] for c in flat]
-            rb = self.rewards.score(prompts, [self.response_text(c) for c in flat], samples, G)
-            for i, c in enumerate(flat):
-                scored[id(c)] = (
-                    rb.per_reward.view(-1, rb.per_reward.shape[-1])[i],
-                    rb.failed.view(-1, rb.failed.shape[-1])[i],
-                )
-            self._reward_metrics.append(rb.metrics)
-            return rb.rewards.view(-1)
-
-        self._reward_metrics: list[dict] = []
         with timer("rollout"):
             dyn = dynamic_sample(
-                self.generate_tracked,
+                self.generate_groups,
                 self.prompt_stream(),
                 self.sampling,
                 DynamicSamplingConfig.from_config(cfg),
-                reward_fn,
+                self.score,
                 keep_fn=keep_groups
                 if a.dynamic_sampling
                 else (lambda r: torch.ones(r.shape[0], dtype=torch.bool)),
+                engines=self.engines,
             )
-        if not dyn.groups:
-            return None, {**dyn.metrics(), **self._merge_reward_metrics(), "rollout/skipped_step": 1.0}
+        m: dict[str, float] = {**dyn.metrics(), **self._reward_counts()}
+        if dyn.kept == 0:
+            return None, {**m, "rollout/skipped_step": 1.0}
+        kept = self.engines.gather_kept(dyn.prompts, dyn.positions, dyn.kept)
         with timer("reward"):
             rewards = dyn.rewards.clone()
-            comps = [c for g in dyn.groups for c in g]
+            comps = [c for p in kept for c in p.completions]
             lengths = response_lengths(comps)
             rewards = length_shaped_rewards(rewards, lengths, a.soft_overlong)
             if cfg.rewards.combine == "gdpo":  # the schema ties it to algo.advantages=gdpo
-                per = torch.stack([scored[id(c)][0] for c in comps]).view(len(dyn.groups), G, -1)
-                adv = gdpo(per, self.rewards.weights, a.adv_eps)
+                weights = torch.tensor([f.weight for f in cfg.rewards.functions], dtype=torch.float32)
+                adv = gdpo(torch.stack([p.per_reward for p in kept]), weights, a.adv_eps)
             else:
                 adv = group_advantages(rewards, a.advantages, a.adv_eps)
-        batch = rollout_batch(dyn.groups, adv, pad_id=self.pad_id, rewards=rewards)
+        batch = rollout_batch([p.completions for p in kept], adv, pad_id=self.pad_id, rewards=rewards)
         if a.overlong_filter:
             keep = overlong_mask([c.finish_reason for c in comps])
             batch["loss_mask"] &= keep[:, None]
-        m: dict[str, float] = dict(dyn.metrics())
-        m.update(self._merge_reward_metrics())
         m.update(
             {
                 "reward/mean": float(dyn.rewards.mean()),
@@ -213,16 +199,13 @@ class GRPOTrainer(Session):
         )
         return batch, m
 
-    def _merge_reward_metrics(self) -> dict[str, float]:
-        """Sum the error/timeout counts over dynamic-sampling rounds (means come from the kept batch)."""
-        out: dict[str, float] = {}
-        for rm in self._reward_metrics:
-            for k, v in rm.items():
-                if k.endswith(("/errors", "/timeouts")):
-                    out[k] = out.get(k, 0.0) + float(v)
-                elif k.endswith("_total"):
-                    out[k] = float(v)
-        return out
+    def _reward_counts(self) -> dict[str, float]:
+        """This step's reward error/timeout counts over every engine and round (collective), and the
+        run-long totals (means come from the kept batch)."""
+        counts = self.engines.sum_counts(self.reward_counts)
+        self.reward_totals["reward/errors_total"] += counts.get("reward/errors", 0.0)
+        self.reward_totals["reward/timeouts_total"] += counts.get("reward/timeouts", 0.0)
+        return {**counts, **(self.reward_totals if counts else {})}
 
     def _importance(self, old_logp, batch, metrics) -> torch.Tensor | None:
         """TIS and/or MIS weights from learner-old vs sampler (their product when both are on)."""
@@ -248,14 +231,10 @@ class GRPOTrainer(Session):
         cfg, a = self.cfg, self.cfg.algo
         timer = PhaseTimer()
         t_step = time.perf_counter()
-        if self.rank0:
-            batch, metrics = self._sample(timer)
-            if batch is not None:
-                with timer("sleep"):
-                    self.engine.release(["kv_cache", "weights"])
-        else:
-            batch, metrics = None, {}
-        batch, metrics = broadcast_from_rank0((batch, metrics))
+        batch, metrics = self._sample(timer)
+        if batch is not None and self.engine is not None:
+            with timer("sleep"):
+                self.engine.release(["kv_cache", "weights"])
         if batch is None:
             # Every group had equal rewards in every round: all advantages are 0, so there is nothing to
             # learn from; the step is counted and logged (rollout/skipped_step) but no update is made.
@@ -268,7 +247,7 @@ class GRPOTrainer(Session):
             metrics["perf/step_seconds"] = time.perf_counter() - t_step
             return metrics
         metrics["rollout/skipped_step"] = 0.0
-        self.learner_phase()  # rank 0's engine released before the broadcast; nothing more to release
+        self.learner_phase()  # the engines released above; nothing more to release
 
         learner_batch = {k: v for k, v in batch.items() if k != "routes"}
         replay = self.replay_for(batch)
@@ -316,7 +295,7 @@ class GRPOTrainer(Session):
     def _kl_in_reward(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """algo.kl.placement=reward: penalise each sequence's reward by coef * sum_t KL(old || ref) over its
         response tokens and replace `batch["advantages"]` with the group advantages of the penalised
-        rewards. Local: every rank holds the same broadcast batch and computes the same advantages."""
+        rewards. Local: every rank holds the same gathered batch and computes the same advantages."""
         a = self.cfg.algo
         dev = batch["ref_logp"].device  # the learner's device; the rollout batch stays on the host
         shaped, penalty = kl_penalised_rewards(

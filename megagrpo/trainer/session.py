@@ -1,5 +1,6 @@
 """`Session`: what every stage (SFT, GRPO, eval) shares: the learner loaded from an HF directory, the SGLang
-engine (rank 0), prompts, rewards, metric sinks, evaluation, checkpoints, signals and the step loop.
+engines (one per rollout group, `rollout.groups`), prompts, rewards, metric sinks, evaluation, checkpoints,
+signals and the step loop.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,8 @@ from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.config.loader import dump_config
 from megagrpo.config.schema import Config
 from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.groups import EngineGroups
+from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.trainer import checkpointing
 from megagrpo.trainer.components import learner_config, optimizer_factory, rollout_config, sampling_config
 from megagrpo.trainer.health import HealthConfig, health_warnings
@@ -42,15 +44,6 @@ def request_seed_base(seed: int, step: int, call: int) -> int:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (rank 0 owns the engine and the rewards on a CPU mesh)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class Session:
@@ -95,13 +88,17 @@ class Session:
         )
         self.rank0 = _rank() == 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.engines = EngineGroups.current(self.num_engines())
         load_hf_into_learner(self.learner, self.model_path)
         self.step = 0
         self._calls = 0  # engine calls within the current step: part of each call's sampling seed
         self.history: list[dict[str, float]] = []
         self.engine = None
-        self.rewards = None
-        if self.rank0 and self.stage != "sft":
+        self.rewards = None  # the reward functions run where the completions are: on engine owners
+        # Run-long reward error/timeout totals over every engine, the same on every rank (checkpointed).
+        self.reward_totals = {"reward/errors_total": 0.0, "reward/timeouts_total": 0.0}
+        self.reward_counts: dict[str, float] = {}  # this step's, on this engine (`score`)
+        if self.engines.engine is not None and self.needs_engine:
             from megagrpo.rewards.runner import RewardRunner
 
             self.rewards = RewardRunner(cfg)
@@ -115,9 +112,6 @@ class Session:
             run_config=cfg.model_dump(mode="json"),
             job_type=self.stage,
         )
-        self.prompt_text: dict[int, str] = {}
-        self.prompt_sample: dict[int, dict] = {}
-        self._pending: dict[int, tuple[str, dict]] = {}
         self.stop = StopRequest()
         if self.rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,17 +127,26 @@ class Session:
     # (validation, then the engine's weights resumed and overwritten); `sampler_phase` (learner offloaded,
     # KV cache resumed). On the CPU the offload is a no-op and the order is the same.
 
+    def num_engines(self) -> int:
+        if not self.needs_engine:
+            return 0
+        from megagrpo.config.mesh_rules import engine_count
+
+        r = self.cfg.rollout
+        return engine_count(self.world, r.engine_tp, r.num_engines, on_gpu=torch.cuda.is_available())
+
     def start_engine(self) -> None:
-        """Learner to its steady state and off the device, then (rank 0) the engine."""
+        """Learner to its steady state and off the device, then the engines (on their owner ranks)."""
         self.learner.init_optimizer_state()
         if not self.needs_engine:
             return
         self.learner.offload()
         barrier()  # every rank's learner is off its device before any engine process sizes itself
-        if self.rank0:
+        if self.engines.engine is not None:
             from megagrpo.rollout.engine import RolloutEngine
 
-            self.engine = RolloutEngine(rollout_config(self.cfg, self.model_path)).start()
+            rc = replace(rollout_config(self.cfg, self.model_path), base_gpu_id=self.engines.base_gpu_id())
+            self.engine = RolloutEngine(rc).start()
         barrier()
 
     def learner_phase(self, release: tuple[str, ...] = ("kv_cache", "weights")) -> None:
@@ -215,13 +218,12 @@ class Session:
 
     # -- prompts and generation ---------------------------------------------------------------------
 
-    def prompt_stream(self) -> Iterator[list[int]]:
+    def prompt_stream(self) -> Iterator[PromptGroup]:
+        """Every rank draws the same prompts (the iterator is seeded alike); each engine samples its share."""
         while True:
             for sample in self.prompts.take(1):
                 p = self.formatter(sample)
-                ids = list(p.input_ids)
-                self._pending[id(ids)] = (p.text, sample)
-                yield ids
+                yield PromptGroup(input_ids=list(p.input_ids), text=p.text, sample=sample)
 
     def response_text(self, c) -> str:
         """The completion as verifiers should see it: without the EOS token that ended it (the engine keeps
@@ -231,30 +233,62 @@ class Session:
             return c.text[: -len(eos)]
         return c.text
 
-    def generate_tracked(self, draw, sampling, group_size):
+    def generate_groups(
+        self, prompts: list[PromptGroup], sampling, group_size: int, *, index_offset: int = 0
+    ) -> list[list]:
+        """This engine's share of one engine call: each prompt group gets its completions. Called on every
+        rank (an empty share on ranks without an engine), so every rank counts the same calls: a call's
+        number is part of its requests' seeds."""
         sampling = replace(sampling, seed=request_seed_base(self.cfg.schedule.seed, self.step, self._calls))
         self._calls += 1
-        groups = self.engine.generate(draw, sampling, group_size)
-        for ids, group in zip(draw, groups):
-            text, sample = self._pending.pop(id(ids))
-            for c in group:
-                self.prompt_text[id(c)] = text
-                self.prompt_sample[id(c)] = sample
+        if not prompts:
+            return []
+        groups = self.engine.generate(
+            [p.input_ids for p in prompts], sampling, group_size, index_offset=index_offset
+        )
+        for p, group in zip(prompts, groups, strict=True):
+            p.completions = group
         return groups
+
+    def score(self, prompts: list[PromptGroup], groups: list[list]) -> torch.Tensor:
+        """Rewards of this engine's groups, float32 `[n, G]`, set on each group with the per-function
+        scores; the step's error/timeout counts add up in `self.reward_counts`."""
+        comps = [c for g in groups for c in g]
+        G = len(groups[0])
+        rb = self.rewards.score(
+            [p.text for p in prompts for _ in range(G)],
+            [self.response_text(c) for c in comps],
+            [p.sample for p in prompts for _ in range(G)],
+            G,
+        )
+        for i, p in enumerate(prompts):
+            p.rewards = rb.rewards[i].clone()
+            p.per_reward = rb.per_reward[i].clone()
+        for k, v in rb.metrics.items():
+            if k.endswith(("/errors", "/timeouts")):
+                self.reward_counts[k] = self.reward_counts.get(k, 0.0) + float(v)
+        return rb.rewards
 
     # -- sync and evaluation ------------------------------------------------------------------------
 
     def sync_weights(self) -> dict[str, float]:
-        """Learner -> SGLang through the bridge's streaming export (every rank iterates it), then the
-        sampler phase. Called in the learner phase, with the engine's weights and KV cache released: the
-        export is validated before the weights region is resumed (`sync.weights.sync_weights`), so a bad
-        export leaves the engine released, with its old weights where the CPU engine keeps them, rather
-        than serving a half-overwritten set."""
+        """Learner -> every engine through the bridge's streaming export, then the sampler phase.
+
+        Every rank iterates the export (its gathers are collectives); each engine owner receives its
+        buckets from its own model-parallel replica (`export_buckets(receive=True)`), so no engine's
+        weights pass through global rank 0. Called in the learner phase, with the engines' weights and KV
+        cache released: each export is validated before the weights region is resumed
+        (`sync.weights.sync_weights`), so a bad export leaves the engine released, with its old weights
+        where the CPU engine keeps them, rather than serving a half-overwritten set.
+
+        Metrics are per engine (every engine receives the same model): `sync/bytes` is one engine's,
+        `sync/seconds` the slowest engine's, `sync/checksum_ok` true only if every engine's is.
+        """
         from megagrpo.sync.weights import sync_weights
 
-        buckets = export_buckets(self.learner, self.cfg.sync.bucket_mb << 20)
-        metrics: dict[str, float] = {}
-        if self.rank0:
+        buckets = export_buckets(self.learner, self.cfg.sync.bucket_mb << 20, receive=self.engine is not None)
+        mine: dict[str, float] | None = None
+        if self.engine is not None:
             stats = sync_weights(
                 self.engine,
                 buckets,
@@ -262,54 +296,80 @@ class Session:
                 pack=self.cfg.sync.pack,
                 before_send=lambda: self.engine.resume(["weights"]),
             )
-            metrics = stats.metrics()
+            mine = stats.metrics()
         else:
             for _ in buckets:
                 pass
         self.sampler_phase()
-        self.prompt_text.clear()
-        self.prompt_sample.clear()
-        return broadcast_from_rank0(metrics)
+        return merge_engine_metrics(self.engines.gather_from_engines(mine))
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy: one completion per held-out prompt at `rollout.eval_temperature`.
+        """Held-out accuracy: one completion per held-out prompt at `rollout.eval_temperature`, the prompts
+        split over the engines like a training round (`rollout.groups`), with seeds from each prompt's
+        index in the held-out set.
 
         `eval/accuracy` is the fraction of prompts whose FIRST reward function scores >= 1 (the task's
         verifier by convention); `eval/reward_mean` the mean combined reward.
         """
-        metrics: dict[str, float] = {}
-        if self.rank0 and self.sets.heldout:
-            samples = self.sets.heldout
-            prompts = [self.formatter(s) for s in samples]
+        samples = self.sets.heldout
+        if not samples:
+            return {}
+        share = self.engines.share(len(samples))
+        sums = torch.zeros(4, dtype=torch.float64)  # correct, reward, response tokens, prompts
+        if len(share):
+            mine = samples[share.start : share.stop]
+            prompts = [self.formatter(s) for s in mine]
+            sampling = replace(
+                sampling_config(self.cfg, eval=True),
+                seed=request_seed_base(self.cfg.schedule.seed, self.step, -1),
+            )
             groups = self.engine.generate(
-                [p.input_ids for p in prompts], sampling_config(self.cfg, eval=True), 1
+                [p.input_ids for p in prompts], sampling, 1, index_offset=share.start
             )
             comps = [g[0] for g in groups]
             rb = self.rewards.score(
-                [p.text for p in prompts], [self.response_text(c) for c in comps], samples, 1
+                [p.text for p in prompts], [self.response_text(c) for c in comps], mine, 1
             )
             first = rb.per_reward.view(len(comps), -1)[:, 0]
-            metrics = {
-                "eval/accuracy": float((first >= 1.0 - 1e-6).float().mean()),
-                "eval/reward_mean": float(rb.rewards.mean()),
-                "eval/response_len_mean": float(sum(c.output_ids.numel() for c in comps) / len(comps)),
-                "eval/prompts": float(len(comps)),
-            }
-        return broadcast_from_rank0(metrics)
+            sums += torch.tensor(
+                [
+                    float((first >= 1.0 - 1e-6).sum()),
+                    float(rb.rewards.double().sum()),
+                    float(sum(c.output_ids.numel() for c in comps)),
+                    float(len(comps)),
+                ],
+                dtype=torch.float64,
+            )
+        total = torch.stack([t for t in self.engines.gather_from_engines(sums)]).sum(0)
+        n = float(total[3])
+        return {
+            "eval/accuracy": float(total[0]) / n,
+            "eval/reward_mean": float(total[1]) / n,
+            "eval/response_len_mean": float(total[2]) / n,
+            "eval/prompts": n,
+        }
 
     # -- checkpoints --------------------------------------------------------------------------------
 
     def extra_state(self) -> dict:
-        st = {"step": self.step, "prompts": self.prompts.state_dict(), "stage": self.stage}
-        if self.rewards is not None:  # rank 0's, which is the copy meta.json keeps
-            st["rewards"] = self.rewards.state_dict()
-        return st
+        return {
+            "step": self.step,
+            "prompts": self.prompts.state_dict(),
+            "stage": self.stage,
+            "reward_totals": dict(self.reward_totals),
+        }
 
     def load_extra_state(self, st: dict) -> None:
         self.step = int(st["step"])
         self.prompts.load_state_dict(st["prompts"])
-        if self.rewards is not None and st.get("rewards"):
-            self.rewards.load_state_dict(st["rewards"])
+        if "reward_totals" in st:
+            self.reward_totals = {k: float(v) for k, v in st["reward_totals"].items()}
+        elif st.get("rewards"):  # checkpoints written before the totals moved out of the runner
+            old = st["rewards"]
+            self.reward_totals = {
+                "reward/errors_total": float(old["total_errors"]),
+                "reward/timeouts_total": float(old["total_timeouts"]),
+            }
 
     def save(self) -> Path:
         """Checkpoint (collective). Between steps the learner is offloaded: it comes back for the save
@@ -373,6 +433,7 @@ class Session:
                     if self._stop_agreed():
                         break
                     self._calls = 0
+                    self.reward_counts = {}
                     metrics = step_fn()
                     self.step += 1
                     if (
@@ -437,4 +498,19 @@ class Session:
         self.learner.close(process_group=True)
 
 
-__all__ = ["Session", "json", "os", "time"]
+def merge_engine_metrics(per_engine: list[dict[str, float] | None]) -> dict[str, float]:
+    """One engine's sync metrics from every engine's: bytes and the checksum verdict are the same for
+    every engine that worked (the checksum is AND-ed), the time is the slowest engine's."""
+    parts = [m for m in per_engine if m]
+    if not parts:
+        return {}
+    out = dict(parts[0])
+    if "sync/seconds" in out:
+        out["sync/seconds"] = max(m["sync/seconds"] for m in parts)
+        out["sync/gbps"] = out["sync/bytes"] / max(out["sync/seconds"], 1e-9) / 1e9
+    if "sync/checksum_ok" in out:
+        out["sync/checksum_ok"] = float(all(m["sync/checksum_ok"] for m in parts))
+    return out
+
+
+__all__ = ["Session", "json", "merge_engine_metrics", "os", "time"]

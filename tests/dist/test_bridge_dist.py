@@ -127,6 +127,17 @@ def _check_export(model, arch, hf_dir: Path, layer_offset: int) -> dict:
         res[str(bucket_bytes)] = dict(key_diff=diff[:5], mismatched=bad[:5], over=over, buckets=n_buckets)
     # the exporter of each model-parallel replica (DP replicas beyond EP export independently)
     res["exporter"] = all(g.rank() == 0 for g in (groups.tp, groups.etp, groups.ep, groups.pp))
+    # every rank an engine owner (rollout.groups): each receives the whole model from its own replica,
+    # whatever its TP/EP rank and pipeline stage
+    got = {
+        n: t.clone()
+        for b in iter_hf_buckets(model.named_parameters(), arch, bucket_bytes=70000, groups=groups, receive=True)
+        for n, t in b
+    }
+    res["receive"] = dict(
+        key_diff=sorted(set(got) ^ set(ref))[:5],
+        mismatched=[n for n in ref if n in got and not torch.equal(got[n], ref[n])][:5],
+    )
     return res
 
 
@@ -205,6 +216,8 @@ def test_logits_match_transformers(results, case):
 @pytest.mark.parametrize("case", sorted(f"{m}/{mesh}" for m, mesh in EXPORTS))
 def test_streaming_export_is_the_hf_state_dict(results, case):
     exports = [res[case]["export"] for res in results]
+    for rank, exp in enumerate(exports):
+        assert exp["receive"] == dict(key_diff=[], mismatched=[]), f"{case}: receiving rank {rank}"
     assert exports[0]["exporter"], f"{case}: rank 0 is not an exporter"
     for rank, exp in enumerate(exports):
         if not exp["exporter"]:

@@ -115,14 +115,16 @@ def test_bad_input(sglang_engine):
     with pytest.raises(MegagrpoError, match="memory tags"):
         sglang_engine.release(["optimizer"])
     with pytest.raises(MegagrpoError, match="GRPO needs at least 2"):
-        dynamic_sample(sglang_engine.generate, iter([[1, 2]]), s, DynamicSamplingConfig(1, 1), lambda c: None)
+        dynamic_sample(
+            sglang_engine.generate, iter([[1, 2]]), s, DynamicSamplingConfig(1, 1), lambda p, g: None
+        )
 
 
 def test_dynamic_sampling_drops_zero_variance_groups(sglang_engine):
     prompts = iter([[40 + i, 41 + i, 42 + i] for i in range(64)])
 
-    def reward_fn(completions):  # 1 when the first sampled token is even: groups of 2 are often uniform
-        return torch.tensor([float(c.output_ids[0] % 2 == 0) for c in completions])
+    def reward_fn(prompts, groups):  # 1 when the first sampled token is even: groups of 2 are often uniform
+        return torch.tensor([float(c.output_ids[0] % 2 == 0) for g in groups for c in g])
 
     cfg = DynamicSamplingConfig(batch_prompts=3, group_size=2, oversample=2.0, max_rounds=4)
     batch = dynamic_sample(sglang_engine.generate, prompts, SamplingConfig(max_new_tokens=2), cfg, reward_fn)

@@ -63,8 +63,8 @@ def write_config(tmp: Path, model: Path, **over) -> Path:
     return path
 
 
-def cli(*args: str, timeout: float = 900, **popen) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def cli(*args: str, timeout: float = 900, env: dict | None = None, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "megagrpo.cli", *args],
         cwd=REPO,
@@ -76,8 +76,8 @@ def cli(*args: str, timeout: float = 900, **popen) -> subprocess.CompletedProces
     )
 
 
-def start_cli(*args: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def start_cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "megagrpo.cli", *args], cwd=REPO, env=env, **popen)
 
 

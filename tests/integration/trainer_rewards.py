@@ -8,3 +8,26 @@ def output_parity(prompt: str, completion: str, sample: dict) -> float:
 
 def always_raises(prompt: str, completion: str, sample: dict) -> float:
     raise RuntimeError("this reward is broken on purpose")
+
+
+def recorded_parity(prompt: str, completion: str, sample: dict) -> float:
+    """`output_parity`, and every (prompt, completion) it scores appended to
+    `$MEGAGRPO_TEST_RECORD_DIR/<pid>.jsonl` (the engine-count test compares what each run sampled)."""
+    import json
+    import os
+
+    out = os.environ.get("MEGAGRPO_TEST_RECORD_DIR")
+    if out:
+        line = json.dumps([prompt, completion]) + "\n"
+        with _RECORD_LOCK, open(os.path.join(out, f"{os.getpid()}.jsonl"), "a") as f:
+            f.write(line)
+    return output_parity(prompt, completion, sample)
+
+
+def _lock():
+    import threading
+
+    return threading.Lock()
+
+
+_RECORD_LOCK = _lock()

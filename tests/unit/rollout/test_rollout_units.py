@@ -114,7 +114,7 @@ def test_validate_buckets_names_the_bad_tensor():
         validate_buckets([[("a", torch.zeros(2, 2)), ("b", torch.full((3,), float("nan")))]], expected)
 
 
-def _fake_generate(prompts, sampling, group_size):
+def _fake_generate(prompts, sampling, group_size, *, index_offset=0):
     # prompt value v: every completion's first token is v, except prompts divisible by 3 (mixed groups)
     out = []
     for i, p in enumerate(prompts):
@@ -130,7 +130,7 @@ def _fake_generate(prompts, sampling, group_size):
 
 
 def test_dynamic_sample_refills_and_caps_rounds():
-    reward = lambda cs: torch.tensor([float(c.output_ids[0] % 2) for c in cs])  # noqa: E731
+    reward = lambda ps, gs: torch.tensor([float(c.output_ids[0] % 2) for g in gs for c in g])  # noqa: E731
     s = SamplingConfig(max_new_tokens=1)
     batch = dynamic_sample(
         _fake_generate,
@@ -152,7 +152,9 @@ def test_dynamic_sample_refills_and_caps_rounds():
     )
     assert capped.rounds == 1 and not capped.full and len(capped.groups) == 2  # prompts 3, 6 of 1..6
     with pytest.raises(MegagrpoError, match="one reward per completion"):
-        dynamic_sample(_fake_generate, iter([[1]]), s, DynamicSamplingConfig(1, 2), lambda cs: torch.zeros(5))
+        dynamic_sample(
+            _fake_generate, iter([[1]]), s, DynamicSamplingConfig(1, 2), lambda ps, gs: torch.zeros(5)
+        )
     with pytest.raises(MegagrpoError, match="GRPO needs at least 2"):
         dynamic_sample(_fake_generate, iter([[1]]), s, DynamicSamplingConfig(1, 1), reward)
 

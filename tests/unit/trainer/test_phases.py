@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.groups import EngineGroups
 from megagrpo.trainer import session as session_module
 from megagrpo.trainer.session import Session
 
@@ -63,7 +65,7 @@ def session(log, monkeypatch) -> Session:
     import megagrpo.rollout.engine as engine_module
 
     monkeypatch.setattr(engine_module, "RolloutEngine", lambda cfg: FakeEngine(log, cfg))
-    monkeypatch.setattr(session_module, "rollout_config", lambda cfg, path: None)
+    monkeypatch.setattr(session_module, "rollout_config", lambda cfg, path: RolloutConfig(model_path=path))
     s = object.__new__(Session)
     s.cfg = SimpleNamespace(
         sync=SimpleNamespace(bucket_mb=1, checksum=False, pack=True),
@@ -71,7 +73,8 @@ def session(log, monkeypatch) -> Session:
         model=SimpleNamespace(hf_path="hf"),
     )
     s.learner, s.engine, s.rank0, s.model_path = FakeLearner(log), None, True, "hf"
-    s.step, s.prompt_text, s.prompt_sample = 0, {}, {}
+    s.step = 0
+    s.engines = EngineGroups(world=1, rank=0, num_engines=1)
     s.ckpt_root = "ckpt"
     s.extra_state = lambda: {}
     return s
@@ -94,7 +97,8 @@ def test_a_step_and_its_weight_sync(session, log, monkeypatch):
     offload, resume the KV cache."""
     import megagrpo.sync.weights as sync_module
 
-    def fake_export(learner, nbytes):
+    def fake_export(learner, nbytes, *, receive):
+        assert receive  # this rank owns the engine
         log.append("export")
         yield [("w", torch.zeros(1))]
 
@@ -143,3 +147,18 @@ def test_a_checkpoint_between_steps_keeps_the_engine_weights(session, log, monke
         "learner.offload",
         "engine.resume.kv_cache",
     ]
+
+
+def test_sync_metrics_are_one_engines_the_slowest_time_and_every_checksum():
+    from megagrpo.trainer.session import merge_engine_metrics
+
+    a = {"sync/bytes": 100.0, "sync/seconds": 1.0, "sync/gbps": 1e-7, "sync/checksum_ok": 1.0}
+    b = {"sync/bytes": 100.0, "sync/seconds": 2.0, "sync/gbps": 5e-8, "sync/checksum_ok": 0.0}
+    m = merge_engine_metrics([a, None, b])
+    assert m == {
+        "sync/bytes": 100.0,
+        "sync/seconds": 2.0,
+        "sync/gbps": 100.0 / 2.0 / 1e9,
+        "sync/checksum_ok": 0.0,
+    }
+    assert merge_engine_metrics([None, None]) == {}

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.integration.run_metrics import deterministic, last_record_per_step
-from tests.integration.test_trainer_e2e import cli, records, start_cli, write_config
+from tests.integration.test_trainer_e2e import cli, kill_after_first_checkpoint, records, write_config
 
 OVER = {
     "schedule__steps": 3,
@@ -67,25 +63,9 @@ def runs(tmp_path_factory, moe_model):
 
     cfg_b = write_config(tmp / "b", moe_model, **OVER)
     args_b = (*ARGS, "rollout.num_engines=2", *NPROC)
-    proc = start_cli(
-        "train",
-        str(cfg_b),
-        *args_b,
-        env=run_env(tmp / "b" / "sampled"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    kill_after_first_checkpoint(
+        "train", str(cfg_b), *args_b, ckpt_dir=tmp / "b" / "ckpt", env=run_env(tmp / "b" / "sampled")
     )
-    first = tmp / "b" / "ckpt" / "step_00000001" / "meta.json"
-    try:
-        deadline = time.monotonic() + 900
-        while not first.exists():
-            assert proc.poll() is None, "the two-engine run ended before its first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint in 900 s"
-            time.sleep(0.2)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
     killed_after = max(r["step"] for r in records(tmp / "b" / "run"))
     res = cli("train", str(cfg_b), *args_b, "--resume", "auto", env=run_env(tmp / "b" / "sampled"))
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]

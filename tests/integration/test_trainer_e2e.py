@@ -81,6 +81,30 @@ def start_cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "megagrpo.cli", *args], cwd=REPO, env=env, **popen)
 
 
+def kill_after_first_checkpoint(
+    *args: str, ckpt_dir: Path, timeout: float = 900, env: dict | None = None
+) -> None:
+    """Start `megagrpo <args>` and SIGKILL it, with its engines' processes, once its step-1 checkpoint is
+    complete (meta.json is written last)."""
+    proc = start_cli(
+        *args,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # one process group: the kill takes SGLang's scheduler children too
+    )
+    first = ckpt_dir / "step_00000001" / "meta.json"
+    try:
+        deadline = time.monotonic() + timeout
+        while not first.exists():
+            assert proc.poll() is None, f"{args} ended before its first checkpoint"
+            assert time.monotonic() < deadline, f"no checkpoint in {timeout:.0f} s"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -224,23 +248,7 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path, moe_model):
     res_a = cli("train", str(cfg_a))
     assert res_a.returncode == 0, res_a.stderr[-3000:]
 
-    proc = start_cli(
-        "train",
-        str(cfg_b),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # one process group: the kill takes SGLang's scheduler children too
-    )
-    first = tmp_path / "b" / "ckpt" / "step_00000001" / "meta.json"
-    try:
-        deadline = time.monotonic() + 600
-        while not first.exists():
-            assert proc.poll() is None, "B ended before its first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint in 600 s"
-            time.sleep(0.2)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+    kill_after_first_checkpoint("train", str(cfg_b), ckpt_dir=tmp_path / "b" / "ckpt")
     killed_after = max(r["step"] for r in records(tmp_path / "b" / "run"))
     assert killed_after < 3, "B finished before the kill: nothing was resumed"
 

@@ -1,12 +1,10 @@
 """Weight sync learner -> SGLang: validate, send bucket by bucket, optionally verify by checksum.
 
-`sync_weights` takes buckets of `(hf_name, tensor)` (the bridge's streaming export, or `bucketize(...)`),
-checks every name, shape and value (finite) BEFORE sending anything (so a bad export leaves the engine
-serving the old weights), then sends each bucket with `update_weights_from_tensor` between
-`begin_weight_update()` and `end_weight_update()`.
-
-Checking everything first means the buckets are held until validation is done: their tensors stay alive
-for the whole sync (a full copy of the model where the export had to gather or transform them).
+`sync_weights` takes buckets of `(hf_name, tensor)` (the bridge's streaming export, consumed one bucket at
+a time, or `bucketize(...)`) and checks every name, shape and value (finite) before the engine's weights are
+overwritten, so a bad export leaves the engine serving the old weights. `sync_weights` says how each
+transport manages that without holding the whole export: the CPU engine stages, the GPU engine streams
+(its values were checked on the learner's shards first).
 
 Transport, CPU engine (TP=1): the parent packs each bucket into SGLang's own parameter layout
 (`sglang_layout`: q/k/v fused, gate/up fused, one `w13_weight [E, 2I, H]` and one `w2_weight [E, H, I]` per
@@ -28,6 +26,7 @@ bucket is a single CUDA-IPC handle per TP rank instead of one per tensor; SGLang
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -102,6 +101,41 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
         raise MegagrpoError(f"weight sync: tensor {name!r} holds NaN or inf values")
 
 
+class _Checker:
+    """Checks buckets one at a time against the engine's checkpoint: MegagrpoError naming the first unknown,
+    duplicated, misshapen or (with check_finite) non-finite tensor; `finish` names missing ones."""
+
+    def __init__(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        self.expected = expected
+        self.seen: set[str] = set()
+
+    def check(self, bucket: list[NamedTensor], *, check_finite: bool) -> None:
+        for name, t in bucket:
+            if not torch.is_tensor(t):
+                raise MegagrpoError(f"weight sync: {name!r} is a {type(t).__name__}, not a tensor")
+            if name not in self.expected:
+                raise MegagrpoError(
+                    f"weight sync: tensor {name!r} is not in the engine's checkpoint; the export and the rollout "
+                    "model directory disagree (check the bridge's name map for this architecture)"
+                )
+            if name in self.seen:
+                raise MegagrpoError(f"weight sync: tensor {name!r} is sent twice")
+            if tuple(t.shape) != tuple(self.expected[name]):
+                raise MegagrpoError(
+                    f"weight sync: tensor {name!r} has shape {tuple(t.shape)}, the engine expects "
+                    f"{tuple(self.expected[name])}"
+                )
+            if check_finite:
+                _check_finite(name, t)
+            self.seen.add(name)
+
+    def finish(self) -> None:
+        missing = sorted(set(self.expected) - self.seen)
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise MegagrpoError(f"weight sync: tensors missing from the export: {missing[:3]}{more}")
+
+
 def validate_buckets(
     buckets: list[list[NamedTensor]],
     expected: Mapping[str, tuple[int, ...]],
@@ -111,31 +145,11 @@ def validate_buckets(
 ) -> None:
     """Raise MegagrpoError naming the first unknown, duplicated, misshapen, non-finite (when check_finite)
     or (unless partial) missing tensor."""
-    seen: set[str] = set()
+    checker = _Checker(expected)
     for bucket in buckets:
-        for name, t in bucket:
-            if not torch.is_tensor(t):
-                raise MegagrpoError(f"weight sync: {name!r} is a {type(t).__name__}, not a tensor")
-            if name not in expected:
-                raise MegagrpoError(
-                    f"weight sync: tensor {name!r} is not in the engine's checkpoint; the export and the rollout "
-                    "model directory disagree (check the bridge's name map for this architecture)"
-                )
-            if name in seen:
-                raise MegagrpoError(f"weight sync: tensor {name!r} is sent twice")
-            if tuple(t.shape) != tuple(expected[name]):
-                raise MegagrpoError(
-                    f"weight sync: tensor {name!r} has shape {tuple(t.shape)}, the engine expects "
-                    f"{tuple(expected[name])}"
-                )
-            if check_finite:
-                _check_finite(name, t)
-            seen.add(name)
+        checker.check(bucket, check_finite=check_finite)
     if not partial:
-        missing = sorted(set(expected) - seen)
-        if missing:
-            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise MegagrpoError(f"weight sync: tensors missing from the export: {missing[:3]}{more}")
+        checker.finish()
 
 
 def _check_ok(result: Any, what: str) -> None:
@@ -221,39 +235,53 @@ def _packing_plan(
     return owner
 
 
+class _Packer:
+    """Packs HF tensors, bucket by bucket, into `(sglang_param_name, tensor in dtype)` send buckets, the
+    tensors of one send bucket being views of one shared-memory buffer of `staging`; a fused parameter
+    travels with the bucket that completes it. Raises MegagrpoError naming the HF tensor when a value is
+    NaN/inf, or does not fit `dtype` (inf after the cast)."""
+
+    def __init__(self, owner: Mapping[str, FusedParam], dtype: torch.dtype, staging: _Staging | None = None):
+        self.owner, self.dtype, self.staging = owner, dtype, staging or _Staging()
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.sends: list[list[NamedTensor]] = []
+
+    def add(self, bucket: list[NamedTensor]) -> None:
+        ready: list[tuple[FusedParam, list[torch.Tensor]]] = []
+        for name, t in bucket:
+            fp = self.owner[name]
+            got = self.pending.setdefault(fp.name, {})
+            got[name] = t
+            if len(got) == len(fp.parts):
+                del self.pending[fp.name]
+                ready.append((fp, [got[p] for p in fp.parts]))
+        if not ready:
+            return
+        outs = self.staging.views(len(self.sends), [(fp.shape, self.dtype) for fp, _ in ready])
+        for (fp, parts), out in zip(ready, outs):
+            fuse_into(out, parts)
+            if not _all_finite(out):
+                _raise_non_finite(fp, parts, self.dtype)
+        self.sends.append([(fp.name, out) for (fp, _), out in zip(ready, outs)])
+
+    def finish(self) -> list[list[NamedTensor]]:
+        assert not self.pending, (
+            f"incomplete groups after packing: {sorted(self.pending)[:3]}"
+        )  # plan checked
+        return self.sends
+
+
 def _pack(
     buckets: list[list[NamedTensor]],
     owner: Mapping[str, FusedParam],
     dtype: torch.dtype,
     staging: _Staging | None = None,
 ) -> list[list[NamedTensor]]:
-    """Buckets of `(sglang_param_name, tensor in dtype)`, the tensors of one bucket being views of one
-    shared-memory buffer of `staging`; a fused parameter travels with the bucket that completes it. Raises
-    MegagrpoError naming the HF tensor when a value is NaN/inf, or does not fit `dtype` (inf after the cast)."""
-    staging = staging or _Staging()
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    groups: list[list[tuple[FusedParam, list[torch.Tensor]]]] = []
+    """Every bucket through one `_Packer` (see there)."""
+    packer = _Packer(owner, dtype, staging)
     for bucket in buckets:
-        ready: list[tuple[FusedParam, list[torch.Tensor]]] = []
-        for name, t in bucket:
-            fp = owner[name]
-            got = pending.setdefault(fp.name, {})
-            got[name] = t
-            if len(got) == len(fp.parts):
-                del pending[fp.name]
-                ready.append((fp, [got[p] for p in fp.parts]))
-        if ready:
-            groups.append(ready)
-    assert not pending, f"incomplete groups after packing: {sorted(pending)[:3]}"  # _packing_plan checked
-    packed: list[list[NamedTensor]] = []
-    for i, ready in enumerate(groups):
-        outs = staging.views(i, [(fp.shape, dtype) for fp, _ in ready])
-        for (fp, parts), out in zip(ready, outs):
-            fuse_into(out, parts)
-            if not _all_finite(out):
-                _raise_non_finite(fp, parts, dtype)
-        packed.append([(fp.name, out) for (fp, _), out in zip(ready, outs)])
-    return packed
+        packer.add(bucket)
+    return packer.finish()
 
 
 def _raise_non_finite(fp: FusedParam, parts: list[torch.Tensor], dtype: torch.dtype) -> None:
@@ -278,42 +306,82 @@ def sync_weights(
 ) -> SyncStats:
     """Send HF-named tensors into a running SGLang engine. Returns `SyncStats` (see `metrics()`).
 
-    Order: every name, shape and value is checked (and, packed, staged) first; only then is `before_send`
-    called, e.g. to resume the engine's released `weights` region, and the first tensor overwritten. With
-    SGLang's memory saver a released weights region keeps no copy, so a bad export must be caught while
-    the region is still released: the engine then keeps no half-written set, and (on the CPU, where the
-    release frees nothing) still holds the old weights. Cost of checking first: every bucket stays alive
-    until the last one is checked, i.e. one copy of the model (M bytes in the export's dtype) on the
-    exporting rank, where the export gathered or transformed the tensors (on a GPU, device memory beside
-    the learner's); the checks read each tensor once more (one `aminmax` per tensor).
-
     engine: a `RolloutEngine` or `sglang.Engine`. buckets: lists of `(hf_name, tensor)` with HF checkpoint
-    names and full (unsharded) shapes, any float dtype (cast to the engine's). partial: allow sending a
-    subset of the checkpoint. checksum: after the update, compare SGLang's per-parameter hashes with hashes
-    of what was sent (TP=1 engines). pack: on a CPU TP=1 engine, send in SGLang's parameter layout when
-    possible (see the module doc); False always sends HF names through SGLang's `load_weights`.
+    names and full (unsharded) shapes, any float dtype (cast to the engine's); an iterator (the bridge's
+    streaming export) is consumed one bucket at a time. partial: allow sending a subset of the checkpoint.
+    checksum: after the update, compare SGLang's per-parameter hashes with hashes of what was sent (TP=1
+    engines). pack: on a CPU TP=1 engine, send in SGLang's parameter layout (see the module doc); False
+    always sends HF names through SGLang's `load_weights`.
+
+    Nothing is overwritten before everything is checked, so a bad export (an unknown, misshapen, missing or
+    NaN/inf tensor, named in the error) leaves the engine serving its old weights. Only then is
+    `before_send` called (e.g. to resume the engine's released `weights` region: with SGLang's memory saver
+    a resumed region holds garbage until written, so a bad export must be caught while it is released).
+    How, by transport:
+    - packed (full sync on a CPU TP=1 engine): each bucket is checked and packed into the engine's
+      shared-memory staging (`_Staging`, one model in the engine's dtype, kept while the engine lives) as
+      it arrives and then dropped; the staged buckets are sent after the last one. Extra memory held: the
+      staging and one export bucket.
+    - GPU (flattened buckets over CUDA IPC): streamed, one bucket checked and sent at a time, so the sending
+      rank never holds more than the bucket in flight. The values were checked on the learner's own
+      shards before the export (`trainer.weights.check_learner_weights`); this check of each bucket
+      catches what the export itself could break (names, shapes), at the cost that a bucket failing it
+      after the first was sent leaves a partly updated engine (the error says so).
+    - HF-named on the CPU, and partial syncs: the buckets are held until all are checked (a debugging
+      transport and small partial updates).
     """
     t0 = time.perf_counter()
     eng = _sglang_engine(engine)
-    buckets = [list(b) for b in buckets]
-    buckets = [b for b in buckets if b]
-    if not buckets:
-        raise MegagrpoError("weight sync got no tensors; the export yielded nothing")
     shapes = checkpoint_shapes(eng.server_args.model_path)
-    on_gpu = any(t.is_cuda for b in buckets for _, t in b)
     tp_size = int(eng.server_args.tp_size)
-    validate_buckets(buckets, shapes, partial=partial, check_finite=False)
-    owner = _packing_plan(eng, shapes, buckets) if pack and not on_gpu and tp_size == 1 else None
-    if owner is None:
-        for bucket in buckets:  # names and shapes were checked above
-            for name, t in bucket:
-                _check_finite(name, t)
-        sends = buckets
-    else:  # finiteness is checked on the packed tensors: a few large ops instead of one per HF tensor
-        staging = _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging())
-        sends = _pack(buckets, owner, eng.tokenizer_manager.model_config.dtype, staging)
-    nbytes = sum(tensor_bytes(t) for b in buckets for _, t in b)
-    calls = len(sends)
+    stream = (b for b in (list(b) for b in buckets) if b)
+    first = next(stream, None)
+    if first is None:
+        raise MegagrpoError("weight sync got no tensors; the export yielded nothing")
+    on_gpu = any(t.is_cuda for _, t in first)
+    checker = _Checker(shapes)
+    rest = itertools.chain([first], stream)
+    if on_gpu and not partial:
+        return _sync_streamed(eng, rest, checker, tp_size, checksum, before_send, t0)
+    owner = None
+    if pack and not on_gpu and tp_size == 1:
+        owner = _full_packing_plan(eng, shapes) if not partial else None
+    if owner is not None:  # staged: check and pack as the buckets arrive
+        packer = _Packer(
+            owner,
+            eng.tokenizer_manager.model_config.dtype,
+            _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging()),
+        )
+        nbytes = tensors = 0
+        for bucket in rest:
+            checker.check(bucket, check_finite=False)  # finiteness is checked on the packed tensors
+            packer.add(bucket)
+            nbytes += sum(tensor_bytes(t) for _, t in bucket)
+            tensors += len(bucket)
+        checker.finish()
+        sends = packer.finish()
+        held: list[list[NamedTensor]] | None = None
+    else:
+        held = list(rest)
+        for bucket in held:
+            checker.check(bucket, check_finite=False)
+        if not partial:
+            checker.finish()
+        owner = _packing_plan(eng, shapes, held) if pack and not on_gpu and tp_size == 1 else None
+        if owner is None:
+            for bucket in held:  # names and shapes were checked above
+                for name, t in bucket:
+                    _check_finite(name, t)
+            sends = held
+        else:
+            sends = _pack(
+                held,
+                owner,
+                eng.tokenizer_manager.model_config.dtype,
+                _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging()),
+            )
+        nbytes = sum(tensor_bytes(t) for b in held for _, t in b)
+        tensors = sum(map(len, held))
 
     if before_send is not None:
         before_send()
@@ -321,11 +389,7 @@ def sync_weights(
     try:
         for i, bucket in enumerate(sends):
             last = i == len(sends) - 1
-            if on_gpu:
-                result = eng.update_weights_from_tensor(
-                    _flattened_payload(bucket, tp_size), load_format="flattened_bucket", flush_cache=last
-                )
-            elif owner is not None:
+            if owner is not None:
                 result = eng.update_weights_from_tensor(bucket, load_format="direct", flush_cache=last)
             else:
                 result = eng.update_weights_from_tensor(bucket, flush_cache=last)
@@ -333,15 +397,83 @@ def sync_weights(
     finally:
         _check_ok(eng.end_weight_update(), "end_weight_update")
     seconds = time.perf_counter() - t0
-    ok = verify_checksum(eng, buckets) if checksum else None
+    ok = None
+    if checksum:
+        ok = verify_checksum(eng, held) if held is not None else _verify_packed(eng, sends)
     return SyncStats(
         bytes=nbytes,
         seconds=seconds,
-        buckets=calls,
-        tensors=sum(map(len, buckets)),
+        buckets=len(sends),
+        tensors=tensors,
         checksum_ok=ok,
         packed=owner is not None,
     )
+
+
+def _full_packing_plan(eng: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam] | None:
+    """The packing plan of a full sync (every checkpoint tensor sent), None when the engine lacks a packed name."""
+    return _packing_plan(eng, shapes, [[(name, None) for name in shapes]])
+
+
+def _sync_streamed(
+    eng, buckets, checker: _Checker, tp_size: int, checksum: bool, before_send, t0
+) -> SyncStats:
+    """GPU: check and send one flattened bucket at a time (see `sync_weights`)."""
+    if checksum:
+        raise MegagrpoError("weight sync checksum needs the CPU engine; set sync.checksum=false on GPUs")
+    nbytes = tensors = calls = 0
+    pending: list[NamedTensor] | None = None
+    begun = False
+    try:
+        for bucket in buckets:
+            checker.check(bucket, check_finite=True)
+            if pending is not None:  # send the previous one: the last send flushes the cache
+                if not begun:
+                    if before_send is not None:
+                        before_send()
+                    _check_ok(eng.begin_weight_update(), "begin_weight_update")
+                    begun = True
+                _send_flat(eng, pending, tp_size, last=False)
+                calls += 1
+            pending = bucket
+            nbytes += sum(tensor_bytes(t) for _, t in bucket)
+            tensors += len(bucket)
+        checker.finish()
+        if not begun:
+            if before_send is not None:
+                before_send()
+            _check_ok(eng.begin_weight_update(), "begin_weight_update")
+            begun = True
+        _send_flat(eng, pending, tp_size, last=True)
+        calls += 1
+    except MegagrpoError as e:
+        if calls:
+            raise MegagrpoError(
+                f"{e} ({calls} bucket(s) were already sent: the engine is partly updated)"
+            ) from e
+        raise
+    finally:
+        if begun:
+            _check_ok(eng.end_weight_update(), "end_weight_update")
+    return SyncStats(
+        bytes=nbytes, seconds=time.perf_counter() - t0, buckets=calls, tensors=tensors, checksum_ok=None
+    )
+
+
+def _send_flat(eng: Any, bucket: list[NamedTensor], tp_size: int, *, last: bool) -> None:
+    result = eng.update_weights_from_tensor(
+        _flattened_payload(bucket, tp_size), load_format="flattened_bucket", flush_cache=last
+    )
+    _check_ok(result, "update_weights_from_tensor")
+
+
+def _verify_packed(eng: Any, sends: list[list[NamedTensor]]) -> bool:
+    """True when every staged SGLang parameter hashes like the engine's copy of it."""
+    held = engine_checksums(eng)
+    common = [(n, t) for b in sends for n, t in b if n in held]
+    if not common:
+        raise MegagrpoError("weight sync checksum: no sent tensor maps onto an engine parameter")
+    return all(_hash(t) == held[n] for n, t in common)
 
 
 def engine_checksums(engine: Any) -> dict[str, str]:

@@ -27,7 +27,7 @@ from megagrpo.trainer.components import learner_config, optimizer_factory, rollo
 from megagrpo.trainer.health import HealthConfig, health_warnings
 from megagrpo.trainer.metrics import MetricsLogger, console_line
 from megagrpo.trainer.signals import REQUEUE_EXIT_CODE, StopRequest
-from megagrpo.trainer.weights import export_buckets, load_hf_into_learner
+from megagrpo.trainer.weights import check_learner_weights, export_buckets, load_hf_into_learner
 
 
 def _rank() -> int:
@@ -286,6 +286,7 @@ class Session:
         """
         from megagrpo.sync.weights import sync_weights
 
+        check_learner_weights(self.learner)
         buckets = export_buckets(self.learner, self.cfg.sync.bucket_mb << 20, receive=self.engine is not None)
         mine: dict[str, float] | None = None
         if self.engine is not None:

@@ -127,6 +127,41 @@ def export_buckets(
         )
 
 
+@torch.no_grad()
+def check_learner_weights(learner: Any) -> None:
+    """Refuse a weight sync from a policy with NaN/inf values, before any engine is touched (collective).
+
+    Each rank checks its own shards (one `aminmax` per parameter: M / model-parallel size bytes read), and
+    the verdict is agreed over WORLD as one scalar; the names travel only when something is wrong. Checking
+    here, not on the exported buckets, is what lets the GPU sync stream its buckets (`sync.weights`)."""
+    bad = None
+    for chunk in learner.chunks:
+        for name, p in _unwrap(chunk).named_parameters():
+            if p.is_floating_point() and p.numel():
+                lo, hi = p.aminmax()
+                if not (torch.isfinite(lo) and torch.isfinite(hi)):
+                    bad = name
+                    break
+        if bad:
+            break
+    flag = torch.tensor([0 if bad is None else 1], dtype=torch.int64, device=learner.mesh.device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag.item()):
+        return
+    names = [bad]
+    if world > 1:
+        names = [None] * world
+        dist.all_gather_object(names, bad)
+    rank, name = next((r, n) for r, n in enumerate(names) if n)
+    raise MegagrpoError(
+        f"weight sync: learner parameter {name!r} (rank {rank}) holds NaN or inf values after the update; "
+        "nothing was sent, the engines keep their weights. Lower optimizer.lr or check the loss for "
+        "overflow (loss/grad_norm)"
+    )
+
+
 def save_hf(
     learner: Any, out_dir: str | Path, *, side_files_from: str | Path, bucket_bytes: int = 1 << 30
 ) -> None:

@@ -114,3 +114,60 @@ def test_pack_names_the_hf_tensor_with_nan_or_out_of_range_values():
     )
     with pytest.raises(MegagrpoError, match=r"k_proj\.weight.*outside the range.*float32"):
         _pack([list(big.items())], _owner(big), torch.float32)
+
+
+class _FakeEngine:
+    """Records the weight-update calls of a GPU sync (the payload is SGLang's flattened bucket)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def begin_weight_update(self):
+        self.calls.append("begin")
+        return True, ""
+
+    def update_weights_from_tensor(self, payload, load_format, flush_cache):
+        self.calls.append(f"update:{load_format}:{int(flush_cache)}")
+        return True, ""
+
+    def end_weight_update(self):
+        self.calls.append("end")
+        return True, ""
+
+
+def test_gpu_sync_streams_and_checks_each_bucket_before_it_is_sent():
+    """`_sync_streamed` holds at most the bucket being checked and the one before it; a bad first bucket
+    sends nothing, a bad later one says that the engine is partly updated."""
+    import time
+
+    from megagrpo.sync.weights import _Checker, _sync_streamed
+
+    tensors = [(f"w{i}", torch.full((4,), float(i))) for i in range(5)]
+    shapes = {n: (4,) for n, _ in tensors}
+    eng = _FakeEngine()
+    events = []
+    stats = _sync_streamed(
+        eng,
+        iter([[t] for t in tensors]),
+        _Checker(shapes),
+        1,
+        False,
+        lambda: events.append("resume"),
+        time.perf_counter(),
+    )
+    assert events == ["resume"] and stats.buckets == 5 and stats.tensors == 5
+    assert eng.calls == ["begin", *["update:flattened_bucket:0"] * 4, "update:flattened_bucket:1", "end"]
+
+    bad = [(n, t.clone()) for n, t in tensors]
+    bad[0][1][2] = float("nan")
+    eng = _FakeEngine()
+    with pytest.raises(MegagrpoError, match=r"tensor 'w0' holds NaN") as e:
+        _sync_streamed(eng, iter([[t] for t in bad]), _Checker(shapes), 1, False, None, 0.0)
+    assert eng.calls == [] and "partly" not in str(e.value)
+
+    bad = [(n, t.clone()) for n, t in tensors]
+    bad[3][1][0] = float("inf")
+    eng = _FakeEngine()
+    with pytest.raises(MegagrpoError, match=r"'w3' holds NaN or inf.*2 bucket\(s\) were already sent"):
+        _sync_streamed(eng, iter([[t] for t in bad]), _Checker(shapes), 1, False, None, 0.0)
+    assert eng.calls == ["begin", "update:flattened_bucket:0", "update:flattened_bucket:0", "end"]

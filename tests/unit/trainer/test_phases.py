@@ -110,6 +110,7 @@ def test_a_step_and_its_weight_sync(session, log, monkeypatch):
         return SimpleNamespace(metrics=lambda: {"sync/bytes": 4.0})
 
     monkeypatch.setattr(session_module, "export_buckets", fake_export)
+    monkeypatch.setattr(session_module, "check_learner_weights", lambda learner: log.append("check"))
     monkeypatch.setattr(sync_module, "sync_weights", fake_sync)
     session.start_engine()
     log.clear()
@@ -122,6 +123,7 @@ def test_a_step_and_its_weight_sync(session, log, monkeypatch):
         "engine.release.weights",
         "learner.reload",
         "train",
+        "check",
         "export",
         "sync.check",
         "engine.resume.weights",
@@ -162,3 +164,16 @@ def test_sync_metrics_are_one_engines_the_slowest_time_and_every_checksum():
         "sync/checksum_ok": 0.0,
     }
     assert merge_engine_metrics([None, None]) == {}
+
+
+def test_a_nan_in_the_learner_is_refused_before_any_export():
+    from megagrpo.errors import MegagrpoError
+    from megagrpo.trainer.weights import check_learner_weights
+
+    lin = torch.nn.Linear(3, 2)
+    learner = SimpleNamespace(chunks=[lin], mesh=SimpleNamespace(device=torch.device("cpu")))
+    check_learner_weights(learner)  # finite: nothing happens
+    with torch.no_grad():
+        lin.bias[1] = float("inf")
+    with pytest.raises(MegagrpoError, match=r"parameter 'bias' \(rank 0\) holds NaN or inf"):
+        check_learner_weights(learner)

@@ -424,28 +424,27 @@ def _sync_streamed(
     nbytes = tensors = calls = 0
     pending: list[NamedTensor] | None = None
     begun = False
-    try:
-        for bucket in buckets:
-            checker.check(bucket, check_finite=True)
-            if pending is not None:  # send the previous one: the last send flushes the cache
-                if not begun:
-                    if before_send is not None:
-                        before_send()
-                    _check_ok(eng.begin_weight_update(), "begin_weight_update")
-                    begun = True
-                _send_flat(eng, pending, tp_size, last=False)
-                calls += 1
-            pending = bucket
-            nbytes += sum(tensor_bytes(t) for _, t in bucket)
-            tensors += len(bucket)
-        checker.finish()
-        if not begun:
+
+    def send(bucket: list[NamedTensor], last: bool) -> None:
+        nonlocal begun, calls
+        if not begun:  # the engine's weights are resumed only once a first bucket has passed the checks
             if before_send is not None:
                 before_send()
             _check_ok(eng.begin_weight_update(), "begin_weight_update")
             begun = True
-        _send_flat(eng, pending, tp_size, last=True)
+        _send_flat(eng, bucket, tp_size, last=last)  # the last send flushes the cache
         calls += 1
+
+    try:
+        for bucket in buckets:
+            checker.check(bucket, check_finite=True)
+            if pending is not None:
+                send(pending, last=False)
+            pending = bucket
+            nbytes += sum(tensor_bytes(t) for _, t in bucket)
+            tensors += len(bucket)
+        checker.finish()
+        send(pending, last=True)
     except MegagrpoError as e:
         if calls:
             raise MegagrpoError(

@@ -13,7 +13,7 @@ request seeds come from each request's GLOBAL index (`RolloutEngine.generate(ind
 same prompt gets the same seed whichever engine samples it: the number of engines changes no completion.
 
 Costs. The collectives here carry scalars per prompt group (rewards, counts) over WORLD; nothing here
-moves a token. The groups themselves travel once per step, in `gather_prompt_groups`.
+moves a token. The groups themselves travel once per step, in `gather_kept`.
 """
 
 from __future__ import annotations

@@ -204,6 +204,10 @@ class _Staging:
 _STAGING: weakref.WeakKeyDictionary[Any, _Staging] = weakref.WeakKeyDictionary()
 
 
+def _staging_for(eng: Any) -> _Staging:
+    return _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging())
+
+
 _PARAM_NAMES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
@@ -343,15 +347,11 @@ def sync_weights(
     rest = itertools.chain([first], stream)
     if on_gpu and not partial:
         return _sync_streamed(eng, rest, checker, tp_size, checksum, before_send, t0)
-    owner = None
-    if pack and not on_gpu and tp_size == 1:
-        owner = _full_packing_plan(eng, shapes) if not partial else None
+    packable = pack and not on_gpu and tp_size == 1
+    dtype = eng.tokenizer_manager.model_config.dtype
+    owner = _full_packing_plan(eng, shapes) if packable and not partial else None
     if owner is not None:  # staged: check and pack as the buckets arrive
-        packer = _Packer(
-            owner,
-            eng.tokenizer_manager.model_config.dtype,
-            _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging()),
-        )
+        packer = _Packer(owner, dtype, _staging_for(eng))
         nbytes = tensors = 0
         for bucket in rest:
             checker.check(bucket, check_finite=False)  # finiteness is checked on the packed tensors
@@ -367,19 +367,14 @@ def sync_weights(
             checker.check(bucket, check_finite=False)
         if not partial:
             checker.finish()
-        owner = _packing_plan(eng, shapes, held) if pack and not on_gpu and tp_size == 1 else None
+        owner = _packing_plan(eng, shapes, held) if packable else None
         if owner is None:
             for bucket in held:  # names and shapes were checked above
                 for name, t in bucket:
                     _check_finite(name, t)
             sends = held
         else:
-            sends = _pack(
-                held,
-                owner,
-                eng.tokenizer_manager.model_config.dtype,
-                _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging()),
-            )
+            sends = _pack(held, owner, dtype, _staging_for(eng))
         nbytes = sum(tensor_bytes(t) for b in held for _, t in b)
         tensors = sum(map(len, held))
 

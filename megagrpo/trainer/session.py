@@ -341,7 +341,7 @@ class Session:
                 ],
                 dtype=torch.float64,
             )
-        total = torch.stack([t for t in self.engines.gather_from_engines(sums)]).sum(0)
+        total = torch.stack(self.engines.gather_from_engines(sums)).sum(0)
         n = float(total[3])
         return {
             "eval/accuracy": float(total[0]) / n,

@@ -119,6 +119,7 @@ CASES = (
             "algo.kl={coef: 0.05, estimator: low_var_kl, placement: reward}",
             "algo.soft_overlong={enabled: true, cache_len: 4}",
             "replay=R2",
+            "dist.timeout_minutes=5",
         ),
     ),
     Case(

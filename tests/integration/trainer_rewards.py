@@ -1,5 +1,9 @@
 """Reward functions for the trainer tests (referenced by dotted path from the test configs)."""
 
+import json
+import os
+import threading
+
 
 def output_parity(prompt: str, completion: str, sample: dict) -> float:
     """1 for an even-length completion: varies across a random model's samples, so groups are kept."""
@@ -13,9 +17,6 @@ def always_raises(prompt: str, completion: str, sample: dict) -> float:
 def recorded_parity(prompt: str, completion: str, sample: dict) -> float:
     """`output_parity`, and every (prompt, completion) it scores appended to
     `$MEGAGRPO_TEST_RECORD_DIR/<pid>.jsonl` (the engine-count test compares what each run sampled)."""
-    import json
-    import os
-
     out = os.environ.get("MEGAGRPO_TEST_RECORD_DIR")
     if out:
         line = json.dumps([prompt, completion]) + "\n"
@@ -24,10 +25,4 @@ def recorded_parity(prompt: str, completion: str, sample: dict) -> float:
     return output_parity(prompt, completion, sample)
 
 
-def _lock():
-    import threading
-
-    return threading.Lock()
-
-
-_RECORD_LOCK = _lock()
+_RECORD_LOCK = threading.Lock()

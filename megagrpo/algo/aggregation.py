@@ -69,6 +69,15 @@ def loss_normaliser(loss_mask: Tensor, agg: str, agg_constant: float | None = No
     return float(_normaliser_tensor(m, agg, agg_constant))
 
 
+def loss_normaliser_tensor(loss_mask: Tensor, agg: str, agg_constant: float | None = None) -> Tensor:
+    """`loss_normaliser` of one rank's rows as a 0-dim float64 tensor: every normaliser is a sum over
+    rows, so the sum of this over the DP ranks (each holding different rows) is the global one."""
+    _check_agg(agg, agg_constant)
+    loss_mask = _checks.tensor("loss_mask", loss_mask)
+    _checks.ndim("loss_mask", loss_mask, 2, "[B, T]")
+    return _normaliser_tensor(_checks.mask("loss_mask", loss_mask, loss_mask), agg, agg_constant)
+
+
 def aggregate(
     values: Tensor,
     loss_mask: Tensor,

@@ -145,29 +145,47 @@ def importance_masks(
     )
 
 
-def importance_metrics(masks: ImportanceMasks, loss_mask: Tensor) -> dict[str, Tensor]:
-    """`mismatch/is_*` metrics (detached 0-dim float64 tensors) of `importance_masks`' result."""
+def importance_metrics(masks: ImportanceMasks, loss_mask: Tensor, reducer=None) -> dict[str, Tensor]:
+    """`mismatch/is_*` metrics (detached 0-dim float64 tensors) of `importance_masks`' result.
+
+    `reducer` (a `diagnostics.reduce` reducer, or None for one process): combines the partial sums and
+    extremes of ranks that hold different rows, so the metrics are those of the whole batch."""
     m = loss_mask.bool()
     f64 = torch.float64
-    tokens = m.sum().to(f64)
-    present = m.any(dim=-1)
-    seqs = present.sum().to(f64)
-    t_den, s_den = tokens.clamp_min(1), seqs.clamp_min(1)
     w = masks.weights.to(f64)
+    sums = torch.stack(
+        [
+            m.sum().to(f64),
+            m.any(dim=-1).sum().to(f64),
+            masks.token_above_cap.sum().to(f64),
+            masks.token_below_floor.sum().to(f64),
+            masks.seq_above_cap.sum().to(f64),
+            masks.seq_below_floor.sum().to(f64),
+            masks.seq_veto.sum().to(f64),
+            masks.zero_weight.sum().to(f64),
+            torch.where(m, w, 0.0).sum(),
+        ]
+    )
+    # -min as a max, so one all-reduce takes both extremes
+    ext = torch.stack([torch.where(m, -w, float("-inf")).max(), torch.where(m, w, float("-inf")).max()])
+    if reducer is not None:
+        sums, ext = reducer.sum(sums), reducer.max(ext)
+    tokens, seqs = sums[0], sums[1]
+    t_den, s_den = tokens.clamp_min(1), seqs.clamp_min(1)
     has = tokens > 0
     zero = torch.zeros((), dtype=f64, device=w.device)
     return {
         "mismatch/is_tokens": tokens,
         "mismatch/is_seqs": seqs,
-        "mismatch/is_frac_token_above_cap": masks.token_above_cap.sum().to(f64) / t_den,
-        "mismatch/is_frac_token_below_floor": masks.token_below_floor.sum().to(f64) / t_den,
-        "mismatch/is_frac_seq_above_cap": masks.seq_above_cap.sum().to(f64) / s_den,
-        "mismatch/is_frac_seq_below_floor": masks.seq_below_floor.sum().to(f64) / s_den,
-        "mismatch/is_frac_seq_veto": masks.seq_veto.sum().to(f64) / s_den,
-        "mismatch/is_frac_zero_weight": masks.zero_weight.sum().to(f64) / t_den,
-        "mismatch/is_weight_mean": w.sum() / t_den,
-        "mismatch/is_weight_min": torch.where(has, torch.where(m, w, float("inf")).min(), zero),
-        "mismatch/is_weight_max": torch.where(has, torch.where(m, w, float("-inf")).max(), zero),
+        "mismatch/is_frac_token_above_cap": sums[2] / t_den,
+        "mismatch/is_frac_token_below_floor": sums[3] / t_den,
+        "mismatch/is_frac_seq_above_cap": sums[4] / s_den,
+        "mismatch/is_frac_seq_below_floor": sums[5] / s_den,
+        "mismatch/is_frac_seq_veto": sums[6] / s_den,
+        "mismatch/is_frac_zero_weight": sums[7] / t_den,
+        "mismatch/is_weight_mean": sums[8] / t_den,
+        "mismatch/is_weight_min": torch.where(has, -ext[0], zero),
+        "mismatch/is_weight_max": torch.where(has, ext[1], zero),
     }
 
 

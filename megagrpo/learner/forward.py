@@ -1,7 +1,9 @@
 """Forward (and forward+backward) over a global batch through megatron's pipeline schedule.
 
-Every rank passes the SAME global batch. The learner takes this rank's data-parallel shard (whole
-sequences), splits it into micro-batches, runs `get_forward_backward_func()` (no pipelining, 1F1B or
+Every rank passes the SAME global batch, and the learner takes this rank's data-parallel shard (whole
+sequences); or, with `RunOptions.local_rows`, each DP rank passes only its own rows (the trainer's
+sharded data plane, `learner.row_plan`) and gets results for those rows. The rows are split into
+micro-batches, runs `get_forward_backward_func()` (no pipelining, 1F1B or
 interleaved, chosen by megatron from the PP/VPP sizes), and, for a forward-only pass, reassembles the
 per-token results of every DP rank and pipeline stage into `[B, T]` in the original sample order, on
 every rank.
@@ -57,6 +59,7 @@ class RunOptions:
     temperature: float = 1.0  # the sampler's temperature (logits / T before the softmax)
     with_entropy: bool = True
     chunk_tokens: int = 1024  # logprob/entropy working-set bound (rows of logits at once)
+    local_rows: bool = False  # the batch is this DP rank's rows only: no DP shard, no DP gather of results
 
 
 @dataclass
@@ -121,18 +124,33 @@ def build_micro_batches(
     pad_multiple: int,
     device: torch.device,
     total_multiple: int = 1,
+    parts: list[Tensor] | None = None,
 ) -> list[MicroBatch]:
     """This DP rank's micro-batches (whole sequences) in the model-input layout; `pad_multiple` and
-    `total_multiple` as `pad_multiples` returns them."""
+    `total_multiple` as `pad_multiples` returns them. `parts` (local rows only): the micro-batches as
+    row indices, instead of `opts.num_micro_batches` cut by `layout.split_micro_batches`."""
     B, T = _check_batch(batch)
     lens = _seq_lens(batch)
-    if dp_size * opts.num_micro_batches > B:
-        raise MegagrpoError(
-            f"global batch of {B} sequences cannot fill {dp_size} data-parallel ranks x "
-            f"{opts.num_micro_batches} micro-batches; use fewer micro-batches or a larger batch"
-        )
-    shard = layout.shard_for_data_parallel(lens, dp_rank, dp_size, balance=opts.balance)
-    parts = layout.split_micro_batches(lens[shard], opts.num_micro_batches, balance=opts.balance)
+    if opts.local_rows:
+        shard = torch.arange(B)
+        if parts is None and opts.num_micro_batches > B:
+            raise MegagrpoError(
+                f"this rank's {B} rows cannot fill {opts.num_micro_batches} micro-batches; use fewer "
+                "micro-batches (raise schedule.micro_batch_size) or a larger batch"
+            )
+    else:
+        if parts is not None:
+            raise ValueError("explicit micro-batch rows need RunOptions.local_rows")
+        if dp_size * opts.num_micro_batches > B:
+            raise MegagrpoError(
+                f"global batch of {B} sequences cannot fill {dp_size} data-parallel ranks x "
+                f"{opts.num_micro_batches} micro-batches; use fewer micro-batches or a larger batch"
+            )
+        shard = layout.shard_for_data_parallel(lens, dp_rank, dp_size, balance=opts.balance)
+    if parts is None:
+        parts = layout.split_micro_batches(lens[shard], opts.num_micro_batches, balance=opts.balance)
+    elif sorted(torch.cat(parts).tolist()) != list(range(B)):
+        raise ValueError(f"micro-batch rows must cover the {B} rows exactly once")
     out = []
     for k, part in enumerate(parts):
         samples = shard[part]
@@ -240,8 +258,9 @@ def run_schedule(
     forward_only: bool | None = None,
     force_all_reduce: bool = False,
     hooks: ForwardHooks | None = None,
+    parts: list[Tensor] | None = None,
 ) -> tuple[list[MicroBatch], list[dict[str, Any]]]:
-    """One pass of megatron's schedule over this rank's micro-batches.
+    """One pass of megatron's schedule over this rank's micro-batches (`parts`: see `build_micro_batches`).
 
     Returns (micro-batches, per-micro-batch records) -- the records exist on the last pipeline stage only.
     `forward_only` defaults to `loss_fn is None`; otherwise forward+backward (grads accumulate in the
@@ -259,8 +278,9 @@ def run_schedule(
     device = next(model[0].parameters()).device
     row, total = pad_multiples(config)
     mbs = build_micro_batches(
-        batch, opts, dp_rank=dp_rank, dp_size=dp_size, pad_multiple=row, total_multiple=total, device=device
-    )
+        batch, opts, dp_rank=dp_rank, dp_size=dp_size, pad_multiple=row, total_multiple=total, device=device,
+        parts=parts,
+    )  # fmt: skip
     iters: Any = [iter(mbs) for _ in model] if len(model) > 1 else iter(mbs)
     seq_len = max(int(mb.input_ids.shape[1]) for mb in mbs)
     mbs_size = max(int(mb.input_ids.shape[0]) for mb in mbs)
@@ -292,11 +312,12 @@ def run_schedule(
     return mbs, list(records or [])
 
 
-def _gather_rows(full: Tensor) -> Tensor:
-    """Sum a `[B, ...]` tensor that each (DP rank, last PP stage) filled for its own rows only."""
+def _gather_rows(full: Tensor, local_rows: bool) -> Tensor:
+    """Sum a `[B, ...]` tensor that each (DP rank, last PP stage) filled for its own rows only; with
+    `local_rows` the rows are this DP rank's alone and only the pipeline stages are summed."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_data_parallel_world_size() > 1:
+    if not local_rows and parallel_state.get_data_parallel_world_size() > 1:
         dist.all_reduce(full, group=parallel_state.get_data_parallel_group())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(full, group=parallel_state.get_pipeline_model_parallel_group())
@@ -304,14 +325,20 @@ def _gather_rows(full: Tensor) -> Tensor:
 
 
 def forward_logprobs(
-    model: list[Any], batch: dict[str, Tensor], opts: RunOptions, *, hooks: ForwardHooks | None = None
+    model: list[Any],
+    batch: dict[str, Tensor],
+    opts: RunOptions,
+    *,
+    hooks: ForwardHooks | None = None,
+    parts: list[Tensor] | None = None,
 ) -> dict[str, Tensor]:
-    """Forward-only pass: `{"logprobs": [B, T], "entropy": [B, T]}` (fp32, original order, every rank).
+    """Forward-only pass: `{"logprobs": [B, T], "entropy": [B, T]}` (fp32, original order, on every rank
+    of the batch's DP rank, or of every DP rank for a global batch).
 
     Entropy is omitted when `opts.with_entropy` is False.
     """
     B, T = _check_batch(batch)
-    mbs, records = run_schedule(model, batch, opts, loss_fn=None, hooks=hooks)
+    mbs, records = run_schedule(model, batch, opts, loss_fn=None, hooks=hooks, parts=parts)
     device = next(model[0].parameters()).device
     logp = torch.zeros(B, T, dtype=torch.float32, device=device)
     ent = torch.zeros(B, T, dtype=torch.float32, device=device)
@@ -320,7 +347,7 @@ def forward_logprobs(
         logp[rows] = rec["logp"].float()
         if rec["entropy"] is not None:
             ent[rows] = rec["entropy"].float()
-    out = {"logprobs": _gather_rows(logp)}
+    out = {"logprobs": _gather_rows(logp, opts.local_rows)}
     if opts.with_entropy:
-        out["entropy"] = _gather_rows(ent)
+        out["entropy"] = _gather_rows(ent, opts.local_rows)
     return out

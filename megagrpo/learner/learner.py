@@ -2,7 +2,9 @@
 the optimizer, the forward-only pass and the train step.
 
 Every rank calls every method with the SAME global batch (see `forward` for the batch dict); the
-learner shards it over data-parallel ranks and returns results identical on every rank.
+learner shards it over data-parallel ranks and returns results identical on every rank. With
+`local_rows=True` each DP rank passes only its own rows instead (`learner.row_plan`), and results
+cover those rows; losses and metrics are still reduced over every DP rank.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class Learner:
     # -- options -----------------------------------------------------------------------------------
 
     def run_options(
-        self, *, with_entropy: bool = True, num_micro_batches: int | None = None
+        self, *, with_entropy: bool = True, num_micro_batches: int | None = None, local_rows: bool = False
     ) -> fwd.RunOptions:
         c = self.cfg
         return fwd.RunOptions(
@@ -121,6 +123,7 @@ class Learner:
             temperature=c.temperature,
             with_entropy=with_entropy,
             chunk_tokens=c.chunk_tokens,
+            local_rows=local_rows,
         )
 
     # -- passes ------------------------------------------------------------------------------------
@@ -133,21 +136,27 @@ class Learner:
         with_entropy: bool = True,
         num_micro_batches: int | None = None,
         hooks: fwd.ForwardHooks | None = None,
+        local_rows: bool = False,
+        micro_batch_rows: list[torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Forward only: `{"logprobs": [B, T], "entropy": [B, T]}` fp32, original order, on every rank.
 
         batch: `input_ids [B, T]` (right-padded) and `seq_lens [B]` (or `attention_mask [B, T]`).
         reference=True runs the frozen reference model (KL); it needs `LearnerConfig.reference_model`.
+        local_rows: the batch is this DP rank's rows (see the module doc); `micro_batch_rows` then may give
+        the micro-batches as row indices (`RowPlan.micro_batch_rows`).
         """
         if reference and self.reference is None:
             raise MegagrpoError("reference logprobs need a reference model: set algo.kl.coef > 0")
         self._require_on_device()
         model = self.reference if reference else self.model
-        opts = self.run_options(with_entropy=with_entropy, num_micro_batches=num_micro_batches)
+        opts = self.run_options(
+            with_entropy=with_entropy, num_micro_batches=num_micro_batches, local_rows=local_rows
+        )
         if reference and self.cfg.ref_offload:
             self._move_reference(torch.device("cuda", torch.cuda.current_device()))
         try:
-            return fwd.forward_logprobs(model, batch, opts, hooks=hooks)
+            return fwd.forward_logprobs(model, batch, opts, hooks=hooks, parts=micro_batch_rows)
         finally:
             if reference and self.cfg.ref_offload:
                 self._move_reference(torch.device("cpu"))
@@ -159,6 +168,7 @@ class Learner:
         *,
         num_micro_batches: int | None = None,
         hooks: fwd.ForwardHooks | None = None,
+        local_rows: bool = False,
     ) -> dict[str, float]:
         """Forward+backward with `loss_fn` (per-micro-batch, globally normalised; see train_step.py), then
         one optimizer step. Returns metrics identical on every rank."""
@@ -173,7 +183,7 @@ class Learner:
             self.scheduler,
             batch,
             loss_fn,
-            self.run_options(num_micro_batches=num_micro_batches),
+            self.run_options(num_micro_batches=num_micro_batches, local_rows=local_rows),
             hooks=hooks,
         )
         self.step += 1

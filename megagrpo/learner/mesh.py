@@ -225,10 +225,43 @@ def set_nccl_defaults(environ: MutableMapping[str, str] | None = None) -> None:
 
 @dataclass(frozen=True)
 class Mesh:
+    """`replica`: the ranks that train on the same rows (one DP rank's TP x CP x PP peers), as a process
+    group (None when this rank is alone in it); `replica_leader` is its lowest global rank, the one that
+    receives the rows from the engines (`trainer.rows`) and hands them on within the replica."""
+
     config: MeshConfig
     env: DistEnv
     dp: int
     device: torch.device
+    dp_rank: int = 0
+    replica: dist.ProcessGroup | None = None
+    replica_leader: int = 0
+    dp_ranks: tuple[int, ...] = (0,)  # the DP rank of every global rank
+
+    def data_parallel_group(self):
+        """megatron's DP group (ranks holding different rows), or None with one DP rank."""
+        if self.dp == 1:
+            return None
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+
+def _replica_groups(dp_rank: int) -> tuple[dist.ProcessGroup | None, int, tuple[int, ...]]:
+    """One process group per DP rank over the ranks with that DP rank (every rank creates every group, in
+    the same order, as `new_group` requires). Returns this rank's group, its leader and every rank's DP
+    rank. One small object gather at start-up: megatron's rank order stays its own business."""
+    world = dist.get_world_size()
+    every: list = [None] * world
+    dist.all_gather_object(every, dp_rank)
+    dp_ranks = tuple(int(x) for x in every)
+    mine: dist.ProcessGroup | None = None
+    for d in sorted(set(dp_ranks)):
+        ranks = [r for r in range(world) if dp_ranks[r] == d]
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if d == dp_rank:
+            mine = group
+    return mine, dp_ranks.index(dp_rank), dp_ranks
 
 
 def init_mesh(
@@ -276,11 +309,17 @@ def init_mesh(
     # default (data-parallel) stream must agree across model-parallel peers.
     torch.manual_seed(seed)
     mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    replica, leader, dp_ranks = _replica_groups(dp_rank)
     return Mesh(
         mesh_cfg,
         env,
         dp,
         torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
+        dp_rank=dp_rank,
+        replica=replica,
+        replica_leader=leader,
+        dp_ranks=dp_ranks,
     )
 
 

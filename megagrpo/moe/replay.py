@@ -10,15 +10,18 @@ One `StepReplay` per training step (`StepReplay.for_step(mode, learner, batch)`,
   the backward (REPLAY_BACKWARD). Every pass measures |log r_theta - log r_old| at the old routes.
 * `token_weights(data)` inside the loss function: the RSPO weight gamma `[b, T]` of the micro-batch
   whose forward just ran (stop-gradient).
-* `old_pass_metrics()` and `step_metrics()`: collectives over the WORLD group, so every rank must call
-  them, in the same order; they return the same dict on every rank.
+* `old_pass_metrics()` and `step_metrics()`: collectives (every rank must call them, in the same order);
+  they return the same dict on every rank.
 
-Alignment. Routes are kept as route tables `[B, T, L, K]` in the padded layout of the global batch (see
-`megagrpo.moe.routes`); the learner's router order (padded `[T_mb, b]` or packed THD, the TP rank's
-sequence-parallel slice, the micro-batch's samples, the pipeline stage's own layers) comes from
+Alignment. Routes are kept as route tables `[B, T, L, K]` in the padded layout of the step's batch (see
+`megagrpo.moe.routes`): the global batch, or with `sharded=True` this DP rank's rows (the trainer's data
+plane). The learner's router order (padded `[T_mb, b]` or packed THD, the TP rank's sequence-parallel
+slice, the micro-batch's samples, the pipeline stage's own layers) comes from
 `megagrpo.learner.layout.router_token_positions`. A rank fills the table entries of the tokens and
-layers it saw; the entries are merged over all ranks after the pass (each entry has exactly one owner:
-SP slices, DP shards and PP stages are disjoint), so the next pass may split the batch differently.
+layers it saw; the entries are merged after the pass over the ranks that share the batch (each entry has
+exactly one owner: SP slices and PP stages, and DP shards of a global batch, are disjoint), so the next
+pass may split the batch differently. Sharded, that merge stays inside the DP rank's replica (TP x CP x
+PP) and the metrics are summed over DP; no replay collective spans WORLD.
 
 Accounting (per step, all passes): a route is consumed when a router call in a hooked forward takes it.
 `moe/replay_unconsumed` counts (token, layer) routes of real tokens that no router consumed in a pass
@@ -194,6 +197,15 @@ class _Pass:
         taps.reset_replay()
 
 
+def pass_table_bytes(rows: int, T: int, L: int, K: int) -> int:
+    """Bytes of the route tables live during one step's old-policy pass under R3 over `rows` rows of T
+    columns (what `_Pass.__init__` and `StepReplay` allocate): the sampler's routes, the pass's own and
+    used routes (int64 each), log r at the used routes (fp32), consumption counts (int32 per layer) and
+    fallback flags (int32 per token). For `tools/bench_rows.py`; keep in step with the allocations."""
+    n = rows * T
+    return n * L * K * (8 + 8 + 8 + 4) + n * L * 4 + n * 4
+
+
 class _Hooks:
     """`megagrpo.learner.forward.ForwardHooks` of one pass."""
 
@@ -221,6 +233,9 @@ class StepReplay:
         pipeline_parallel: int = 1,
         router_shift: bool = False,
         learner: Any = None,
+        sharded: bool = False,
+        merge_group: Any = None,
+        reducer: Any = None,
     ) -> None:
         if mode not in MODES:
             raise MegagrpoError(f"replay={mode!r}; use one of {MODES}")
@@ -228,6 +243,10 @@ class StepReplay:
             raise MegagrpoError(f"algo.router_shift_gamma_min={gamma_min} must be in [0, 1]")
         self.mode, self.taps, self.device, self.gamma_min = mode, taps, device, gamma_min
         self.pp, self.router_shift, self.learner = pipeline_parallel, router_shift, learner
+        # sharded: `batch` is this DP rank's rows; tables merge over the ranks that share those rows
+        # (`merge_group`, None = alone) and metrics reduce over DP (`reducer`). Otherwise every rank holds
+        # the global batch and tables merge over WORLD.
+        self.sharded, self.merge_group, self.reducer = sharded, merge_group, reducer
         if router_shift and pipeline_parallel > 1 and learner is None:
             raise MegagrpoError("RSPO with pipeline parallelism needs the learner (use StepReplay.for_step)")
         self._inputs = {k: batch[k] for k in ("input_ids", "seq_lens", "attention_mask") if k in batch}
@@ -293,6 +312,7 @@ class StepReplay:
         *,
         gamma_min: float = stats.DEFAULT_GAMMA_MIN,
         router_shift: bool = False,
+        sharded: bool = False,
     ) -> StepReplay:
         """The step's replay: mode "R2", "R3" or "none" (statistics and RSPO weights only, no replay; works
         on a model built without routing replay). `batch` is the global batch (every rank the same), with
@@ -304,6 +324,13 @@ class StepReplay:
 
         taps = router_taps(learner)
         device = next(learner.model[0].parameters()).device
+        merge_group, reducer = None, None
+        if sharded:
+            from megagrpo.diagnostics.reduce import DistReducer
+
+            merge_group = learner.mesh.replica
+            dp_group = learner.mesh.data_parallel_group()
+            reducer = DistReducer(dp_group) if dp_group is not None else None
         return cls(
             mode,
             taps,
@@ -313,7 +340,22 @@ class StepReplay:
             pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
             router_shift=router_shift,
             learner=learner,
+            sharded=sharded,
+            merge_group=merge_group,
+            reducer=reducer,
         )
+
+    # -- merges over the ranks that share this batch ------------------------------------------------------
+
+    def _merge_routes(self, t: Tensor) -> Tensor:
+        if self.sharded and self.merge_group is None:
+            return t
+        return rt.merge_routes(t, self.E, group=self.merge_group)
+
+    def _merge_sum(self, t: Tensor) -> Tensor:
+        if self.sharded and self.merge_group is None:
+            return t
+        return rt.all_reduce_sum(t, group=self.merge_group)
 
     # -- passes --------------------------------------------------------------------------------------
 
@@ -340,9 +382,9 @@ class StepReplay:
             return
         p = self.old
         p.end()
-        self.old_used = rt.merge_routes(p.used, self.E)
-        self.old_own = rt.merge_routes(p.own, self.E)
-        self.old_logr = rt.all_reduce_sum(p.logr)
+        self.old_used = self._merge_routes(p.used)
+        self.old_own = self._merge_routes(p.own)
+        self.old_logr = self._merge_sum(p.logr)
 
     def old_routes(self) -> Tensor | None:
         """Collective. int64 `[B, T, L, K]`: the routes the old pass used (R2: recorded, R3: the sampler's
@@ -392,11 +434,10 @@ class StepReplay:
         self._prepasses.append(pre)
         cpu_rows = rows.cpu()
         sub = {k: v[cpu_rows.to(v.device)] for k, v in self._inputs.items()}
-        forward_logprobs(
-            self.learner.model, sub, self.learner.run_options(with_entropy=False), hooks=_Hooks(pre)
-        )
+        opts = self.learner.run_options(with_entropy=False, local_rows=self.sharded)
+        forward_logprobs(self.learner.model, sub, opts, hooks=_Hooks(pre))
         pre.end()
-        return rt.all_reduce_sum(pre.dlogr)
+        return self._merge_sum(pre.dlogr)
 
     # -- RSPO ------------------------------------------------------------------------------------------
 
@@ -462,9 +503,11 @@ class StepReplay:
         if self.sampler_routes is not None:
             have = (self.sampler_routes[..., 0] != rt.NO_ROUTE).all(-1)
             mask = self.pred_mask & have & own_ok
-            agr = stats.topk_agreement(self.sampler_routes, self.old_own, mask, n_experts=self.E)
+            agr = stats.topk_agreement(
+                self.sampler_routes, self.old_own, mask, n_experts=self.E, reducer=self.reducer
+            )
             out.update(agr.metrics("rollout_old"))
-        counts = stats.expert_counts(self.old_own, self.real & own_ok, n_experts=self.E)
+        counts = stats.expert_counts(self.old_own, self.real & own_ok, n_experts=self.E, reducer=self.reducer)
         load = stats.load_distribution(counts)
         out.update(stats.load_metrics(load))
         tracker = self.taps.state.setdefault("drift", stats.LoadDriftTracker())
@@ -483,34 +526,39 @@ class StepReplay:
             for p in ([self.old] if self.old is not None else []) + self._prepasses + self.train:
                 if p.mode != "replay":
                     continue
-                counts = rt.all_reduce_sum(p.counts)
+                counts = self._merge_sum(p.counts)
                 expect = self.real[p.rows].unsqueeze(-1) & (p.source[p.rows][..., 0] != rt.NO_ROUTE)
-                unconsumed += int((expect & (counts == 0)).sum()) + int(rt.all_reduce_sum(
-                    torch.tensor(p.leftover, device=self.device)
-                ))  # fmt: skip
+                unconsumed += int((expect & (counts == 0)).sum()) + int(
+                    self._merge_sum(torch.tensor(p.leftover, device=self.device))
+                )
                 reused += int((counts > 1).sum())
-                fallback += int((rt.all_reduce_sum(p.fallback) > 0).sum())
-            out["moe/replay_unconsumed"] = float(unconsumed)
-            out["moe/replay_reused"] = float(reused)
-            out["moe/replay_fallback_tokens"] = float(fallback)
+                fallback += int((self._merge_sum(p.fallback) > 0).sum())
+            totals = torch.tensor([unconsumed, reused, fallback], dtype=torch.float64, device=self.device)
+            if self.reducer is not None:
+                totals = self.reducer.sum(totals)
+            out["moe/replay_unconsumed"] = float(totals[0])
+            out["moe/replay_reused"] = float(totals[1])
+            out["moe/replay_fallback_tokens"] = float(totals[2])
         if self.old_own is not None and self._own_passes:
             last = len(self._own_passes) - 1
             for i, p in enumerate(self._own_passes):
-                own = rt.merge_routes(p.own, self.E)
+                own = self._merge_routes(p.own)
                 old = self.old_own[p.rows]
                 ok = (own[..., 0] != rt.NO_ROUTE).all(-1) & (old[..., 0] != rt.NO_ROUTE).all(-1)
-                agr = stats.topk_agreement(old, own, self.pred_mask[p.rows] & ok, n_experts=self.E)
+                agr = stats.topk_agreement(
+                    old, own, self.pred_mask[p.rows] & ok, n_experts=self.E, reducer=self.reducer
+                )
                 if i == 0:
                     out.update(agr.metrics("old_current_first"))
                 if i == last:
                     out.update(agr.metrics("old_current"))
         if self.old_used is not None and self.train:
-            d = torch.cat([rt.all_reduce_sum(p.dlogr) for p in self.train])  # [sum Bp, T, L]
+            d = torch.cat([self._merge_sum(p.dlogr) for p in self.train])  # [sum Bp, T, L]
             rows = torch.cat([p.rows for p in self.train])
             have = (self.old_used[rows][..., 0] != rt.NO_ROUTE).all(-1)
             shift = stats.router_shift_from_logp(
                 d.unsqueeze(-1), torch.zeros_like(d).unsqueeze(-1), self.pred_mask[rows] & have,
-                gamma_min=self.gamma_min,
+                gamma_min=self.gamma_min, reducer=self.reducer,
             )  # fmt: skip
             out.update(shift.metrics())
         return out

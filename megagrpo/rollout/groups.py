@@ -12,13 +12,16 @@ nearly equal runs, engine e taking `share(n, e)`. The rule depends only on n and
 request seeds come from each request's GLOBAL index (`RolloutEngine.generate(index_offset=...)`), so the
 same prompt gets the same seed whichever engine samples it: the number of engines changes no completion.
 
-Costs. The collectives here carry scalars per prompt group (rewards, counts) over WORLD; nothing here
-moves a token. The groups themselves travel once per step, in `gather_kept`.
+Costs. `gather`, `join_shares` and `sum_counts` carry scalars per prompt group (rewards, counts) over
+WORLD. Tokens move once per step, in `send_rows`: each row goes from the owner that sampled it to the
+ranks that asked for it, and nowhere else (an all-to-all of the pickled rows; a rank receives exactly
+the rows it asked for, plus one int64 size per rank).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,15 +108,73 @@ class EngineGroups:
                 total[k] = total.get(k, 0.0) + float(v)
         return total
 
-    def gather_kept(self, prompts: list[Any], positions: list[int], n: int) -> list[Any]:
-        """The step's `n` kept prompt groups in batch order, on every rank, from the owners that sampled
-        them (`DynamicBatch.prompts` / `.positions`). Every rank then holds the whole batch: B x T tokens
-        (and routes) per rank, the cost of today's data plane that a sharded one removes (issue 14)."""
-        out: list[Any] = [None] * n
-        for part in self.gather_from_engines(list(zip(positions, prompts, strict=True))):
-            for pos, p in part or []:
-                out[pos] = p
-        missing = [i for i, p in enumerate(out) if p is None]
+    def send_rows(self, owned: dict[int, Any], wanted: list[list[int]]) -> tuple[dict[int, Any], int]:
+        """Rank r receives the rows `wanted[r]` (ids) from whichever rank holds them in its `owned`
+        (row id -> object); one all-to-all over WORLD. Returns (this rank's wanted rows by id, bytes
+        received). Raises when a wanted row is held by no rank."""
+        if len(wanted) != self.world:
+            raise ValueError(f"wanted lists {len(wanted)} ranks, the world has {self.world}")
+        payloads = []
+        for rows in wanted:
+            items = [(i, owned[i]) for i in rows if i in owned]
+            payloads.append(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) if items else b"")
+        if self.world == 1:
+            chunks, received = payloads, 0
+        else:
+            chunks = _all_to_all_bytes(payloads)
+            received = sum(len(c) for c in chunks)
+        got: dict[int, Any] = {}
+        for c in chunks:
+            if c:
+                got.update(pickle.loads(c))
+        missing = [i for i in wanted[self.rank] if i not in got]
         if missing:
-            raise RuntimeError(f"no engine returned kept group(s) {missing[:5]} of {n}")
-        return out
+            raise RuntimeError(f"no rank holds row(s) {missing[:5]} of the step's batch")
+        return got, received
+
+
+def node_name() -> str:
+    """This process's node: Slurm's name for it when under Slurm, else the host name."""
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def wire_device(group=None) -> torch.device:
+    """Where a collective's byte buffers live: the current GPU for NCCL, the host for gloo."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_to_all_bytes(payloads: list[bytes]) -> list[bytes]:
+    """payloads[r] goes to rank r; returns what each rank sent to this one (b"" when nothing)."""
+    dev = wire_device()
+    sizes_in = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=dev)
+    sizes_out = torch.empty_like(sizes_in)
+    dist.all_to_all_single(sizes_out, sizes_in)
+    out_splits = [int(x) for x in sizes_out.tolist()]
+    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8) if any(payloads) else None
+    send = send.to(dev) if send is not None else torch.empty(0, dtype=torch.uint8, device=dev)
+    recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=dev)
+    dist.all_to_all_single(recv, send, out_splits, [len(p) for p in payloads])
+    flat = recv.cpu().numpy().tobytes()
+    out, lo = [], 0
+    for n in out_splits:
+        out.append(flat[lo : lo + n])
+        lo += n
+    return out
+
+
+def broadcast_bytes(payload: bytes | None, src: int, group) -> bytes:
+    """`payload` of global rank `src` on every rank of `group` (a size, then the bytes)."""
+    dev = wire_device(group)
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=src, group=group)
+    if payload is not None:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+    else:
+        buf = torch.empty(int(size), dtype=torch.uint8, device=dev)
+    if buf.numel():
+        dist.broadcast(buf, src=src, group=group)
+    return payload if payload is not None else buf.cpu().numpy().tobytes()

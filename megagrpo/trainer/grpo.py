@@ -5,8 +5,10 @@ R3 replay) -> mismatch metrics and TIS/MIS weights -> k mini-batch updates -> ro
 sampler wakes -> periodic evaluation -> checkpoint.
 
 Sampling is data-parallel: each engine owner (`rollout.groups`) samples and scores its share of every
-round, dynamic sampling decides from the gathered rewards, and the kept groups are gathered so every
-learner rank holds the same global batch (the learner shards it over DP itself).
+round, and dynamic sampling decides from the gathered rewards. The data plane (`trainer.rows`) then
+plans which rows each DP rank trains on and moves each row from its owner to that rank's replica only:
+from here on every per-token tensor of a step is this rank's rows (the local batch), and whatever spans
+the batch (advantages, the loss normaliser, mismatch quantiles, metrics) is reduced over DP.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.algo.advantages import gdpo, group_advantages
-from megagrpo.algo.aggregation import loss_normaliser
+from megagrpo.algo.aggregation import loss_normaliser_tensor
 from megagrpo.algo.filters import keep_groups, overlong_mask, soft_overlong_penalty
 from megagrpo.algo.importance import importance_masks, importance_metrics
 from megagrpo.algo.kl import kl_penalised_rewards
@@ -27,14 +29,11 @@ from megagrpo.algo.losses import policy_loss
 from megagrpo.config.schema import Config
 from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
 from megagrpo.diagnostics.mismatch import mismatch_metrics, token_ratio_quantiles
+from megagrpo.diagnostics.reduce import DistReducer, LocalReducer
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
 from megagrpo.trainer.batch import response_mask, rollout_batch, select_rows
+from megagrpo.trainer.rows import StepRows, distribute_rows
 from megagrpo.trainer.session import Session
-
-
-def response_lengths(completions) -> torch.Tensor:
-    """Output tokens per completion, int64 `[B]`: the DAPO length penalty takes integer lengths only."""
-    return torch.tensor([c.output_ids.numel() for c in completions], dtype=torch.int64)
 
 
 def length_shaped_rewards(rewards: torch.Tensor, lengths: torch.Tensor, so) -> torch.Tensor:
@@ -64,17 +63,21 @@ def correction_masks(spec, cap: float, learner_logp, sampler_logp, loss_mask):
 
 
 def mismatch_measurements(
-    sampler_logp, learner_logp, loss_mask, caps: list[AdaptiveCap], *, full: bool
+    sampler_logp, learner_logp, loss_mask, caps: list[AdaptiveCap], *, full: bool, reducer=None
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(metrics to log, metrics the `auto` caps update from). `full` (diagnostics.mismatch) computes the
-    whole mismatch/ set, with each cap's quantile added; otherwise only what the caps read is measured."""
+    whole mismatch/ set, with each cap's quantile added; otherwise only what the caps read is measured.
+    `reducer` combines the DP ranks' rows (`diagnostics.reduce`)."""
     if full:
         extra = tuple(c.quantile for c in caps)
-        m = mismatch_metrics(sampler_logp, learner_logp, loss_mask, extra_token_quantiles=extra).metrics
+        m = mismatch_metrics(
+            sampler_logp, learner_logp, loss_mask, extra_token_quantiles=extra, reducer=reducer
+        ).metrics
         return m, m
     if not caps:
         return {}, {}
-    return {}, token_ratio_quantiles(sampler_logp, learner_logp, loss_mask, [c.quantile for c in caps])
+    qs = [c.quantile for c in caps]
+    return {}, token_ratio_quantiles(sampler_logp, learner_logp, loss_mask, qs, reducer=reducer)
 
 
 class PhaseTimer:
@@ -150,9 +153,10 @@ class GRPOTrainer(Session):
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def _sample(self, timer: PhaseTimer) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
-        """Every rank: data-parallel dynamic sampling and rewards, then the kept groups gathered in batch
-        order, advantages -> the learner batch and rollout/reward/adv metrics (the same on every rank)."""
+    def _sample(self, timer: PhaseTimer) -> tuple[StepRows | None, dict[str, torch.Tensor] | None, dict]:
+        """Every rank: data-parallel dynamic sampling and rewards, advantages of the whole batch (from
+        per-row scalars), this rank's rows -> (the step's rows, the local learner batch, metrics that are
+        the same on every rank)."""
         cfg, a = self.cfg, self.cfg.algo
         with timer("rollout"):
             dyn = dynamic_sample(
@@ -168,22 +172,28 @@ class GRPOTrainer(Session):
             )
         m: dict[str, float] = {**dyn.metrics(), **self._reward_counts()}
         if dyn.kept == 0:
-            return None, {**m, "rollout/skipped_step": 1.0}
-        kept = self.engines.gather_kept(dyn.prompts, dyn.positions, dyn.kept)
+            return None, None, {**m, "rollout/skipped_step": 1.0}
+        with timer("rows"):
+            rows = distribute_rows(
+                self.engines, self.learner.mesh, dyn, cfg.rollout.group_size,
+                num_mini_batches=a.ppo_mini_batches, micro_batch_size=cfg.schedule.micro_batch_size,
+                balance=self.learner.cfg.balance,
+            )  # fmt: skip
         with timer("reward"):
-            rewards = dyn.rewards.clone()
-            comps = [c for p in kept for c in p.completions]
-            lengths = response_lengths(comps)
-            rewards = length_shaped_rewards(rewards, lengths, a.soft_overlong)
+            rewards = length_shaped_rewards(dyn.rewards.clone(), rows.response_len, a.soft_overlong)
             if cfg.rewards.combine == "gdpo":  # the schema ties it to algo.advantages=gdpo
                 weights = torch.tensor([f.weight for f in cfg.rewards.functions], dtype=torch.float32)
-                adv = gdpo(torch.stack([p.per_reward for p in kept]), weights, a.adv_eps)
+                adv = gdpo(rows.per_reward, weights, a.adv_eps)
             else:
                 adv = group_advantages(rewards, a.advantages, a.adv_eps)
-        batch = rollout_batch([p.completions for p in kept], adv, pad_id=self.pad_id, rewards=rewards)
+        local = rows.local
+        batch = rollout_batch(
+            [rows.completions], adv.reshape(-1)[local], pad_id=self.pad_id, rewards=rewards.reshape(-1)[local]
+        )
         if a.overlong_filter:
-            keep = overlong_mask([c.finish_reason for c in comps])
+            keep = overlong_mask([c.finish_reason for c in rows.completions])
             batch["loss_mask"] &= keep[:, None]
+        lengths = rows.response_len
         m.update(
             {
                 "reward/mean": float(dyn.rewards.mean()),
@@ -193,11 +203,24 @@ class GRPOTrainer(Session):
                 "adv/abs_max": float(adv.abs().max()),
                 "rollout/response_len_mean": float(lengths.float().mean()),
                 "rollout/response_len_max": float(lengths.max()),
-                "rollout/truncated_frac": float(batch["truncated"].float().mean()),
-                "rollout/completions": float(len(comps)),
+                "rollout/truncated_frac": float(rows.truncated.float().mean()),
+                "rollout/completions": float(lengths.numel()),
+                "perf/rows_bytes_max": self._max_over_world(float(rows.bytes_received)),
             }
         )
-        return batch, m
+        return rows, batch, m
+
+    def _max_over_world(self, x: float) -> float:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return x
+        t = torch.tensor([x], dtype=torch.float64, device=self.learner.mesh.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def _dp_reducer(self):
+        """Reduces per-row partial results over the DP ranks (each holds different rows)."""
+        group = self.learner.mesh.data_parallel_group()
+        return DistReducer(group) if group is not None else LocalReducer()
 
     def _reward_counts(self) -> dict[str, float]:
         """This step's reward error/timeout counts over every engine and round (collective), and the
@@ -215,11 +238,13 @@ class GRPOTrainer(Session):
             if not spec.enabled:
                 continue
             cap = auto.cap if auto is not None else float(spec.cap)
-            masks = correction_masks(spec, cap, old_logp, batch["sampler_logp"], batch["loss_mask"])
+            sampler_logp, loss_mask = (batch[k].to(old_logp.device) for k in ("sampler_logp", "loss_mask"))
+            masks = correction_masks(spec, cap, old_logp, sampler_logp, loss_mask)
+            reduced = importance_metrics(masks, loss_mask, self._dp_reducer())
             metrics.update(
                 {
                     f"{k}" if name == "tis" else k.replace("mismatch/is_", "mismatch/mis_"): float(v)
-                    for k, v in importance_metrics(masks, batch["loss_mask"]).items()
+                    for k, v in reduced.items()
                 }
             )
             if auto is not None:
@@ -231,7 +256,7 @@ class GRPOTrainer(Session):
         cfg, a = self.cfg, self.cfg.algo
         timer = PhaseTimer()
         t_step = time.perf_counter()
-        batch, metrics = self._sample(timer)
+        rows, batch, metrics = self._sample(timer)
         if batch is not None and self.engine is not None:
             with timer("sleep"):
                 self.engine.release(["kv_cache", "weights"])
@@ -249,19 +274,26 @@ class GRPOTrainer(Session):
         metrics["rollout/skipped_step"] = 0.0
         self.learner_phase()  # the engines released above; nothing more to release
 
+        dp_rank = self.learner.mesh.dp_rank
+        micro = rows.plan.micro_batch_rows(dp_rank)  # the training step's micro-batches, for every pass
         learner_batch = {k: v for k, v in batch.items() if k != "routes"}
         replay = self.replay_for(batch)
         with timer("old_logp"):
             if a.old_logp == "recompute":
-                old = self.learner.forward(learner_batch, hooks=replay.old_pass_hooks() if replay else None)
+                hooks = replay.old_pass_hooks() if replay else None
+                old = self.learner.forward(
+                    learner_batch, hooks=hooks, local_rows=True, micro_batch_rows=micro
+                )
                 old_logp = old["logprobs"]
             else:
                 old_logp = batch["sampler_logp"]
         # The schema allows neither with old_logp=rollout: both compare this learner pass with the sampler.
         caps = [c for c in (self.tis_cap, self.mis_cap) if c is not None]
         logged, measured = mismatch_measurements(
-            batch["sampler_logp"], old_logp, batch["loss_mask"], caps, full=cfg.diagnostics.mismatch
-        )
+            batch["sampler_logp"].to(old_logp.device), old_logp, batch["loss_mask"].to(old_logp.device), caps,
+            full=cfg.diagnostics.mismatch,
+            reducer=self._dp_reducer(),
+        )  # fmt: skip
         metrics.update(logged)
         iw = self._importance(old_logp, batch, metrics)
         for cap in caps:  # after the weights: a step's cap never depends on its own measurement
@@ -271,15 +303,15 @@ class GRPOTrainer(Session):
             learner_batch["importance_weights"] = iw
         if a.kl.coef > 0:
             learner_batch["ref_logp"] = self.learner.forward(
-                learner_batch, reference=True, with_entropy=False
+                learner_batch, reference=True, with_entropy=False, local_rows=True, micro_batch_rows=micro
             )["logprobs"]
             if a.kl.placement == "reward":
-                metrics.update(self._kl_in_reward(learner_batch))
+                metrics.update(self._kl_in_reward(learner_batch, rows))
         if replay is not None:
             metrics.update(replay.old_pass_metrics())
 
         with timer("train"):
-            metrics.update(self._updates(learner_batch, replay))
+            metrics.update(self._updates(learner_batch, rows, replay))
         if replay is not None:
             metrics.update(replay.step_metrics())
 
@@ -287,15 +319,16 @@ class GRPOTrainer(Session):
             metrics.update(self.sync_weights())
         metrics.update(timer.metrics())
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
-        metrics["perf/tokens_per_second"] = float(batch["seq_lens"].sum()) / max(
+        metrics["perf/tokens_per_second"] = float(rows.seq_lens.sum()) / max(
             metrics["perf/step_seconds"], 1e-9
         )
         return metrics
 
-    def _kl_in_reward(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _kl_in_reward(self, batch: dict[str, torch.Tensor], rows: StepRows) -> dict[str, float]:
         """algo.kl.placement=reward: penalise each sequence's reward by coef * sum_t KL(old || ref) over its
         response tokens and replace `batch["advantages"]` with the group advantages of the penalised
-        rewards. Local: every rank holds the same gathered batch and computes the same advantages."""
+        rewards. A group's rows may sit on different DP ranks, so the penalised rewards of the whole
+        batch (B floats) are summed over DP first; every rank then computes the same advantages."""
         a = self.cfg.algo
         dev = batch["ref_logp"].device  # the learner's device; the rollout batch stays on the host
         shaped, penalty = kl_penalised_rewards(
@@ -306,32 +339,39 @@ class GRPOTrainer(Session):
             a.kl.coef,
             a.kl.estimator,
         )
+        B = rows.plan.num_rows
+        both = torch.zeros(2, B, dtype=torch.float64, device=dev)
+        local = rows.local.to(dev)
+        both[0, local], both[1, local] = shaped.to(torch.float64), penalty.to(torch.float64)
+        both = self._dp_reducer().sum(both)
         G = self.cfg.rollout.group_size
-        adv = group_advantages(shaped.view(-1, G), a.advantages, a.adv_eps).reshape(-1)
-        batch["advantages"] = adv.to(batch["advantages"].device, torch.float32)
+        adv = group_advantages(both[0].to(torch.float32).view(-1, G), a.advantages, a.adv_eps).reshape(-1)
+        batch["advantages"] = adv[local].to(batch["advantages"].device, torch.float32)
         return {
-            "reward/kl_penalty_mean": float(penalty.mean()),
+            "reward/kl_penalty_mean": float(both[1].mean()),
             "adv/mean": float(adv.mean()),
             "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
             "adv/abs_max": float(adv.abs().max()),
         }
 
-    def _updates(self, batch: dict[str, torch.Tensor], replay) -> dict[str, float]:
-        """`ppo_epochs` passes over `ppo_mini_batches` mini-batches, one optimizer step each."""
+    def _updates(self, batch: dict[str, torch.Tensor], rows: StepRows, replay) -> dict[str, float]:
+        """`ppo_epochs` passes over the plan's mini-batches (this rank's rows of each), one optimizer step
+        each. The loss normaliser is the whole mini-batch's, summed over DP."""
         a = self.cfg.algo
-        B = batch["input_ids"].shape[0]
-        n_mini = a.ppo_mini_batches
-        order = torch.arange(B)
+        plan, dp_rank = rows.plan, self.learner.mesh.dp_rank
+        red = self._dp_reducer()
         out: dict[str, float] = {}
         steps = 0
         for _epoch in range(a.ppo_epochs):
-            for rows in torch.chunk(order, n_mini):
-                mb = select_rows(batch, rows)
-                norm = loss_normaliser(mb["loss_mask"], a.agg, a.agg_constant)
+            for sl, n_micro in zip(plan.mini_batch_slices(dp_rank), plan.micro_batches, strict=True):
+                local = torch.arange(sl.start, sl.stop)
+                mb = select_rows(batch, local)
+                local_norm = loss_normaliser_tensor(mb["loss_mask"], a.agg, a.agg_constant)
+                norm = float(red.sum(local_norm.to(self.learner.mesh.device)))  # NCCL reduces device tensors
                 loss_fn = self._loss_fn(norm, replay)
-                hooks = replay.train_hooks(rows) if replay is not None else None
+                hooks = replay.train_hooks(local) if replay is not None else None
                 m = self.learner.train_step(
-                    mb, loss_fn, num_micro_batches=self.micro_batches(mb), hooks=hooks
+                    mb, loss_fn, num_micro_batches=n_micro, hooks=hooks, local_rows=True
                 )
                 for k, v in m.items():
                     out[k] = out.get(k, 0.0) + float(v)

@@ -20,7 +20,7 @@ from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.config.loader import dump_config
 from megagrpo.config.schema import Config
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.groups import EngineGroups
+from megagrpo.rollout.groups import EngineGroups, node_name
 from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.trainer import checkpointing
 from megagrpo.trainer.components import learner_config, optimizer_factory, rollout_config, sampling_config
@@ -147,6 +147,12 @@ class Session:
 
             rc = replace(rollout_config(self.cfg, self.model_path), base_gpu_id=self.engines.base_gpu_id())
             self.engine = RolloutEngine(rc).start()
+            # one line per engine, so a job's log says where its samplers run
+            print(
+                f"engine {self.engines.engine} of {self.engines.num_engines}: rank {self.engines.rank} on "
+                f"{node_name()}, first GPU {rc.base_gpu_id}",
+                flush=True,
+            )
         barrier()
 
     def learner_phase(self, release: tuple[str, ...] = ("kv_cache", "weights")) -> None:
@@ -214,6 +220,7 @@ class Session:
             batch,
             gamma_min=a.router_shift_gamma_min,
             router_shift=a.router_shift,
+            sharded=True,  # the batch is this DP rank's rows (trainer.rows)
         )
 
     # -- prompts and generation ---------------------------------------------------------------------

@@ -53,12 +53,13 @@ def main(rank: int, world: int, outdir: Path) -> None:
             lambda prompts, groups: torch.tensor([float(c.output_ids[0] >= 4) for g in groups for c in g]),
             engines=engines,
         )
-        kept = engines.gather_kept(batch.prompts, batch.positions, batch.kept)
+        every = engines.gather_from_engines(list(zip(batch.positions, [p[0] for p in batch.prompts])))
+        kept = [prompt for _pos, prompt in sorted(x for part in every for x in part)]
         results[str(n)] = dict(
             engine=engines.engine,
             generated=log,
             rewards=batch.rewards.tolist(),
-            kept_prompts=[p[0] for p in kept],
+            kept_prompts=kept,
             mine=[p[0] for p in batch.prompts],
             positions=batch.positions,
             rounds=batch.rounds,

@@ -6,9 +6,10 @@ started and stopped (by PID) by the module fixture; see tests/integration/slurm_
   an unwritable log directory) fails before anything is submitted;
 * a real 2-node job of each multi-node layout (srun-only and per-node torchrun) runs the learner's TP2
   logprob check across the two nodes (launch/mesh_check.py via `--stage check`);
-* a real `megagrpo train` job completes and writes metrics, and a second one, preempted with
-  `scancel --batch --signal=USR1` (what `#SBATCH --signal=B:USR1@120` does), checkpoints, requeues itself,
-  resumes, and ends with the same metrics as the uninterrupted job;
+* a real `megagrpo train` job on 2 nodes x 2 tasks (DP2 x TP2, one SGLang engine per node, issue 14)
+  completes and writes metrics, and a second one, preempted with `scancel --batch --signal=USR1` (what
+  `#SBATCH --signal=B:USR1@120` does), checkpoints, requeues itself, resumes, and ends with the same
+  metrics as the uninterrupted job;
 * the mesh check under `srun --mpi=pmix -n 2` with mpi4py bootstrap.
 
 Only the requeue hold is shortened: Slurm keeps a requeued job pending for ~120 s (Reason=BeginTime);
@@ -237,18 +238,20 @@ def test_two_node_jobs_agree_with_the_single_process_reference(cluster, model_di
 
 @pytest.mark.slow
 def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(cluster, model_dir, tmp_path, capsys):
-    """Two `megagrpo train` jobs from the same config, side by side: A runs through; B gets USR1 after its
-    first step, checkpoints, requeues itself and resumes. Both must end with the same metrics."""
-    common = ["--nodes", 1, "--gpus-per-node", 1, "--layout", "single"]
+    """Two `megagrpo train` jobs from the same config, each on both nodes (2 tasks per node, DP2 x TP2, one
+    engine per node), so Slurm runs them one after the other: A runs through; B gets USR1 after its first
+    step, checkpoints, requeues itself and resumes. Both must end with the same metrics."""
+    common = ["--nodes", 2, "--gpus-per-node", 2, "--layout", "torchrun"]
+    layout = {"mesh.tp": 2, "mesh.sequence_parallel": "true", "rollout.num_engines": 2}
     job_a, log_a = submitted(
-        capsys, CONFIG, *overrides(model_dir, tmp_path / "a"), *common, "--job-name", "mg-a"
+        capsys, CONFIG, *overrides(model_dir, tmp_path / "a", **layout), *common, "--job-name", "mg-a"
     )
     job_b, log_b = submitted(
-        capsys, CONFIG, *overrides(model_dir, tmp_path / "b"), *common, "--job-name", "mg-b"
+        capsys, CONFIG, *overrides(model_dir, tmp_path / "b", **layout), *common, "--job-name", "mg-b"
     )
     metrics_b = tmp_path / "b" / "run" / "metrics.jsonl"
 
-    deadline = time.monotonic() + JOB_TIMEOUT
+    deadline = time.monotonic() + 2 * JOB_TIMEOUT  # B starts when A is done
     while not (metrics_b.exists() and '"step": 1' in metrics_b.read_text()):
         info = cluster.job(job_b)
         assert info.state in ("PENDING", "RUNNING"), (
@@ -270,6 +273,9 @@ def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(cluster, mod
         f"{tail(log_b)}\n{cluster.ctld_log_tail()}"
     )
     assert info_a.restarts == 0 and info_b.restarts == 1
+    # one engine per node: owners are ranks 0 and 2, the first task of n1 and of n2
+    engines = sorted(set(re.findall(r"engine (\d) of 2: rank (\d) on (\S+),", log_a.read_text())))
+    assert engines == [("0", "0", NODES[0]), ("1", "2", NODES[1])], tail(log_a)
 
     # B: signal -> checkpoint at a step boundary -> requeue -> resume from that checkpoint
     assert "got SIGUSR1" in text_b, tail(log_b)

@@ -3,26 +3,25 @@ config's section, and the filter's own validation kept (issue: grpo_math_dense.y
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from megagrpo.algo.filters import soft_overlong_penalty
 from megagrpo.config import load_config
-from megagrpo.trainer.grpo import length_shaped_rewards, response_lengths
+from megagrpo.trainer.grpo import length_shaped_rewards
 from tools import gen_config_docs as gen
 
 
-def completions(lengths):
-    return [SimpleNamespace(output_ids=torch.zeros(n, dtype=torch.int64)) for n in lengths]
+def response_lengths(lengths):
+    """int64 [B], as the data plane publishes them (`trainer.rows.StepRows.response_len`)."""
+    return torch.tensor(lengths, dtype=torch.int64)
 
 
 def test_the_shipped_dense_config_shapes_rewards_by_length():
     cfg = load_config(gen.REPO / "configs" / "grpo_math_dense.yaml", check_paths=False)
     so = cfg.algo.soft_overlong
     assert so.enabled and (so.max_len, so.cache_len) == (4096, 512)
-    lengths = response_lengths(completions([10, 3584, 3840, 4096]))
+    lengths = response_lengths([10, 3584, 3840, 4096])
     assert lengths.dtype == torch.int64
     rewards = torch.ones(2, 2)
     shaped = length_shaped_rewards(rewards, lengths, so)
@@ -37,7 +36,7 @@ def test_disabled_leaves_rewards_alone_and_the_filter_still_rejects_fractional_l
         check_paths=False,
     )
     rewards = torch.tensor([[1.0, 0.0]])
-    lengths = response_lengths(completions([4096, 9000]))
+    lengths = response_lengths([4096, 9000])
     assert length_shaped_rewards(rewards, lengths, cfg.algo.soft_overlong) is rewards
     with pytest.raises(ValueError, match="integer tensor"):
         soft_overlong_penalty(lengths.float(), 4096, 512)

@@ -11,6 +11,7 @@ import torch
 from megagrpo.algo.advantages import group_advantages
 from megagrpo.algo.kl import kl_penalised_rewards
 from megagrpo.config import config_from_dict
+from megagrpo.diagnostics.reduce import LocalReducer
 from megagrpo.trainer.grpo import GRPOTrainer
 
 G = 2
@@ -48,15 +49,21 @@ def learner_batch():
 def test_reward_placement_replaces_the_advantages_per_group():
     cfg = make_cfg("reward")
     batch, resp = learner_batch()
-    m = GRPOTrainer._kl_in_reward(types.SimpleNamespace(cfg=cfg), batch)
     shaped, pen = kl_penalised_rewards(
         torch.tensor([1.0, 0.0, 1.0, 1.0]), batch["old_logp"], batch["ref_logp"], resp, 0.3, "k2"
     )
     want = group_advantages(shaped.view(2, G), "rloo").reshape(-1)
-    torch.testing.assert_close(batch["advantages"], want)
+    # The local batch holds the rows in the data plane's order, not the groups' (local row i is global
+    # row order[i]); the advantages must still come from each row's own group.
+    order = torch.tensor([2, 0, 3, 1])
+    local = {k: v[order] for k, v in batch.items()}
+    trainer = types.SimpleNamespace(cfg=cfg, _dp_reducer=LocalReducer)
+    rows = types.SimpleNamespace(local=order, plan=types.SimpleNamespace(num_rows=4))
+    m = GRPOTrainer._kl_in_reward(trainer, local, rows)
+    torch.testing.assert_close(local["advantages"], want[order])
     # The overlong-filtered row 3 still pays its penalty, so its group's baseline is not biased.
     assert pen[3] > 0
-    assert batch["advantages"][2] != 0  # equal raw rewards, different penalties
+    assert want[2] != 0  # equal raw rewards, different penalties
     assert m["reward/kl_penalty_mean"] == pytest.approx(float(pen.mean()))
     assert m["adv/abs_max"] == pytest.approx(float(want.abs().max()))
 

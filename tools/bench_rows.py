@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Per-rank cost of the step's data plane: bytes of rows each rank receives (`trainer.rows`) and the
+replay tables it allocates, for DP in {1, 2, 4} and global batches of {64, 256} rows, at a fixed
+micro-batch size. One process: the rows of each DP rank are planned by the trainer's own `RowPlan` and
+pickled exactly as `EngineGroups.send_rows` pickles them (text dropped), so the bytes are those a rank
+receives; replay-table bytes come from `moe.replay.pass_table_bytes`, the allocation of one hooked pass.
+
+    python tools/bench_rows.py [--tokens 384] [--layers 8] [--topk 2] [--mini-batches 2]
+
+Prints a Markdown table and one JSON line. Issue 14's bound: bytes fall as 1/DP; replay tables stay
+flat in DP and in the global batch (today they follow this rank's rows, so they fall as 1/DP but grow
+with the batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pickle
+
+import torch
+
+from megagrpo.learner.row_plan import RowPlan
+from megagrpo.moe.replay import pass_table_bytes
+from megagrpo.rollout.completion import Completion
+
+
+def make_rows(B: int, tokens: int, layers: int, topk: int) -> list[Completion]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(B):
+        P = 16 + i % 32
+        n_out = int(torch.randint(tokens // 4, tokens - P, (1,), generator=gen))
+        routes = torch.randint(0, 64, (P + n_out, layers, topk), generator=gen, dtype=torch.int32)
+        out.append(
+            Completion(
+                i // 8, i % 8, torch.arange(P), torch.arange(n_out), torch.zeros(n_out), "stop", "", routes
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=384, help="longest row (prompt + output)")
+    ap.add_argument("--layers", type=int, default=8, help="MoE layers")
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--mini-batches", type=int, default=2)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    args = ap.parse_args(argv)
+    table = []
+    for B in (64, 256):
+        rows = make_rows(B, args.tokens, args.layers, args.topk)
+        lens = torch.tensor([c.num_tokens for c in rows])
+        for dp in (1, 2, 4):
+            plan = RowPlan.build(
+                lens, dp=dp, num_mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size
+            )
+            most_bytes, most_replay = 0, 0
+            for d in range(dp):
+                local = plan.local_rows(d).tolist()
+                items = [(i, dataclasses.replace(rows[i], text="")) for i in local]
+                most_bytes = max(most_bytes, len(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)))
+                T = int(lens[local].max())
+                most_replay = max(most_replay, pass_table_bytes(len(local), T, args.layers, args.topk))
+            table.append(dict(batch=B, dp=dp, rows_bytes=most_bytes, replay_table_bytes=most_replay))
+    base = {t["batch"]: t for t in table if t["dp"] == 1}
+    print(
+        "| global batch | DP | rows bytes / rank (max) | vs DP 1 | replay-table bytes / rank (max) | vs DP 1 |"
+    )
+    print("|---|---|---|---|---|---|")
+    for t in table:
+        b = base[t["batch"]]
+        print(
+            f"| {t['batch']} | {t['dp']} | {t['rows_bytes']:,} | {t['rows_bytes'] / b['rows_bytes']:.2f} | "
+            f"{t['replay_table_bytes']:,} | {t['replay_table_bytes'] / b['replay_table_bytes']:.2f} |"
+        )
+    print(json.dumps({"rows": table}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

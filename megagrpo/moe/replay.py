@@ -67,12 +67,13 @@ class _Pass:
         self.rows = rows.to(torch.int64)  # [Bp] global row of each pass row
         self.source = source  # [B, T, L, K] route table replayed (mode replay)
         B, T, L, K = len(rows), step.T, step.L, step.K
-        dev = step.device
-        self.counts = torch.zeros(B, T, L, dtype=torch.int32, device=dev) if mode == "replay" else None
-        self.fallback = torch.zeros(B, T, dtype=torch.int32, device=dev)
-        self.own: Tensor | None = torch.full((B, T, L, K), rt.NO_ROUTE, dtype=torch.int64, device=dev)
+        dev, ids = step.device, rt.route_dtype(step.E)
+        # consumption counts saturate at 3 (only 0, 1 and "more than 1" are read); uint8 so NCCL can sum them
+        self.counts = torch.zeros(B, T, L, dtype=torch.uint8, device=dev) if mode == "replay" else None
+        self.fallback = torch.zeros(B, T, dtype=torch.uint8, device=dev)
+        self.own: Tensor | None = torch.full((B, T, L, K), rt.NO_ROUTE, dtype=ids, device=dev)
         if kind == "old":
-            self.used = torch.full((B, T, L, K), rt.NO_ROUTE, dtype=torch.int64, device=dev)
+            self.used = torch.full((B, T, L, K), rt.NO_ROUTE, dtype=ids, device=dev)
             self.logr = torch.zeros(B, T, L, K, dtype=torch.float32, device=dev)
         else:
             self.dlogr = torch.zeros(B, T, L, dtype=torch.float32, device=dev)  # |d log r| mean over K
@@ -155,7 +156,8 @@ class _Pass:
             raise RuntimeError(f"router of MoE layer {slot.moe} runs in a chunk the replay hooks did not arm")
         rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         have = c.valid & (self.source[c.grow.clamp_min(0), c.pos, slot.moe, 0] != rt.NO_ROUTE)
-        self.counts[c.prow[have], c.pos[have], slot.moe] += 1
+        at = (c.prow[have], c.pos[have], slot.moe)
+        self.counts[at] = (self.counts[at] + 1).clamp_max(3)
 
     def router_post(self, slot: RouterSlot, hidden: Tensor) -> None:
         c, s = self.ctx, self.step
@@ -164,7 +166,7 @@ class _Pass:
         logits = slot.logits(hidden)
         own = slot.own_topk(logits) if (self.own is not None or self.mode == "observe") else None
         if self.own is not None:
-            self.own[prow, pos, slot.moe] = own[v]
+            self.own[prow, pos, slot.moe] = own[v].to(self.own.dtype)
         if self.kind == "old":
             if self.mode == "record":
                 used = slot.replay.get_recorded_indices()
@@ -173,7 +175,7 @@ class _Pass:
             else:
                 used = own
             used = used.to(torch.int64)[v]
-            self.used[prow, pos, slot.moe] = used
+            self.used[prow, pos, slot.moe] = used.to(self.used.dtype)
             self.logr[prow, pos, slot.moe] = s._router_logp(logits[v], used)
         elif s.old_used is not None:
             old = s.old_used[grow, pos, slot.moe]
@@ -200,10 +202,11 @@ class _Pass:
 def pass_table_bytes(rows: int, T: int, L: int, K: int) -> int:
     """Bytes of the route tables live during one step's old-policy pass under R3 over `rows` rows of T
     columns (what `_Pass.__init__` and `StepReplay` allocate): the sampler's routes, the pass's own and
-    used routes (int64 each), log r at the used routes (fp32), consumption counts (int32 per layer) and
-    fallback flags (int32 per token). For `tools/bench_rows.py`; keep in step with the allocations."""
+    used routes (int16 each, `routes.route_dtype`), log r at the used routes (fp32), consumption counts
+    (uint8 per layer) and fallback flags (uint8 per token). For `tools/bench_rows.py`; keep in step with
+    the allocations."""
     n = rows * T
-    return n * L * K * (8 + 8 + 8 + 4) + n * L * 4 + n * 4
+    return n * L * K * (2 + 2 + 2 + 4) + n * L + n
 
 
 class _Hooks:
@@ -387,7 +390,7 @@ class StepReplay:
         self.old_logr = self._merge_sum(p.logr)
 
     def old_routes(self) -> Tensor | None:
-        """Collective. int64 `[B, T, L, K]`: the routes the old pass used (R2: recorded, R3: the sampler's
+        """Collective. `[B, T, L, K]` (`routes.route_dtype`): the routes the old pass used (R2: recorded, R3: the sampler's
         with fillers, none: the router's own), -1 at padding; None before the old pass."""
         self._finish_old()
         return self.old_used
@@ -444,7 +447,8 @@ class StepReplay:
     def _router_logp(self, logits: Tensor, routes: Tensor) -> Tensor:
         """log r(e_k) `[n, K]`: r the router's softmax over all experts (sigmoid scores for sigmoid routers)."""
         x = logits if self.score == "logits" else torch.sigmoid(logits)
-        return stats.gather_router_logp(x.unsqueeze(1), routes.unsqueeze(1), scores=self.score)[:, 0]
+        idx = routes.to(torch.int64).unsqueeze(1)  # gather wants int64; tables keep int16
+        return stats.gather_router_logp(x.unsqueeze(1), idx, scores=self.score)[:, 0]
 
     def token_weights(self, data: dict[str, Tensor]) -> Tensor:
         """RSPO weight (arXiv 2510.23027, Sec. 3) of the micro-batch `data` (the dict the loss function

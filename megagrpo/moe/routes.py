@@ -19,6 +19,12 @@ from megagrpo.moe.stats import check_routes
 NO_ROUTE = -1
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The dtype route tables are kept in: int16 while expert ids fit (every MoE released so far), which is
+    a quarter of int64; lookups widen the few rows a router call needs."""
+    return torch.int16 if num_experts < 2**15 else torch.int32
+
+
 def real_tokens(seq_lens: Tensor, T: int) -> Tensor:
     """`[B, T]` bool: positions inside each sequence."""
     return torch.arange(T, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)
@@ -34,7 +40,7 @@ def validate_sampler_routes(
     topk: int,
     num_experts: int,
 ) -> Tensor:
-    """Check the batch's `routes` (R3 input) and return them as int64 `[B, T, L_moe, K]`.
+    """Check the batch's `routes` (R3 input) and return them as `[B, T, L_moe, K]` in `route_dtype`.
 
     routes: int `[B, T, L, K]`, L = the number of MoE layers, or the total layer count (then the rows of
     the MoE layers `moe_layers` are taken). At a real token a row is either complete (K ids in [0, E), no
@@ -68,7 +74,6 @@ def validate_sampler_routes(
             f"batch['routes'] has top-k {K}; the learner's model routes to moe_topk={topk} experts: the "
             "sampler and the learner run different models"
         )
-    r = r.to(torch.int64)
     real = real_tokens(seq_lens.to(r.device), T)
     sel = r[real]  # [n, L, K]
     if sel.numel() and int(sel.min()) < NO_ROUTE:
@@ -88,7 +93,7 @@ def validate_sampler_routes(
         check_routes(r, present, n_experts=num_experts, name="batch['routes']", k=topk)
     except ValueError as e:
         raise MegagrpoError(f"{e}; the routes do not come from this model (num_experts={num_experts})") from e
-    return r
+    return r.to(route_dtype(num_experts))
 
 
 def filler_routes(keys: Tensor, k: int, num_experts: int) -> Tensor:
@@ -123,7 +128,7 @@ def merge_routes(local: Tensor, num_experts: int, group=None) -> Tensor:
     dt = torch.uint8 if num_experts + 1 <= 255 else torch.int32
     buf = (local + 1).to(dt)
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-    return buf.to(torch.int64) - 1
+    return buf.to(local.dtype) - 1
 
 
 def all_reduce_sum(x: Tensor, group=None) -> Tensor:

@@ -79,7 +79,7 @@ class _Applied:
         _, routing_map = out
         c = p.ctx
         keep = c.valid & ~c.last
-        want = self.table[c.grow[keep], c.pos[keep], slot.moe]  # [n, K]
+        want = self.table[c.grow[keep], c.pos[keep], slot.moe].long()  # [n, K]; tables keep int16
         onehot = torch.zeros_like(routing_map[keep], dtype=torch.bool).scatter_(1, want, True)
         self.checked += int(keep.sum())
         self.mismatched += int((onehot != routing_map[keep].bool()).any(-1).sum())

@@ -10,11 +10,13 @@ model with tools/convert_hf_to_megatron.py, then every mesh loads the dist check
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megagrpo.compat import APPLIED
 from tests.dist._harness import launch
@@ -74,7 +76,6 @@ def fixed_batch(vocab: int = 1024) -> torch.Tensor:
 
 def _forward_logits(model, ids: torch.Tensor, vocab: int) -> torch.Tensor | None:
     """Full-vocab logits [B, T, V] on last-stage ranks (None elsewhere); stages exchanged by send/recv."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     model.eval()
@@ -129,20 +130,47 @@ def _check_export(model, arch, hf_dir: Path, layer_offset: int) -> dict:
     res["exporter"] = all(g.rank() == 0 for g in (groups.tp, groups.etp, groups.ep, groups.pp))
     # every rank an engine owner (rollout.groups): each receives the whole model from its own replica,
     # whatever its TP/EP rank and pipeline stage
-    got = {
-        n: t.clone()
-        for b in iter_hf_buckets(model.named_parameters(), arch, bucket_bytes=70000, groups=groups, receive=True)
-        for n, t in b
-    }
+    with _counted_traffic() as received:
+        got = {
+            n: t.clone()
+            for b in iter_hf_buckets(
+                model.named_parameters(), arch, bucket_bytes=RECEIVE_BUCKET, groups=groups, receive=True
+            )
+            for n, t in b
+        }
     res["receive"] = dict(
         key_diff=sorted(set(got) ^ set(ref))[:5],
         mismatched=[n for n in ref if n in got and not torch.equal(got[n], ref[n])][:5],
     )
+    res["traffic"] = dict(received=received[0], model=sum(t.numel() * t.element_size() for t in ref.values()))
     return res
 
 
+RECEIVE_BUCKET = 70000
+
+
+@contextlib.contextmanager
+def _counted_traffic():
+    """Bytes this rank receives through the export's tensor collectives (TP/ETP/EP all-gathers, PP recv)."""
+    received = [0]
+    real_gather, real_recv = dist.all_gather, dist.recv
+
+    def gather(out, t, *a, **kw):
+        received[0] += sum(o.numel() * o.element_size() for o in out) - t.numel() * t.element_size()
+        return real_gather(out, t, *a, **kw)
+
+    def recv(t, *a, **kw):
+        received[0] += t.numel() * t.element_size()
+        return real_recv(t, *a, **kw)
+
+    dist.all_gather, dist.recv = gather, recv
+    try:
+        yield received
+    finally:
+        dist.all_gather, dist.recv = real_gather, real_recv
+
+
 def worker(rank: int, world: int, outdir: Path, *, models: dict, cases: list, refs: str) -> None:
-    import torch.distributed as dist
 
     from megagrpo.config.model import ModelArch
     from megagrpo.convert.hf_to_megatron import convert, read_checkpoint_info
@@ -218,6 +246,9 @@ def test_streaming_export_is_the_hf_state_dict(results, case):
     exports = [res[case]["export"] for res in results]
     for rank, exp in enumerate(exports):
         assert exp["receive"] == dict(key_diff=[], mismatched=[]), f"{case}: receiving rank {rank}"
+        # issue 14's bound on sync traffic: no rank receives more than one model plus two buckets
+        t = exp["traffic"]
+        assert 0 < t["received"] <= t["model"] + 2 * RECEIVE_BUCKET, f"{case}: rank {rank} received {t}"
     assert exports[0]["exporter"], f"{case}: rank 0 is not an exporter"
     for rank, exp in enumerate(exports):
         if not exp["exporter"]:

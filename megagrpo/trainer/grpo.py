@@ -208,6 +208,9 @@ class GRPOTrainer(Session):
                 "perf/rows_bytes_max": self._max_over_world(float(rows.bytes_received)),
             }
         )
+        if rows.per_reward is not None:  # each function's score over the kept completions (schema: label)
+            for j, f in enumerate(cfg.rewards.functions):
+                m[f"reward/{f.label or f.name}/mean"] = float(rows.per_reward[..., j].mean())
         return rows, batch, m
 
     def _max_over_world(self, x: float) -> float:

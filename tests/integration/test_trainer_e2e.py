@@ -144,6 +144,10 @@ def test_a_raising_reward_is_counted_and_never_stops_the_run(two_step_run):
     steps = [r for r in records(tmp / "run") if r["step"] > 0]
     assert all(r["reward/errors"] > 0 for r in steps)
     assert all(r["loss/tokens"] > 0 or r.get("rollout/skipped_step") == 1 for r in steps)
+    # each function's mean: the raising one scores 0, so the combined reward (weight 1 on parity) is parity's
+    fns = "reward/tests.integration.trainer_rewards:"
+    assert all(r[f"{fns}always_raises/mean"] == 0.0 for r in steps)
+    assert all(r[f"{fns}output_parity/mean"] == pytest.approx(r["reward/mean"]) for r in steps)
 
 
 def test_console_shows_the_steps_without_the_known_library_noise(two_step_run):

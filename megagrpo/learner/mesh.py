@@ -226,17 +226,27 @@ def set_nccl_defaults(environ: MutableMapping[str, str] | None = None) -> None:
 @dataclass(frozen=True)
 class Mesh:
     """`replica`: the ranks that train on the same rows (one DP rank's TP x CP x PP peers), as a process
-    group (None when this rank is alone in it); `replica_leader` is its lowest global rank, the one that
-    receives the rows from the engines (`trainer.rows`) and hands them on within the replica."""
+    group (None when this rank is alone in it); its leader (`leader_of`) is its lowest global rank, the
+    one that receives the rows from the engines (`trainer.rows`) and hands them on within the replica."""
 
     config: MeshConfig
     env: DistEnv
     dp: int
     device: torch.device
-    dp_rank: int = 0
     replica: dist.ProcessGroup | None = None
-    replica_leader: int = 0
     dp_ranks: tuple[int, ...] = (0,)  # the DP rank of every global rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_ranks[self.env.rank]
+
+    def leader_of(self, rank: int) -> int:
+        """The lowest global rank of `rank`'s replica."""
+        return self.dp_ranks.index(self.dp_ranks[rank])
+
+    @property
+    def replica_leader(self) -> int:
+        return self.leader_of(self.env.rank)
 
     def data_parallel_group(self):
         """megatron's DP group (ranks holding different rows), or None with one DP rank."""
@@ -247,10 +257,10 @@ class Mesh:
         return parallel_state.get_data_parallel_group()
 
 
-def _replica_groups(dp_rank: int) -> tuple[dist.ProcessGroup | None, int, tuple[int, ...]]:
+def _replica_groups(dp_rank: int) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
     """One process group per DP rank over the ranks with that DP rank (every rank creates every group, in
-    the same order, as `new_group` requires). Returns this rank's group, its leader and every rank's DP
-    rank. One small object gather at start-up: megatron's rank order stays its own business."""
+    the same order, as `new_group` requires). Returns this rank's group and every rank's DP rank. One
+    small object gather at start-up: megatron's rank order stays its own business."""
     world = dist.get_world_size()
     every: list = [None] * world
     dist.all_gather_object(every, dp_rank)
@@ -261,7 +271,7 @@ def _replica_groups(dp_rank: int) -> tuple[dist.ProcessGroup | None, int, tuple[
         group = dist.new_group(ranks) if len(ranks) > 1 else None
         if d == dp_rank:
             mine = group
-    return mine, dp_ranks.index(dp_rank), dp_ranks
+    return mine, dp_ranks
 
 
 def init_mesh(
@@ -309,16 +319,13 @@ def init_mesh(
     # default (data-parallel) stream must agree across model-parallel peers.
     torch.manual_seed(seed)
     mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    replica, leader, dp_ranks = _replica_groups(dp_rank)
+    replica, dp_ranks = _replica_groups(parallel_state.get_data_parallel_rank())
     return Mesh(
         mesh_cfg,
         env,
         dp,
         torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
-        dp_rank=dp_rank,
         replica=replica,
-        replica_leader=leader,
         dp_ranks=dp_ranks,
     )
 

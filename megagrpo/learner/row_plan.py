@@ -92,11 +92,3 @@ class RowPlan:
             lens = self.seq_lens[m[dp_rank]]
             out += [p + sl.start for p in layout.split_micro_batches(lens, n_micro, balance=self.balance)]
         return out
-
-    def owner(self) -> Tensor:
-        """int64 `[B]`: the DP rank that trains on each row."""
-        out = torch.empty(self.num_rows, dtype=torch.int64)
-        for m in self.mini_batches:
-            for d, rows in enumerate(m):
-                out[rows] = d
-        return out

@@ -82,9 +82,8 @@ def distribute_rows(
         for pos, p in zip(dyn.positions, dyn.prompts, strict=True)
         for g, c in enumerate(p.completions)
     }
-    world = engines.world
-    leaders = [mesh.dp_ranks.index(mesh.dp_ranks[r]) for r in range(world)]
-    wanted = [plan.local_rows(mesh.dp_ranks[r]).tolist() if leaders[r] == r else [] for r in range(world)]
+    rows_of = {d: plan.local_rows(d).tolist() for d in range(mesh.dp)}  # once per DP rank, not per rank
+    wanted = [rows_of[mesh.dp_ranks[r]] if mesh.leader_of(r) == r else [] for r in range(engines.world)]
     got, received = engines.send_rows(owned, wanted)
     local = plan.local_rows(mesh.dp_rank)
     comps = [got[int(i)] for i in local] if engines.rank == mesh.replica_leader else None

@@ -3,13 +3,15 @@
 replay tables it allocates, for DP in {1, 2, 4} and global batches of {64, 256} rows, at a fixed
 micro-batch size. One process: the rows of each DP rank are planned by the trainer's own `RowPlan` and
 pickled exactly as `EngineGroups.send_rows` pickles them (text dropped), so the bytes are those a rank
-receives; replay-table bytes come from `moe.replay.pass_table_bytes`, the allocation of one hooked pass.
+receives. Replay bytes come from `moe.replay`: the tables one micro-batch allocates
+(`micro_batch_table_bytes`, over the plan's packed micro-batches; `tests/dist/test_replay_memory.py`
+measures them on the trainer's path) and the old pass's host store of the rank's routed tokens
+(`store_bytes_per_route`).
 
-    python tools/bench_rows.py [--tokens 384] [--layers 8] [--topk 2] [--mini-batches 2]
+    python tools/bench_rows.py [--tokens 384] [--layers 8] [--topk 2] [--experts 64] [--mini-batches 2]
 
-Prints a Markdown table and one JSON line. Issue 14's bound: bytes fall as 1/DP; replay tables stay
-flat in DP and in the global batch (today they follow this rank's rows, so they fall as 1/DP but grow
-with the batch).
+Prints a Markdown table and one JSON line. Issue 14's bound: row bytes and the host store fall as 1/DP;
+replay tables stay flat in DP and in the global batch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pickle
 import torch
 
 from megagrpo.learner.row_plan import RowPlan
-from megagrpo.moe.replay import pass_table_bytes
+from megagrpo.moe.replay import micro_batch_table_bytes, store_bytes_per_route
 from megagrpo.rollout.completion import Completion
 
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=384, help="longest row (prompt + output)")
     ap.add_argument("--layers", type=int, default=8, help="MoE layers")
     ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--mini-batches", type=int, default=2)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     args = ap.parse_args(argv)
@@ -57,24 +60,40 @@ def main(argv: list[str] | None = None) -> int:
             plan = RowPlan.build(
                 lens, dp=dp, num_mini_batches=args.mini_batches, micro_batch_size=args.micro_batch_size
             )
-            most_bytes, most_replay = 0, 0
+            most_bytes, most_replay, most_store = 0, 0, 0
             for d in range(dp):
-                local = plan.local_rows(d).tolist()
+                local_rows = plan.local_rows(d)
+                local = local_rows.tolist()
                 items = [(i, dataclasses.replace(rows[i], text="")) for i in local]
                 most_bytes = max(most_bytes, len(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)))
-                T = int(lens[local].max())
-                most_replay = max(most_replay, pass_table_bytes(len(local), T, args.layers, args.topk))
-            table.append(dict(batch=B, dp=dp, rows_bytes=most_bytes, replay_table_bytes=most_replay))
+                local_lens = lens[local_rows]
+                for part in plan.micro_batch_rows(d):
+                    tokens = int(local_lens[part].sum())  # packed: the micro-batch's real tokens
+                    bound = micro_batch_table_bytes(tokens, args.layers, args.topk, args.experts)
+                    most_replay = max(most_replay, bound)
+                store = int(local_lens.sum()) * args.layers * store_bytes_per_route(args.topk)
+                most_store = max(most_store, store)
+            table.append(
+                dict(
+                    batch=B,
+                    dp=dp,
+                    rows_bytes=most_bytes,
+                    replay_table_bytes=most_replay,
+                    store_bytes=most_store,
+                )
+            )
     base = {t["batch"]: t for t in table if t["dp"] == 1}
     print(
-        "| global batch | DP | rows bytes / rank (max) | vs DP 1 | replay-table bytes / rank (max) | vs DP 1 |"
+        "| global batch | DP | rows bytes / rank (max) | vs DP 1 | replay tables / micro-batch (max) | vs DP 1 "
+        "| replay host store / rank | vs DP 1 |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for t in table:
         b = base[t["batch"]]
         print(
             f"| {t['batch']} | {t['dp']} | {t['rows_bytes']:,} | {t['rows_bytes'] / b['rows_bytes']:.2f} | "
-            f"{t['replay_table_bytes']:,} | {t['replay_table_bytes'] / b['replay_table_bytes']:.2f} |"
+            f"{t['replay_table_bytes']:,} | {t['replay_table_bytes'] / b['replay_table_bytes']:.2f} | "
+            f"{t['store_bytes']:,} | {t['store_bytes'] / b['store_bytes']:.2f} |"
         )
     print(json.dumps({"rows": table}))
     return 0

@@ -1,10 +1,10 @@
-"""Route tables for routing replay: validation of the sampler's routes, lookup in router order, and the
-cross-rank merge of partially filled tables. Pure torch (+ torch.distributed for the merge).
+"""Routes for routing replay: validation of the sampler's route table, lookup in router order, token keys
+and filler routes. Pure torch (+ torch.distributed for a sum).
 
 A route table is int `[B, T, L, K]` in the learner's padded layout (`megagrpo.learner.layout`):
 `table[i, t, l]` holds the K expert ids (global ids in [0, E)) that MoE layer l (0-based among the MoE
 layers) used for token `input_ids[i, t]` as an input, or -1 (NO_ROUTE) where there is none (padding, the
-last token of a sampled sequence, a rank's unfilled entries before the merge).
+last token of a sampled sequence). Replay keeps what outlives a pass per token, keyed by `token_keys`.
 """
 
 from __future__ import annotations
@@ -110,25 +110,31 @@ def lookup(
     `pos [n]` positions. Returns (int64 `[n, K]` routes with fillers where there is none, bool `[n]` True
     where the token is real but the table has no route)."""
     valid = rows >= 0
-    got = table[rows.clamp_min(0), pos, layer].to(torch.int64)
+    got = table[rows.clamp_min(0), pos, layer]
+    return with_fillers(got, valid, filler_keys(rows, pos, table.shape[1]), num_experts=num_experts)
+
+
+def token_keys(rows: Tensor, pos: Tensor, T: int) -> Tensor:
+    """int64 `[n]` key row * T + pos of each token (-1 at a padding slot, row -1): replay's per-token
+    stores are keyed by it."""
+    keys = rows.to(torch.int64) * T + pos
+    return torch.where(rows >= 0, keys, torch.full_like(keys, -1))
+
+
+def filler_keys(rows: Tensor, pos: Tensor, T: int) -> Tensor:
+    """The key a token's filler route derives from: its token key, or its position at a padding slot."""
+    return torch.where(rows >= 0, rows.to(torch.int64) * T + pos, pos.to(torch.int64))
+
+
+def with_fillers(got: Tensor, valid: Tensor, keys: Tensor, *, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(int64 `[n, K]`: the routes `got` with a filler route wherever there is none, bool `[n]`: True where
+    the token is real (`valid`) but `got` has no route). `keys`: `filler_keys` of the tokens."""
+    got = got.to(torch.int64)
     missing = valid & (got[:, 0] == NO_ROUTE)
     fill = ~valid | missing
     if fill.any():
-        keys = torch.where(valid, rows * table.shape[1] + pos, pos)
-        got = torch.where(fill.unsqueeze(1), filler_routes(keys, table.shape[-1], num_experts), got)
+        got = torch.where(fill.unsqueeze(1), filler_routes(keys, got.shape[-1], num_experts), got)
     return got, missing
-
-
-def merge_routes(local: Tensor, num_experts: int, group=None) -> Tensor:
-    """All-reduce a route table that every rank filled for its own tokens/layers only (-1 elsewhere) into
-    the full table on every rank. Exact when each entry is filled by at most one rank (or identically)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return local
-    # ids + 1 >= 0, so MAX keeps the one filled entry; uint8 when the ids fit (NCCL has no int16).
-    dt = torch.uint8 if num_experts + 1 <= 255 else torch.int32
-    buf = (local + 1).to(dt)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-    return buf.to(local.dtype) - 1
 
 
 def all_reduce_sum(x: Tensor, group=None) -> Tensor:

@@ -142,20 +142,34 @@ def topk_agreement(
     L, K = routes_a.shape[-2:]
     check_routes(routes_b, valid, n_experts=n_experts, name="routes_b", n_layers=L, k=K)
 
-    overlap = torch.zeros(routes_a.shape[:-1], dtype=torch.float64, device=routes_a.device)  # [*lead, L]
-    for i in range(K):  # K x [*lead, L, K] compares instead of one [.., K, K] tensor: bounded memory
-        overlap += (routes_a[..., i : i + 1] == routes_b).any(-1).to(torch.float64)
-    frac = overlap / K
+    frac = topk_overlap(routes_a, routes_b)  # [*lead, L]
     per_token = torch.where(valid, frac.mean(-1), torch.ones((), dtype=torch.float64, device=frac.device))
     layer_sum = torch.where(valid[..., None], frac, torch.zeros((), dtype=frac.dtype, device=frac.device))
     layer_sum = layer_sum.reshape(-1, L).sum(0)
-    red = _reducer(reducer)
-    tot = red.sum(torch.cat([layer_sum, valid.sum().to(torch.float64).reshape(1)]))
-    n = int(tot[-1])
-    if n == 0:
-        return AgreementStats(per_token, [1.0] * L, 1.0, 0)
-    per_layer = (tot[:-1] / n).tolist()
-    return AgreementStats(per_token, per_layer, sum(per_layer) / L, n)
+    n_valid = valid.sum().to(torch.float64)
+    tot = _reducer(reducer).sum(torch.cat([layer_sum, n_valid.expand(L)]))
+    return agreement_from_sums(tot[:L], tot[L:], per_token=per_token)
+
+
+def topk_overlap(routes_a: torch.Tensor, routes_b: torch.Tensor) -> torch.Tensor:
+    """|set(a) ∩ set(b)| / K `[*lead]` fp64 for two routings `[*lead, K]` (no validation)."""
+    K = routes_a.shape[-1]
+    overlap = torch.zeros(routes_a.shape[:-1], dtype=torch.float64, device=routes_a.device)
+    for i in range(K):  # K x [*lead, K] compares instead of one [.., K, K] tensor: bounded memory
+        overlap += (routes_a[..., i : i + 1] == routes_b).any(-1).to(torch.float64)
+    return overlap / K
+
+
+def agreement_from_sums(
+    layer_sum: torch.Tensor, layer_count: torch.Tensor, *, per_token: torch.Tensor | None = None
+) -> AgreementStats:
+    """AgreementStats from global per-layer sums of the overlap fraction and per-layer token counts
+    `[L]` (a layer without tokens agrees by definition: 1.0)."""
+    n = [int(c) for c in layer_count.tolist()]
+    per_layer = [float(s) / c if c else 1.0 for s, c in zip(layer_sum.tolist(), n, strict=True)]
+    empty = torch.ones(0, dtype=torch.float64) if per_token is None else per_token
+    mean = sum(per_layer) / len(per_layer) if per_layer else 1.0
+    return AgreementStats(empty, per_layer, mean if max(n, default=0) else 1.0, max(n, default=0))
 
 
 # ---------------------------------------------------------------- RSPO router shift
@@ -257,36 +271,52 @@ def router_shift_from_logp(
         gamma = torch.where(valid, gamma_raw.clamp_min(gamma_min), one)
 
         L = d.shape[-1]
-        red = _reducer(reducer)
         d_valid = torch.where(valid[..., None], d, torch.zeros((), dtype=dt, device=d.device)).reshape(-1, L)
-        g_valid = gamma_raw[valid].to(torch.float64)
-        sums = torch.cat(
-            [
-                d_valid.sum(0).to(torch.float64),
-                torch.stack(
-                    [
-                        g_valid.sum(),
-                        (g_valid <= gamma_min).to(torch.float64).sum(),
-                        torch.tensor(float(g_valid.numel()), dtype=torch.float64, device=d.device),
-                    ]
-                ),
-            ]
-        )
-        tot = red.sum(sums)
-        n = int(tot[-1])
-        if n == 0:
-            return RouterShift(gamma, gamma_raw, [0.0] * L, 1.0, 1.0, 0.0, gamma_min, 0)
-        all_g = red.gather(g_valid).sort().values
-        return RouterShift(
-            gamma=gamma,
-            gamma_raw=gamma_raw,
-            per_layer_dlogr=(tot[:L] / n).tolist(),
-            gamma_mean=float(tot[L]) / n,
-            gamma_p1=_quantile(all_g, 0.01),
-            floor_frac=float(tot[L + 1]) / n,
-            gamma_min=gamma_min,
-            n_tokens=n,
-        )
+        layer_dlogr = _reducer(reducer).sum(d_valid.sum(0).to(torch.float64))
+        n_valid = _reducer(reducer).sum(valid.sum().to(torch.float64).reshape(1))
+        return router_shift_summary(
+            gamma_raw[valid], layer_dlogr, n_valid.expand(L), gamma_min=gamma_min, reducer=reducer,
+            gamma=gamma, gamma_raw=gamma_raw,
+        )  # fmt: skip
+
+
+def router_shift_summary(
+    gamma_valid: torch.Tensor,
+    layer_dlogr_sum: torch.Tensor,
+    layer_count: torch.Tensor,
+    *,
+    gamma_min: float,
+    reducer=None,
+    gamma: torch.Tensor | None = None,
+    gamma_raw: torch.Tensor | None = None,
+) -> RouterShift:
+    """RSPO statistics (arXiv 2510.23027, Sec. 3) from this rank's share of the valid tokens' unfloored
+    gammas `[n]` (each token on exactly one rank of the reducer) and the global per-layer sums of
+    (1/K) sum_k |d log r| and token counts `[L]`. With no valid token: gamma_mean = gamma_p1 = 1."""
+    red = _reducer(reducer)
+    g = gamma_valid.detach().to(torch.float64).reshape(-1)
+    dev = g.device
+    n_local = torch.tensor(float(g.numel()), dtype=torch.float64, device=dev)
+    tot = red.sum(torch.stack([g.sum(), (g <= gamma_min).to(torch.float64).sum(), n_local]))
+    counts = [int(c) for c in layer_count.tolist()]
+    per_layer = [float(s) / c if c else 0.0 for s, c in zip(layer_dlogr_sum.tolist(), counts, strict=True)]
+    empty = torch.ones(0, dtype=torch.float64)
+    gamma = empty if gamma is None else gamma
+    gamma_raw = empty if gamma_raw is None else gamma_raw
+    n = int(tot[2])
+    if n == 0:
+        return RouterShift(gamma, gamma_raw, [0.0] * len(per_layer), 1.0, 1.0, 0.0, gamma_min, 0)
+    all_g = red.gather(g).sort().values
+    return RouterShift(
+        gamma=gamma,
+        gamma_raw=gamma_raw,
+        per_layer_dlogr=per_layer,
+        gamma_mean=float(tot[0]) / n,
+        gamma_p1=_quantile(all_g, 0.01),
+        floor_frac=float(tot[1]) / n,
+        gamma_min=gamma_min,
+        n_tokens=n,
+    )
 
 
 def router_shift(

@@ -372,7 +372,7 @@ class GRPOTrainer(Session):
                 local_norm = loss_normaliser_tensor(mb["loss_mask"], a.agg, a.agg_constant)
                 norm = float(red.sum(local_norm.to(self.learner.mesh.device)))  # NCCL reduces device tensors
                 loss_fn = self._loss_fn(norm, replay)
-                hooks = replay.train_hooks(local) if replay is not None else None
+                hooks = replay.train_hooks(local, num_micro_batches=n_micro) if replay is not None else None
                 m = self.learner.train_step(
                     mb, loss_fn, num_micro_batches=n_micro, hooks=hooks, local_rows=True
                 )

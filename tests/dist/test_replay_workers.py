@@ -151,7 +151,7 @@ def run_r2(name: str, mesh: MeshConfig, recompute: str | None) -> dict[str, Any]
     rep = StepReplay.for_step("R2", learner, batch)
     old = learner.forward(batch, hooks=rep.old_pass_hooks())["logprobs"]
     rep.old_pass_metrics()
-    applied.table = rep.old_used
+    applied.table = rep.old_routes()
     lp_same = _train_pass(learner, batch, rep, rows)
     m0 = rep.step_metrics()
     out["same_weights_max_diff"] = float((lp_same - old)[batch["loss_mask"]].abs().max())
@@ -161,7 +161,7 @@ def run_r2(name: str, mesh: MeshConfig, recompute: str | None) -> dict[str, Any]
     rep = StepReplay.for_step("R2", learner, batch)
     old = learner.forward(batch, hooks=rep.old_pass_hooks())["logprobs"]
     rep.old_pass_metrics()
-    applied.table = rep.old_used
+    applied.table = rep.old_routes()
     applied.checked = applied.mismatched = 0
     _perturb_routers(learner, 0.03, seed=1)
     gammas: list = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.moe.routes import filler_routes, lookup, merge_routes, real_tokens, validate_sampler_routes
+from megagrpo.moe.routes import filler_routes, lookup, real_tokens, validate_sampler_routes
 
 E, K, L, T = 4, 2, 3, 5
 LENS = torch.tensor([5, 3])
@@ -91,8 +91,3 @@ def test_lookup_fills_padding_and_missing_and_reports_missing():
     assert torch.equal(got[[1, 2, 4]], fill)
     # a filler is a valid route: distinct experts in range
     assert (got >= 0).all() and (got < E).all() and (got[:, 0] != got[:, 1]).all()
-
-
-def test_merge_without_distributed_is_identity():
-    t = _routes().long()
-    assert merge_routes(t, E) is t

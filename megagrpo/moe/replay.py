@@ -63,7 +63,6 @@ _WORLD = object()  # merge over the default group (the global-batch mode)
 class _Ctx:
     """The micro-batch whose chunk forward is running: its router tokens on this rank."""
 
-    mb: Any  # megagrpo.learner.forward.MicroBatch
     prow: Tensor  # [n] row of the pass batch (-1 = padding slot)
     grow: Tensor  # [n] row of the step's batch (-1 = padding slot)
     pos: Tensor  # [n] position
@@ -121,7 +120,6 @@ class _TokenStore:
         sk, used, own, logr = self.cols[layer]
         if sk.numel() == 0:
             found = torch.zeros(len(keys), dtype=torch.bool)
-            idx = torch.zeros(len(keys), dtype=torch.int64)
             none = torch.full((len(keys), self.K), rt.NO_ROUTE, dtype=self.ids)
             return found, none, none, torch.zeros(len(keys), self.K)
         idx = torch.searchsorted(sk, keys).clamp_max(sk.numel() - 1)
@@ -210,7 +208,7 @@ class _Pass:
         dev = s.device
         pred = valid & s.pred_mask_h[grow.clamp_min(0), pos]
         self.ctx = _Ctx(
-            mb, prow.to(dev), grow.to(dev), pos.to(dev), valid.to(dev), (valid & (pos == lens - 1)).to(dev),
+            prow.to(dev), grow.to(dev), pos.to(dev), valid.to(dev), (valid & (pos == lens - 1)).to(dev),
             pred.to(dev), rt.token_keys(grow, pos, s.T), rt.filler_keys(grow, pos, s.T).to(dev), grow, pos,
             valid,
         )  # fmt: skip
@@ -319,16 +317,15 @@ class _Pass:
             return
         if s.old is None:
             return
-        found, old_used, old_own, old_logr = (
-            t.to(s.device) for t in s.old.store.get(layer, c.keys[c.valid_h])
-        )
-        self._note(found, old_used, old_own, old_logr)
-        if not bool(found.all()):
+        found, old_used, old_own, old_logr = s.old.store.get(layer, c.keys[c.valid_h])
+        if not bool(found.all()):  # checked on the host: no device sync per router call
             raise RuntimeError(
                 f"MoE layer {layer}: {int((~found).sum())} token(s) of this pass were not routed by the old "
                 "pass on this rank; with StepReplay(sharded=True) every pass must run the old pass's "
                 "micro-batches (megagrpo.learner.row_plan)"
             )
+        old_used, old_own, old_logr = (t.to(s.device) for t in (old_used, old_own, old_logr))
+        self._note(old_used, old_own, old_logr)
         d = (s._router_logp(lv, old_used) - old_logr).abs().mean(-1)  # (1/K) sum_k |d log r|, [n_valid]
         self.d_tok[c.prow[v], c.pos[v]] += d
         self.n_tok[c.prow[v], c.pos[v]] += 1

@@ -226,8 +226,10 @@ def set_nccl_defaults(environ: MutableMapping[str, str] | None = None) -> None:
 @dataclass(frozen=True)
 class Mesh:
     """`replica`: the ranks that train on the same rows (one DP rank's TP x CP x PP peers), as a process
-    group (None when this rank is alone in it); its leader (`leader_of`) is its lowest global rank, the
-    one that receives the rows from the engines (`trainer.rows`) and hands them on within the replica."""
+    group (None when this rank is alone in it); its leader (`leader_of`) is its lowest global rank.
+    `stage`: the replica's ranks of this rank's pipeline stage (its TP x CP peers), which also share the
+    stage's MoE route layers; the stage leader receives the rows from the engines (`trainer.rows`) and
+    hands them on within the stage. Without pipeline parallelism the stage is the replica."""
 
     config: MeshConfig
     env: DistEnv
@@ -235,6 +237,8 @@ class Mesh:
     device: torch.device
     replica: dist.ProcessGroup | None = None
     dp_ranks: tuple[int, ...] = (0,)  # the DP rank of every global rank
+    stage: dist.ProcessGroup | None = None
+    pp_ranks: tuple[int, ...] = (0,)  # the pipeline stage of every global rank
 
     @property
     def dp_rank(self) -> int:
@@ -248,6 +252,15 @@ class Mesh:
     def replica_leader(self) -> int:
         return self.leader_of(self.env.rank)
 
+    def stage_leader_of(self, rank: int) -> int:
+        """The lowest global rank of `rank`'s stage (same DP rank and pipeline stage)."""
+        key = (self.dp_ranks[rank], self.pp_ranks[rank])
+        return next(r for r in range(len(self.dp_ranks)) if (self.dp_ranks[r], self.pp_ranks[r]) == key)
+
+    @property
+    def stage_leader(self) -> int:
+        return self.stage_leader_of(self.env.rank)
+
     def data_parallel_group(self):
         """megatron's DP group (ranks holding different rows), or None with one DP rank."""
         if self.dp == 1:
@@ -257,21 +270,31 @@ class Mesh:
         return parallel_state.get_data_parallel_group()
 
 
-def _replica_groups(dp_rank: int) -> tuple[dist.ProcessGroup | None, tuple[int, ...]]:
-    """One process group per DP rank over the ranks with that DP rank (every rank creates every group, in
-    the same order, as `new_group` requires). Returns this rank's group and every rank's DP rank. One
-    small object gather at start-up: megatron's rank order stays its own business."""
-    world = dist.get_world_size()
-    every: list = [None] * world
-    dist.all_gather_object(every, dp_rank)
-    dp_ranks = tuple(int(x) for x in every)
-    mine: dist.ProcessGroup | None = None
-    for d in sorted(set(dp_ranks)):
-        ranks = [r for r in range(world) if dp_ranks[r] == d]
-        group = dist.new_group(ranks) if len(ranks) > 1 else None
-        if d == dp_rank:
-            mine = group
-    return mine, dp_ranks
+def _rank_groups(keys: list[tuple[int, ...]], mine: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """One process group per distinct key over the ranks with that key (every rank creates every group,
+    in the same order, as `new_group` requires); this rank's group, None when it is alone in it."""
+    group: dist.ProcessGroup | None = None
+    for key in sorted(set(keys)):
+        ranks = [r for r in range(len(keys)) if keys[r] == key]
+        g = dist.new_group(ranks) if len(ranks) > 1 else None
+        if key == mine:
+            group = g
+    return group
+
+
+def _replica_groups(dp_rank: int, pp_rank: int):
+    """Every rank's DP rank and pipeline stage (one small object gather at start-up: megatron's rank order
+    stays its own business), this rank's replica group (same DP rank) and stage group (same DP rank and
+    stage; the replica itself without PP)."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (int(dp_rank), int(pp_rank)))
+    dp_ranks = tuple(d for d, _ in every)
+    pp_ranks = tuple(p for _, p in every)
+    replica = _rank_groups([(d,) for d in dp_ranks], (dp_rank,))
+    if max(pp_ranks) == 0:
+        return replica, dp_ranks, replica, pp_ranks
+    stage = _rank_groups([tuple(k) for k in every], (dp_rank, pp_rank))
+    return replica, dp_ranks, stage, pp_ranks
 
 
 def init_mesh(
@@ -319,7 +342,9 @@ def init_mesh(
     # default (data-parallel) stream must agree across model-parallel peers.
     torch.manual_seed(seed)
     mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    replica, dp_ranks = _replica_groups(parallel_state.get_data_parallel_rank())
+    replica, dp_ranks, stage, pp_ranks = _replica_groups(
+        parallel_state.get_data_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    )
     return Mesh(
         mesh_cfg,
         env,
@@ -327,6 +352,8 @@ def init_mesh(
         torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
         replica=replica,
         dp_ranks=dp_ranks,
+        stage=stage,
+        pp_ranks=pp_ranks,
     )
 
 

@@ -3,7 +3,8 @@
 One `StepReplay` per training step (`StepReplay.for_step(mode, learner, batch)`, every rank):
 
 * `old_pass_hooks()` for the old-policy forward: R2 RECORDs the learner's own top-k, R3 REPLAYs the
-  sampler's `batch["routes"]`, mode "none" only observes. Every pass keeps, per token and MoE layer, the
+  sampler's `batch["routes"]` (every MoE layer's, or with `route_layers` only this pipeline stage's, as
+  the trainer's data plane sends them), mode "none" only observes. Every pass keeps, per token and MoE layer, the
   learner's own top-k, the routes it used and log r_old at them (the RSPO reference).
 * `train_hooks(rows, num_micro_batches=...)` for the training forward of each mini-batch (`rows` = its
   rows of the step's batch): R2 replays the recorded routes, R3 the sampler's, also in the
@@ -248,7 +249,7 @@ class _Pass:
         fillers, bool `[n]` real tokens without a route)."""
         s, c = self.step, self.ctx
         if s.mode == "R3":
-            got = s.sampler_routes[c.grow_h.clamp_min(0), c.pos_h, layer]
+            got = s.sampler_routes[c.grow_h.clamp_min(0), c.pos_h, s._route_col[layer]]
         else:
             got = s.old.store.get(layer, c.keys)[1]
         return rt.with_fillers(got.to(s.device), c.valid, c.fill_keys, num_experts=s.E)
@@ -307,7 +308,7 @@ class _Pass:
             self.n_layers[c.prow[v], c.pos[v]] += 1
             self.load[layer] += torch.bincount(ov.reshape(-1), minlength=s.E).to(torch.float64)
             if s.sampler_routes is not None:
-                sr = s.sampler_routes[c.grow_h[c.valid_h], c.pos_h[c.valid_h], layer].to(
+                sr = s.sampler_routes[c.grow_h[c.valid_h], c.pos_h[c.valid_h], s._route_col[layer]].to(
                     s.device, torch.int64
                 )
                 m = c.pred[v] & (sr[:, 0] != rt.NO_ROUTE)
@@ -381,6 +382,7 @@ class StepReplay:
         sharded: bool = False,
         merge_group: Any = None,
         reducer: Any = None,
+        route_layers: list[int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise MegagrpoError(f"replay={mode!r}; use one of {MODES}")
@@ -420,6 +422,8 @@ class StepReplay:
         )
         # the sampler's routes stay with the batch (host memory); each router call looks up its tokens
         self.sampler_routes: Tensor | None = None
+        # route column of each MoE layer: every layer's, or (`route_layers`) only this stage's (trainer.rows)
+        self._route_col = {m: j for j, m in enumerate(route_layers or range(self.L))}
         if "routes" in batch:
             self.sampler_routes = rt.validate_sampler_routes(
                 batch["routes"].cpu(),
@@ -429,7 +433,13 @@ class StepReplay:
                 num_layers=c.num_layers,
                 topk=self.K,
                 num_experts=self.E,
+                route_layers=route_layers,
             )
+            missing = sorted({sl.moe for sl in taps.slots} - set(self._route_col))
+            if missing:
+                raise MegagrpoError(
+                    f"batch['routes'] holds MoE layers {route_layers}; this rank's routers also need {missing}"
+                )
         if mode == "R3" and self.sampler_routes is None:
             raise MegagrpoError(
                 "replay=R3 needs the sampler's routes (batch['routes']); enable routed-expert capture in the "
@@ -458,11 +468,13 @@ class StepReplay:
         gamma_min: float = stats.DEFAULT_GAMMA_MIN,
         router_shift: bool = False,
         sharded: bool = False,
+        route_layers: list[int] | None = None,
     ) -> StepReplay:
         """The step's replay: mode "R2", "R3" or "none" (statistics and RSPO weights only, no replay; works
         on a model built without routing replay). `batch` is the global batch (every rank the same) or,
         with `sharded`, this DP rank's rows, with `routes` int `[B, T, L, K]` when the sampler returned
-        them (required for R3). Bad routes raise MegagrpoError here, before any pass. `router_shift` (RSPO)
+        them (required for R3; L = every MoE layer, or the MoE layers `route_layers` of this rank's
+        pipeline stage). Bad routes raise MegagrpoError here, before any pass. `router_shift` (RSPO)
         announces that the loss will call `token_weights`: under pipeline parallelism each mini-batch then
         gets a forward-only pre-pass that measures gamma over all stages (its layers live on other ranks
         than the loss)."""
@@ -489,6 +501,7 @@ class StepReplay:
             sharded=sharded,
             merge_group=merge_group,
             reducer=reducer,
+            route_layers=route_layers,
         )
 
     # -- reductions over the ranks that share this batch ------------------------------------------------

@@ -39,11 +39,13 @@ def validate_sampler_routes(
     num_layers: int,
     topk: int,
     num_experts: int,
+    route_layers: list[int] | None = None,
 ) -> Tensor:
     """Check the batch's `routes` (R3 input) and return them as `[B, T, L_moe, K]` in `route_dtype`.
 
     routes: int `[B, T, L, K]`, L = the number of MoE layers, or the total layer count (then the rows of
-    the MoE layers `moe_layers` are taken). At a real token a row is either complete (K ids in [0, E), no
+    the MoE layers `moe_layers` are taken); with `route_layers` (MoE-layer indices: a pipeline stage's
+    layers, `trainer.rows`) exactly those, `L_moe` = len(route_layers). At a real token a row is either complete (K ids in [0, E), no
     repeats) or entirely -1 (no route: the last token, or a route the sampler did not return; such tokens
     are replayed with a filler route and counted as fallback). Raises MegagrpoError naming the problem.
     """
@@ -59,7 +61,14 @@ def validate_sampler_routes(
             f"B={B}, T={T} (the input_ids shape); rebuild the batch from the rollout's routes"
         )
     L, K = int(routes.shape[2]), int(routes.shape[3])
-    if len(moe_layers) == L:
+    if route_layers is not None:
+        if len(route_layers) != L:
+            raise MegagrpoError(
+                f"batch['routes'] has {L} layers; it should hold this stage's MoE layers {route_layers} "
+                "(trainer.rows.RouteSlices): the rows were sliced for another pipeline stage"
+            )
+        r = routes
+    elif len(moe_layers) == L:
         r = routes
     elif num_layers == L:
         r = routes[:, :, moe_layers]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,15 +109,23 @@ class EngineGroups:
                 total[k] = total.get(k, 0.0) + float(v)
         return total
 
-    def send_rows(self, owned: dict[int, Any], wanted: list[list[int]]) -> tuple[dict[int, Any], int]:
+    def send_rows(
+        self,
+        owned: dict[int, Any],
+        wanted: list[list[int]],
+        prepare: Callable[[int, Any], Any] | None = None,
+    ) -> tuple[dict[int, Any], int]:
         """Rank r receives the rows `wanted[r]` (ids) from whichever rank holds them in its `owned`
-        (row id -> object); one all-to-all over WORLD. Returns (this rank's wanted rows by id, bytes
-        received). Raises when a wanted row is held by no rank."""
+        (row id -> object), as `prepare(r, row)` makes them for r (the row itself by default); one
+        all-to-all over WORLD. Returns (this rank's wanted rows by id, bytes received). Raises when a
+        wanted row is held by no rank."""
         if len(wanted) != self.world:
             raise ValueError(f"wanted lists {len(wanted)} ranks, the world has {self.world}")
         payloads = []
-        for rows in wanted:
-            items = [(i, owned[i]) for i in rows if i in owned]
+        for dest, rows in enumerate(wanted):
+            items = [
+                (i, owned[i] if prepare is None else prepare(dest, owned[i])) for i in rows if i in owned
+            ]
             payloads.append(pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) if items else b"")
         if self.world == 1:
             chunks, received = payloads, 0

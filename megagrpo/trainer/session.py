@@ -26,6 +26,7 @@ from megagrpo.trainer import checkpointing
 from megagrpo.trainer.components import learner_config, optimizer_factory, rollout_config, sampling_config
 from megagrpo.trainer.health import HealthConfig, health_warnings
 from megagrpo.trainer.metrics import MetricsLogger, console_line
+from megagrpo.trainer.rows import route_slices
 from megagrpo.trainer.signals import REQUEUE_EXIT_CODE, StopRequest
 from megagrpo.trainer.weights import check_learner_weights, export_buckets, load_hf_into_learner
 
@@ -89,6 +90,8 @@ class Session:
         self.rank0 = _rank() == 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.engines = EngineGroups.current(self.num_engines())
+        # which sampler route columns each rank's pipeline stage reads (the data plane sends only those)
+        self.route_slices = route_slices(self.learner) if self.arch.is_moe else None
         load_hf_into_learner(self.learner, self.model_path)
         self.step = 0
         self._calls = 0  # engine calls within the current step: part of each call's sampling seed
@@ -203,7 +206,7 @@ class Session:
         rows = -(-batch["input_ids"].shape[0] // max(dp, 1))
         return max(1, -(-rows // self.cfg.schedule.micro_batch_size))
 
-    def replay_for(self, batch: dict[str, torch.Tensor]):
+    def replay_for(self, batch: dict[str, torch.Tensor], route_layers: list[int] | None = None):
         """Routing replay (R2/R3) and router statistics for this step; None for a dense model.
 
         With `replay: none` an MoE model still gets a stats-only `StepReplay` (it only observes), so the
@@ -221,6 +224,7 @@ class Session:
             gamma_min=a.router_shift_gamma_min,
             router_shift=a.router_shift,
             sharded=True,  # the batch is this DP rank's rows (trainer.rows)
+            route_layers=route_layers,  # and its routes, this stage's MoE layers
         )
 
     # -- prompts and generation ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ from megagrpo.bridge.load import iter_local_shards
 from megagrpo.bridge.maps import Placement
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
+from megagrpo.sync.weights import all_finite
 
 
 def _layer_offset(chunk: Any) -> int:
@@ -131,19 +132,21 @@ def export_buckets(
 def check_learner_weights(learner: Any) -> None:
     """Refuse a weight sync from a policy with NaN/inf values, before any engine is touched (collective).
 
-    Each rank checks its own shards (one `aminmax` per parameter: M / model-parallel size bytes read), and
-    the verdict is agreed over WORLD as one scalar; the names travel only when something is wrong. Checking
-    here, not on the exported buckets, is what lets the GPU sync stream its buckets (`sync.weights`)."""
+    Each rank checks its own shards (one sum per parameter, M / model-parallel size bytes read, and one
+    device sync for all of them; a non-finite sum is confirmed exactly by `all_finite`), and the verdict is
+    agreed over WORLD as one scalar; the names travel only when something is wrong. Checking here, not on
+    the exported buckets, is what lets the GPU sync stream its buckets (`sync.weights`)."""
+    params = [
+        (name, p)
+        for chunk in learner.chunks
+        for name, p in _unwrap(chunk).named_parameters()
+        if p.is_floating_point() and p.numel()
+    ]
     bad = None
-    for chunk in learner.chunks:
-        for name, p in _unwrap(chunk).named_parameters():
-            if p.is_floating_point() and p.numel():
-                lo, hi = p.aminmax()
-                if not (torch.isfinite(lo) and torch.isfinite(hi)):
-                    bad = name
-                    break
-        if bad:
-            break
+    if params:
+        sums = torch.stack([p.detach().sum().float() for _, p in params])
+        suspect = (~torch.isfinite(sums)).nonzero().flatten().tolist()  # the one device sync
+        bad = next((params[i][0] for i in suspect if not all_finite(params[i][1].detach())), None)
     flag = torch.tensor([0 if bad is None else 1], dtype=torch.int64, device=learner.mesh.device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1:

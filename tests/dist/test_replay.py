@@ -76,6 +76,23 @@ def test_r3_alignment_packed_padded_microbatches_pp2(results):
             assert 0.9 < r[f"metrics_{k}"]["moe/load_entropy"] <= 1.0
 
 
+def test_r3_under_pp2_with_each_stage_s_own_route_layers(results):
+    """The data plane hands each pipeline stage only its MoE layers' routes: the same pass and metrics as
+    with every layer's, and routes sliced for the other stage are refused."""
+    stages = [rank["r3"]["pp2_stage_layers"] for rank in results]
+    assert (
+        stages[0] and stages[1] and sorted(stages[0] + stages[1]) == list(range(len(stages[0] + stages[1])))
+    )
+    for rank in results:
+        r = rank["r3"]
+        assert r["pp2_sliced_vs_pp2"] == 0.0
+        sliced = dict(r["metrics_pp2_sliced"])
+        # the second pass on this learner also reports load drift against the first: none, same routes
+        assert [sliced.pop(k) for k in list(sliced) if k.startswith("moe/load_drift")] == [0.0] * 5
+        assert sliced == r["metrics_pp2"]
+        assert "this rank's routers also need" in r["other_stage_error"]
+
+
 def test_rspo_weights_under_pp2_equal_single_stage(results):
     """RSPO with PP2 (gamma from a forward-only pre-pass over both stages) == gamma without PP."""
     for rank in results:

@@ -30,6 +30,7 @@ from megagrpo.learner.learner import Learner, LearnerConfig
 from megagrpo.learner.mesh import MeshConfig
 from megagrpo.moe.replay import StepReplay
 from megagrpo.moe.routers import router_taps
+from megagrpo.trainer.rows import route_slices
 from tests.dist._common import TINY_MOE, load_params, make_batch, save_params, write_json
 
 R2_MESHES = {
@@ -309,6 +310,22 @@ def run_r3(outdir: Path) -> dict[str, Any]:
     lp_pp = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
     out["metrics_pp2"] = {**rep.old_pass_metrics(), **rep.step_metrics()}
     out["pp2_vs_packed"] = float((lp_pp - results["packed"])[mask].abs().max())
+    # each stage handed only its own MoE layers' routes (what trainer.rows sends): the same pass
+    slices = route_slices(pp)
+    mine, theirs = (list(slices.stage[r]) for r in (dist.get_rank(), 1 - dist.get_rank()))
+    rep = StepReplay.for_step(
+        "R3", pp, {**batch, "routes": routes[:, :, mine].to(torch.int32)}, route_layers=mine
+    )
+    lp_sliced = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    out["metrics_pp2_sliced"] = {**rep.old_pass_metrics(), **rep.step_metrics()}
+    out["pp2_sliced_vs_pp2"] = float((lp_sliced - lp_pp)[mask].abs().max())
+    out["pp2_stage_layers"] = mine
+    try:
+        other = {**batch, "routes": routes[:, :, theirs].to(torch.int32)}
+        StepReplay.for_step("R3", pp, other, route_layers=theirs)
+        out["other_stage_error"] = None
+    except MegagrpoError as e:
+        out["other_stage_error"] = str(e)
     gamma_pp2 = _rspo_gamma(pp, batch, ck)
     out["rspo_pp2_vs_pp1"] = float((gamma_pp2 - gamma_pp1).abs().max())
     out["rspo_gamma_below_one"] = int((gamma_pp1 < 1).sum())

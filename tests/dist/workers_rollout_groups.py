@@ -26,7 +26,9 @@ def _fake_generate(log: list):
             for g in range(group_size):
                 seed = sampling.seed + index_offset + i * group_size + g
                 tok = (p[0] * 7 + seed * 13) % 5  # a function of the prompt and the request's seed only
-                grp.append(Completion(i, g, torch.tensor(p), torch.tensor([tok]), torch.zeros(1), "stop", "", None))
+                grp.append(
+                    Completion(i, g, torch.tensor(p), torch.tensor([tok]), torch.zeros(1), "stop", "", None)
+                )
             out.append(grp)
         return out
 

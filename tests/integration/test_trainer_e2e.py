@@ -277,12 +277,14 @@ def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
     assert not (tmp_path / "run").exists()  # nothing started: validation comes before any process group
 
 
-def test_two_processes_expert_parallel(tmp_path, moe_model):
-    """The same loop on an EP2 mesh (torchrun, 2 ranks): rank 0 samples, both ranks train and export."""
+@pytest.mark.parametrize("mesh", ["mesh.ep=2", "mesh.pp=2"])
+def test_two_processes_expert_or_pipeline_parallel(tmp_path, moe_model, mesh):
+    """The same loop on an EP2 or a PP2 mesh (torchrun, 2 ranks): rank 0 samples, both ranks train and
+    export; under PP each stage receives and replays (R3) only its own MoE layers' routes."""
     cfg = write_config(
         tmp_path, moe_model, schedule__steps=2, schedule__eval_every=2, schedule__save_every=2, replay="R3"
     )
-    res = cli("train", str(cfg), "mesh.ep=2", "--nproc", "2")
+    res = cli("train", str(cfg), mesh, "--nproc", "2")
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     recs = records(tmp_path / "run")
     assert [r["step"] for r in recs] == [0, 1, 2]

@@ -171,3 +171,17 @@ def test_gpu_sync_streams_and_checks_each_bucket_before_it_is_sent():
     with pytest.raises(MegagrpoError, match=r"'w3' holds NaN or inf.*2 bucket\(s\) were already sent"):
         _sync_streamed(eng, iter([[t] for t in bad]), _Checker(shapes), 1, False, None, 0.0)
     assert eng.calls == ["begin", "update:flattened_bucket:0", "update:flattened_bucket:0", "end"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_is_exact_when_the_quick_sum_overflows(dtype):
+    from megagrpo.sync.weights import all_finite
+
+    big = torch.full((64,), torch.finfo(dtype).max / 2, dtype=dtype)  # finite; its sum is inf
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(1000).to(dtype)
+        t[17] = bad
+        assert not all_finite(t), bad
+    assert all_finite(torch.randn(1000).to(dtype)) and all_finite(torch.empty(0))
+    assert all_finite(torch.tensor([1, 2], dtype=torch.int64))

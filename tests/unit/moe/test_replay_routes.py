@@ -34,6 +34,14 @@ def test_valid_routes_pass_and_moe_layers_are_selected():
     assert torch.equal(out, r[:, :, [0, 2]].long())
 
 
+def test_a_pipeline_stage_s_route_columns_pass_only_with_its_layer_count():
+    r = _routes()
+    stage = r[:, :, [1, 2]]
+    assert torch.equal(_check(stage, route_layers=[1, 2]), stage.long())
+    with pytest.raises(MegagrpoError, match="sliced for another pipeline stage"):
+        _check(stage, route_layers=[0])
+
+
 @pytest.mark.parametrize(
     "case, match",
     [

@@ -211,15 +211,21 @@ def _staging_for(eng: Any) -> _Staging:
     return _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging())
 
 
-_PARAM_NAMES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+# What an engine's model fixes for its lifetime (its checkpoint's shapes, its parameter names, the full-sync
+# packing plan), computed on its first sync rather than on every one.
+_PER_ENGINE: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _per_engine(eng: Any, key: str, compute: Callable[[], Any]) -> Any:
+    known = _PER_ENGINE.setdefault(eng, {})
+    if key not in known:
+        known[key] = compute()
+    return known[key]
 
 
 def _engine_param_names(eng: Any) -> frozenset[str]:
     """Names of the engine's parameters and buffers (from one checksum pass), cached per engine."""
-    names = _PARAM_NAMES.get(eng)
-    if names is None:
-        names = _PARAM_NAMES[eng] = frozenset(engine_checksums(eng))
-    return names
+    return _per_engine(eng, "param_names", lambda: frozenset(engine_checksums(eng)))
 
 
 def _packing_plan(
@@ -339,7 +345,7 @@ def sync_weights(
     """
     t0 = time.perf_counter()
     eng = _sglang_engine(engine)
-    shapes = checkpoint_shapes(eng.server_args.model_path)
+    shapes = _per_engine(eng, "shapes", lambda: checkpoint_shapes(eng.server_args.model_path))
     tp_size = int(eng.server_args.tp_size)
     stream = (b for b in (list(b) for b in buckets) if b)
     first = next(stream, None)
@@ -410,7 +416,9 @@ def sync_weights(
 
 def _full_packing_plan(eng: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam] | None:
     """The packing plan of a full sync (every checkpoint tensor sent), None when the engine lacks a packed name."""
-    return _packing_plan(eng, shapes, [[(name, None) for name in shapes]])
+    return _per_engine(
+        eng, "full_plan", lambda: _packing_plan(eng, shapes, [[(name, None) for name in shapes]])
+    )
 
 
 def _sync_streamed(

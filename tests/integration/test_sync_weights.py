@@ -155,7 +155,7 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
     eng.update_weights_from_tensor = lambda *a, **k: (events.append("update"), update(*a, **k))[1]
     try:
         sglang_engine.release(["kv_cache", "weights"])
-        sync_module._PARAM_NAMES.pop(eng, None)  # the packing plan's name lookup runs while released
+        sync_module._PER_ENGINE.pop(eng, None)  # the packing plan's name lookup runs while released
         with pytest.raises(MegagrpoError, match=rf"tensor '{name}' holds NaN"):
             sync_weights(  # an iterator, as the streaming export yields: the NaN is in a later bucket
                 sglang_engine, iter(bucketize(bad, bucket_bytes=4096)), pack=pack, before_send=resume_weights

@@ -201,6 +201,11 @@ def hf_names(arch: ModelArch) -> list[str]:
     return [n for m in param_maps(arch) for n in m.hf]
 
 
+def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: shape} of `arch`'s checkpoint: what a full export yields."""
+    return {n: shape for m in param_maps(arch) for n, shape in zip(m.hf, m.hf_shapes, strict=True)}
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a rank's model chunk sits in the full model, for naming its parameters.

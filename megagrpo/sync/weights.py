@@ -139,6 +139,20 @@ class _Checker:
             raise MegagrpoError(f"weight sync: tensors missing from the export: {missing[:3]}{more}")
 
 
+def check_announced(
+    expected: Mapping[str, tuple[int, ...]],
+    announced: Mapping[str, tuple[int, ...]],
+    *,
+    partial: bool = False,
+) -> None:
+    """`validate_buckets` for an export's announced names and shapes, before any of its values exist (meta
+    tensors hold none)."""
+    checker = _Checker(expected)
+    checker.check([(n, torch.empty(s, device="meta")) for n, s in announced.items()], check_finite=False)
+    if not partial:
+        checker.finish()
+
+
 def validate_buckets(
     buckets: list[list[NamedTensor]],
     expected: Mapping[str, tuple[int, ...]],
@@ -316,6 +330,7 @@ def sync_weights(
     partial: bool = False,
     pack: bool = True,
     before_send: Callable[[], None] | None = None,
+    announced: Mapping[str, tuple[int, ...]] | None = None,
 ) -> SyncStats:
     """Send HF-named tensors into a running SGLang engine. Returns `SyncStats` (see `metrics()`).
 
@@ -324,7 +339,10 @@ def sync_weights(
     streaming export) is consumed one bucket at a time. partial: allow sending a subset of the checkpoint.
     checksum: after the update, compare SGLang's per-parameter hashes with hashes of what was sent (TP=1
     engines). pack: on a CPU TP=1 engine, send in SGLang's parameter layout (see the module doc); False
-    always sends HF names through SGLang's `load_weights`.
+    always sends HF names through SGLang's `load_weights`. announced: the names and shapes the export will
+    yield (`bridge.maps.hf_shapes`), checked against the engine's checkpoint before the first bucket is
+    read, so that a streamed sync can fail on a name or shape after its first send only if the export
+    breaks its own announcement.
 
     Nothing is overwritten before everything is checked, so a bad export (an unknown, misshapen, missing or
     NaN/inf tensor, named in the error) leaves the engine serving its old weights. Only then is
@@ -337,9 +355,10 @@ def sync_weights(
       staging and one export bucket.
     - GPU (flattened buckets over CUDA IPC): streamed, one bucket checked and sent at a time, so the sending
       rank never holds more than the bucket in flight. The values were checked on the learner's own
-      shards before the export (`trainer.weights.check_learner_weights`); this check of each bucket
-      catches what the export itself could break (names, shapes), at the cost that a bucket failing it
-      after the first was sent leaves a partly updated engine (the error says so).
+      shards before the export (`trainer.weights.check_learner_weights`) and its names and shapes as
+      `announced` before any send; the check of each bucket catches an export that breaks its
+      announcement, at the cost that a bucket failing it after the first was sent leaves a partly
+      updated engine (the error says so).
     - HF-named on the CPU, and partial syncs: the buckets are held until all are checked (a debugging
       transport and small partial updates).
     """
@@ -347,6 +366,8 @@ def sync_weights(
     eng = _sglang_engine(engine)
     shapes = _per_engine(eng, "shapes", lambda: checkpoint_shapes(eng.server_args.model_path))
     tp_size = int(eng.server_args.tp_size)
+    if announced is not None:
+        check_announced(shapes, announced, partial=partial)
     stream = (b for b in (list(b) for b in buckets) if b)
     first = next(stream, None)
     if first is None:

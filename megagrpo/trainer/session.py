@@ -295,6 +295,7 @@ class Session:
         Metrics are per engine (every engine receives the same model): `sync/bytes` is one engine's,
         `sync/seconds` the slowest engine's, `sync/checksum_ok` true only if every engine's is.
         """
+        from megagrpo.bridge.maps import hf_shapes
         from megagrpo.sync.weights import sync_weights
 
         check_learner_weights(self.learner)
@@ -307,6 +308,7 @@ class Session:
                 checksum=self.cfg.sync.checksum,
                 pack=self.cfg.sync.pack,
                 before_send=lambda: self.engine.resume(["weights"]),
+                announced=hf_shapes(self.arch),
             )
             mine = stats.metrics()
         else:

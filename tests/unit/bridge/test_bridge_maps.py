@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from megagrpo.bridge.export import iter_hf_buckets
 from megagrpo.bridge.hf_config import arch_from_hf
-from megagrpo.bridge.maps import Placement, hf_names, megatron_name, param_maps
+from megagrpo.bridge.maps import Placement, hf_names, hf_shapes, megatron_name, param_maps
 from megagrpo.bridge.transforms import to_hf, to_megatron, tp_shard, tp_unshard
 from megagrpo.errors import MegagrpoError
 
@@ -190,3 +190,31 @@ def test_local_shards_of_a_tp2_ep2_pp2_mesh_reassemble(tiny_model):
     assert set(out) == set(hf) and all(torch.equal(out[n], hf[n]) for n in hf)
     # layer 1's expert 6 lives on EP rank 1 as local expert 2, named with the stage-local layer 0
     assert (1, 1, 0, "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight") in params
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_announced_shapes_are_the_checkpoint_s(tiny_model, case):
+    """What the trainer announces before a streamed weight sync is exactly the engine's checkpoint."""
+    from megagrpo.sync.weights import check_announced
+
+    arch, hf = _model(tiny_model, case)
+    shapes = {n: tuple(t.shape) for n, t in hf.items()}
+    assert hf_shapes(arch) == shapes
+    check_announced(shapes, hf_shapes(arch))
+
+
+def test_a_bad_announcement_is_refused_by_name():
+    from megagrpo.sync.weights import check_announced
+
+    shapes = {"a.weight": (4, 2), "b.weight": (3,)}
+    for announced, words in (
+        (
+            {"a.weight": (4, 2), "b.weight": (3,), "c.weight": (1,)},
+            "'c.weight' is not in the engine's checkpoint",
+        ),
+        ({"a.weight": (2, 4), "b.weight": (3,)}, r"'a.weight' has shape \(2, 4\)"),
+        ({"a.weight": (4, 2)}, r"missing from the export: \['b.weight'\]"),
+    ):
+        with pytest.raises(MegagrpoError, match=words):
+            check_announced(shapes, announced)
+    check_announced(shapes, {"a.weight": (4, 2)}, partial=True)

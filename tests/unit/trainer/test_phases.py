@@ -95,6 +95,7 @@ def test_without_an_engine_the_learner_stays(session, log):
 def test_a_step_and_its_weight_sync(session, log, monkeypatch):
     """Rollout with the learner offloaded; release, reload, train; export, CHECK, resume weights, write,
     offload, resume the KV cache."""
+    import megagrpo.bridge.maps as maps_module
     import megagrpo.sync.weights as sync_module
 
     def fake_export(learner, nbytes, *, receive):
@@ -102,7 +103,8 @@ def test_a_step_and_its_weight_sync(session, log, monkeypatch):
         log.append("export")
         yield [("w", torch.zeros(1))]
 
-    def fake_sync(engine, buckets, *, checksum, pack, before_send):
+    def fake_sync(engine, buckets, *, checksum, pack, before_send, announced):
+        assert announced == {"w": (1,)}  # the export's names and shapes, announced before any bucket
         list(buckets)
         log.append("sync.check")
         before_send()
@@ -112,6 +114,8 @@ def test_a_step_and_its_weight_sync(session, log, monkeypatch):
     monkeypatch.setattr(session_module, "export_buckets", fake_export)
     monkeypatch.setattr(session_module, "check_learner_weights", lambda learner: log.append("check"))
     monkeypatch.setattr(sync_module, "sync_weights", fake_sync)
+    monkeypatch.setattr(maps_module, "hf_shapes", lambda arch: {"w": (1,)})
+    session.arch = None
     session.start_engine()
     log.clear()
     session.engine.release(["kv_cache", "weights"])  # GRPOTrainer.train_step, rank 0, after the rollout

@@ -252,10 +252,16 @@ class Mesh:
     def replica_leader(self) -> int:
         return self.leader_of(self.env.rank)
 
+    def stage_leaders(self) -> dict[tuple[int, int], int]:
+        """(DP rank, pipeline stage) -> the lowest global rank of that stage; O(world)."""
+        out: dict[tuple[int, int], int] = {}
+        for r, key in enumerate(zip(self.dp_ranks, self.pp_ranks, strict=True)):
+            out.setdefault(key, r)
+        return out
+
     def stage_leader_of(self, rank: int) -> int:
         """The lowest global rank of `rank`'s stage (same DP rank and pipeline stage)."""
-        key = (self.dp_ranks[rank], self.pp_ranks[rank])
-        return next(r for r in range(len(self.dp_ranks)) if (self.dp_ranks[r], self.pp_ranks[r]) == key)
+        return self.stage_leaders()[(self.dp_ranks[rank], self.pp_ranks[rank])]
 
     @property
     def stage_leader(self) -> int:

@@ -135,7 +135,8 @@ def distribute_rows(
         for g, c in enumerate(p.completions)
     }
     rows_of = {d: plan.local_rows(d).tolist() for d in range(mesh.dp)}  # once per DP rank, not per rank
-    wanted = [rows_of[mesh.dp_ranks[r]] if mesh.stage_leader_of(r) == r else [] for r in range(engines.world)]
+    leaders = set(mesh.stage_leaders().values())
+    wanted = [rows_of[mesh.dp_ranks[r]] if r in leaders else [] for r in range(engines.world)]
     got, received = engines.send_rows(
         owned, wanted, routes.slice if routes is not None else lambda _, c: dataclasses.replace(c, text="")
     )

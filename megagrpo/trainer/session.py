@@ -5,6 +5,7 @@ signals and the step loop.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -282,6 +283,13 @@ class Session:
 
     # -- sync and evaluation ------------------------------------------------------------------------
 
+    @functools.cached_property
+    def export_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The names and shapes every weight sync announces (the same model every step)."""
+        from megagrpo.bridge.maps import hf_shapes
+
+        return hf_shapes(self.arch)
+
     def sync_weights(self) -> dict[str, float]:
         """Learner -> every engine through the bridge's streaming export, then the sampler phase.
 
@@ -295,7 +303,6 @@ class Session:
         Metrics are per engine (every engine receives the same model): `sync/bytes` is one engine's,
         `sync/seconds` the slowest engine's, `sync/checksum_ok` true only if every engine's is.
         """
-        from megagrpo.bridge.maps import hf_shapes
         from megagrpo.sync.weights import sync_weights
 
         check_learner_weights(self.learner)
@@ -308,7 +315,7 @@ class Session:
                 checksum=self.cfg.sync.checksum,
                 pack=self.cfg.sync.pack,
                 before_send=lambda: self.engine.resume(["weights"]),
-                announced=hf_shapes(self.arch),
+                announced=self.export_shapes,
             )
             mine = stats.metrics()
         else:

@@ -364,11 +364,17 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = run_bench(args)
     render(summary)
-    out = Path(args.out) if Path(args.out).is_absolute() else REPO / args.out
+    write_figures(args.out, summary)
+    return 0
+
+
+def write_figures(out_arg: str, summary: Mapping[str, Any]) -> Path:
+    """The figures as JSON at `out_arg` (relative to the repository unless absolute)."""
+    out = Path(out_arg) if Path(out_arg).is_absolute() else REPO / out_arg
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"figures: {out}")
-    return 0
+    return out
 
 
 if __name__ == "__main__":

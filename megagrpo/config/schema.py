@@ -139,6 +139,26 @@ class MeshConfig(Section):
 # ------------------------------------------------------------------------------------------- rollout
 
 
+class PlacementConfig(Section):
+    """Where the samplers run when they do not share the learner's devices (`rollout.mode: async`)."""
+
+    engine_cores: list[int] | None = Field(
+        default=None,
+        description="CPU: the cores each engine's processes are pinned to; the learner keeps the other "
+        "cores this process may use. null = colocated: no pinning; async: the last core for the engine "
+        "and the rest for the learner (two cores at least). Set in colocated mode too, it gives a "
+        "benchmark the same placement in both modes. Ignored on GPUs.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> PlacementConfig:
+        if self.engine_cores is not None and (not self.engine_cores or any(c < 0 for c in self.engine_cores)):
+            raise invalid(
+                "engine_cores", f"{self.engine_cores} must be a non-empty list of core numbers >= 0"
+            )
+        return self
+
+
 class RolloutConfig(Section):
     engine_tp: int = Field(
         default=1,
@@ -237,6 +257,25 @@ class RolloutConfig(Section):
         default=0.0,
         ge=0.0,
         description="Temperature for held-out evaluation; 0 = greedy so accuracy is comparable across steps.",
+    )
+    mode: Literal["colocated", "async"] = Field(
+        default="colocated",
+        description="colocated: sampler and learner take turns on the same devices (on-policy, no "
+        "overlap). async: the samplers run on their own devices (rollout.placement) and generate the "
+        "next max_staleness steps' first rounds while the learner trains; each completion records its "
+        "policy version, and the loss corrects the lag (docs/async.md).",
+    )
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        description="async: the learner trains step n only on samples of policy versions >= n - k "
+        "(version = learner steps applied to the sampler's weights). Step n's first round is generated "
+        "with version max(0, n - k), so the lag is exactly k once the pipeline is full: deterministic, "
+        "seeded runs repeat. 0 = no overlap, the same completions as colocated mode; 1 = one-step-off "
+        "(verl, NeMo-RL); larger only deepens the queue.",
+    )
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig, description="Where the samplers run in async mode."
     )
 
 
@@ -944,6 +983,13 @@ class Config(Section):
                 "true with algo.old_logp=rollout; the mismatch metrics compare a learner pass with the "
                 "sampler, and old_logp=rollout skips that pass: set diagnostics.mismatch=false or "
                 "algo.old_logp=recompute",
+            )
+        if rollout.mode == "async" and algo.old_logp != "recompute":
+            raise invalid(
+                "algo.old_logp",
+                "rollout with rollout.mode=async; asynchronous samples come from an older policy, and "
+                "the decoupled objective clips against the recomputed learner pass (the proximal "
+                "policy) while TIS/MIS weighs the lag against the sampler: set algo.old_logp=recompute",
             )
         n_seqs = rollout.prompts_per_step * rollout.group_size
         if n_seqs % algo.ppo_mini_batches:

@@ -66,6 +66,7 @@ class DynamicBatch:
     rewards: torch.Tensor  # float32 [n_kept, G], every kept group of the batch, in batch order
     prompts: list = field(default_factory=list)  # the prompt of each of `groups`
     positions: list[int] = field(default_factory=list)  # batch position of each of `groups`
+    versions: list[int] = field(default_factory=list)  # policy version of every kept group, batch order
     rounds: int = 0
     generated_groups: int = 0  # groups generated over all rounds, by every engine
     dropped_groups: int = 0  # zero-variance groups dropped
@@ -90,6 +91,19 @@ def check_group_size(group_size: int) -> None:
         )
 
 
+def _scored(reward_fn: RewardFn, mine: list, groups: list, G: int) -> torch.Tensor:
+    """float32 `[len(mine), G]` rewards of this engine's groups (`[0, G]` for an empty share)."""
+    if not mine:
+        return torch.empty(0, G)
+    rewards = torch.as_tensor(reward_fn(mine, groups), dtype=torch.float32)
+    if rewards.numel() != len(mine) * G:
+        raise MegagrpoError(
+            f"reward_fn returned shape {tuple(rewards.shape)}, expected ({len(mine) * G},): one "
+            "reward per completion"
+        )
+    return rewards.reshape(len(mine), G)
+
+
 def dynamic_sample(
     generate: Callable[..., list[list[Completion]]],
     prompts: Iterator,
@@ -99,6 +113,8 @@ def dynamic_sample(
     keep_fn: KeepFn | None = None,
     *,
     engines: EngineGroups | None = None,
+    first_round=None,
+    version: int = 0,
 ) -> DynamicBatch:
     """Fill a batch of non-degenerate groups. `generate(prompts, sampling, G, index_offset=k)` is
     `RolloutEngine.generate` (k: global index of the first request); `prompts` an iterator.
@@ -111,6 +127,10 @@ def dynamic_sample(
     is taken on every rank from the gathered rewards ([n, G] floats per round). A rank without an engine
     takes part in the gathers with an empty share; `generate` is called on every rank (with an empty list
     on those), so a caller counting engine calls counts the same on all of them.
+
+    first_round: a `rollout.prefetch.QueuedRound` generated ahead of the step (async rollout); it is the
+    first round (its draw, this engine's groups and rewards, its version) and later rounds, if any, are
+    sampled now with the weights of policy `version`. Every kept group records its round's version.
     """
     check_group_size(cfg.group_size)
     if cfg.batch_prompts < 1:
@@ -125,22 +145,22 @@ def dynamic_sample(
     kept_rewards: list[torch.Tensor] = []
     while out.rounds < cfg.max_rounds and len(kept_rewards) < cfg.batch_prompts:
         missing = cfg.batch_prompts - len(kept_rewards)
-        draw = [p for _, p in zip(range(math.ceil(missing * cfg.oversample)), prompts)]
+        queued = first_round if out.rounds == 0 else None
+        if queued is not None:
+            draw, share, round_version = queued.draw, queued.share, queued.version
+        else:
+            draw = [p for _, p in zip(range(math.ceil(missing * cfg.oversample)), prompts)]
+            share = engines.share(len(draw)) if engines is not None else range(len(draw))
+            round_version = version
         if not draw:
             break  # prompt source exhausted (the same on every rank: they draw the same prompts)
         out.rounds += 1
-        share = engines.share(len(draw)) if engines is not None else range(len(draw))
         mine = draw[share.start : share.stop]
-        groups = generate(mine, sampling, G, index_offset=share.start * G)
-        rewards = torch.empty(0, G)
-        if mine:
-            rewards = torch.as_tensor(reward_fn(mine, groups), dtype=torch.float32)
-            if rewards.numel() != len(mine) * G:
-                raise MegagrpoError(
-                    f"reward_fn returned shape {tuple(rewards.shape)}, expected ({len(mine) * G},): one "
-                    "reward per completion"
-                )
-            rewards = rewards.reshape(len(mine), G)
+        if queued is not None:  # generated and scored ahead of the step (rollout.prefetch)
+            groups, rewards = queued.groups, queued.rewards if mine else torch.empty(0, G)
+        else:
+            groups = generate(mine, sampling, G, index_offset=share.start * G)
+            rewards = _scored(reward_fn, mine, groups, G)
         if engines is not None:
             rewards = engines.join_shares(rewards, len(draw))
         keep = keep_fn(rewards)
@@ -154,6 +174,7 @@ def dynamic_sample(
                 out.prompts.append(draw[i])
                 out.positions.append(len(kept_rewards))
             kept_rewards.append(rewards[i])
+            out.versions.append(round_version)
     if kept_rewards:
         out.rewards = torch.stack(kept_rewards)
     out.full = len(kept_rewards) == cfg.batch_prompts

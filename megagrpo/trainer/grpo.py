@@ -31,6 +31,7 @@ from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
 from megagrpo.diagnostics.mismatch import mismatch_metrics, token_ratio_quantiles
 from megagrpo.diagnostics.reduce import DistReducer, LocalReducer
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
+from megagrpo.trainer.async_rollout import StepLag, lag_metrics
 from megagrpo.trainer.batch import response_mask, rollout_batch, select_rows
 from megagrpo.trainer.rows import StepRows, distribute_rows
 from megagrpo.trainer.session import Session
@@ -80,6 +81,10 @@ def mismatch_measurements(
     return {}, token_ratio_quantiles(sampler_logp, learner_logp, loss_mask, qs, reducer=reducer)
 
 
+# the mismatch/ metrics reported per policy lag in async mode
+LAG_MISMATCH_KEYS = ("n_tokens", "abs_dp_mean", "kl_sampler_learner_k3", "chi2")
+
+
 class PhaseTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -112,6 +117,18 @@ class GRPOTrainer(Session):
             if (a.mis.enabled and a.mis.cap == "auto")
             else None
         )
+        if (
+            self.async_rollout is not None
+            and cfg.rollout.max_staleness > 0
+            and not (a.tis.enabled or a.mis.enabled)
+        ) and self.rank0:
+            print(
+                f"warning: rollout.mode=async with max_staleness={cfg.rollout.max_staleness} and neither "
+                "algo.tis nor algo.mis enabled: samples up to that many versions old are trained on "
+                "without the behaviour-policy weight of the decoupled objective (docs/async.md); "
+                "enable algo.tis (cap auto) to correct the lag",
+                flush=True,
+            )
         self.restore()
 
     # -- state beyond the learner ------------------------------------------------------------------
@@ -159,6 +176,13 @@ class GRPOTrainer(Session):
         the same on every rank)."""
         cfg, a = self.cfg, self.cfg.algo
         with timer("rollout"):
+            first, lag = None, StepLag()
+            if self.async_rollout is not None:
+                first, lag = self.async_rollout.take(self.step)
+            if first is not None:  # the step's first round was generated ahead: refills are call 1, 2, ..
+                self._calls = 1
+                for k, v in first.counts.items():
+                    self.reward_counts[k] = self.reward_counts.get(k, 0.0) + v
             dyn = dynamic_sample(
                 self.generate_groups,
                 self.prompt_stream(),
@@ -169,10 +193,17 @@ class GRPOTrainer(Session):
                 if a.dynamic_sampling
                 else (lambda r: torch.ones(r.shape[0], dtype=torch.bool)),
                 engines=self.engines,
+                first_round=first,
+                version=self.step,
             )
+        if self.async_rollout is not None:  # the next steps' first rounds, generated while this one trains
+            self.async_rollout.fill(self.step)
+        self._lag = lag
         m: dict[str, float] = {**dyn.metrics(), **self._reward_counts()}
         if dyn.kept == 0:
             return None, None, {**m, "rollout/skipped_step": 1.0}
+        G = cfg.rollout.group_size
+        lags = (self.step - torch.tensor(dyn.versions, dtype=torch.int64)).repeat_interleave(G)
         with timer("rows"):
             rows = distribute_rows(
                 self.engines, self.learner.mesh, dyn, cfg.rollout.group_size,
@@ -187,6 +218,8 @@ class GRPOTrainer(Session):
             else:
                 adv = group_advantages(rewards, a.advantages, a.adv_eps)
         local = rows.local
+        self._row_lags = lags[local]  # policy lag of each of this rank's rows (mismatch by lag)
+        m.update(lag_metrics(lags, self.max_lag, lag))
         batch = rollout_batch(
             [rows.completions], adv.reshape(-1)[local], pad_id=self.pad_id, rewards=rewards.reshape(-1)[local]
         )
@@ -259,11 +292,16 @@ class GRPOTrainer(Session):
         cfg, a = self.cfg, self.cfg.algo
         timer = PhaseTimer()
         t_step = time.perf_counter()
+        self.sync_wait_seconds = 0.0
+        if self.async_rollout is not None:
+            self.async_rollout.queue.take_busy_seconds()  # the step's sampler time starts now
         rows, batch, metrics = self._sample(timer)
-        if batch is not None and self.engine is not None:
+        if batch is not None and self.engine is not None and not self.asynchronous:
             with timer("sleep"):
                 self.engine.release(["kv_cache", "weights"])
         if batch is None:
+            if self.async_rollout is not None:  # no sync follows: the queue must be idle between steps
+                self.async_rollout.queue.drain()
             # Every group had equal rewards in every round: all advantages are 0, so there is nothing to
             # learn from; the step is counted and logged (rollout/skipped_step) but no update is made.
             if self.rank0:
@@ -273,6 +311,7 @@ class GRPOTrainer(Session):
                     flush=True,
                 )
             metrics["perf/step_seconds"] = time.perf_counter() - t_step
+            metrics.update(self._idle_metrics(timer, metrics["perf/step_seconds"]))
             return metrics
         metrics["rollout/skipped_step"] = 0.0
         self.learner_phase()  # the engines released above; nothing more to release
@@ -298,6 +337,8 @@ class GRPOTrainer(Session):
             reducer=self._dp_reducer(),
         )  # fmt: skip
         metrics.update(logged)
+        if self.async_rollout is not None and cfg.diagnostics.mismatch:
+            metrics.update(self._mismatch_by_lag(batch, old_logp))
         iw = self._importance(old_logp, batch, metrics)
         for cap in caps:  # after the weights: a step's cap never depends on its own measurement
             cap.update(measured)
@@ -322,10 +363,47 @@ class GRPOTrainer(Session):
             metrics.update(self.sync_weights())
         metrics.update(timer.metrics())
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
+        metrics.update(self._idle_metrics(timer, metrics["perf/step_seconds"]))
         metrics["perf/tokens_per_second"] = float(rows.seq_lens.sum()) / max(
             metrics["perf/step_seconds"], 1e-9
         )
         return metrics
+
+    @property
+    def max_lag(self) -> int:
+        return self.cfg.rollout.max_staleness if self.async_rollout is not None else 0
+
+    def _idle_metrics(self, timer: PhaseTimer, step_seconds: float) -> dict[str, float]:
+        """perf/learner_idle_seconds: the step's wait for samples: the rollout phase (the wait for a
+        queued round, or sampling now) plus, async, the wait for the sampler before the weight sync.
+        perf/sampler_idle_seconds: the step's time an engine did not generate (colocated: everything
+        but the rollout). Both are the largest over the ranks."""
+        rollout = timer.seconds.get("rollout", 0.0)
+        learner_idle, busy = rollout + self.sync_wait_seconds, rollout
+        if self.async_rollout is not None:  # the queue's generation, less the time the step waited on it
+            busy += self.async_rollout.queue.take_busy_seconds() - self._lag.learner_wait
+        sampler_idle = max(step_seconds - busy, 0.0) if self.engine is not None else 0.0
+        both = torch.tensor(
+            [learner_idle, sampler_idle], dtype=torch.float64, device=self.learner.mesh.device
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        return {"perf/learner_idle_seconds": float(both[0]), "perf/sampler_idle_seconds": float(both[1])}
+
+    def _mismatch_by_lag(self, batch: dict[str, torch.Tensor], old_logp: torch.Tensor) -> dict[str, float]:
+        """`mismatch/lag_<d>/...` over the tokens of completions generated d versions ago (d = 0..k), so
+        the lag's share of the sampler/learner gap is told apart from numerics (lag 0)."""
+        dev = old_logp.device
+        sampler_logp, loss_mask = batch["sampler_logp"].to(dev), batch["loss_mask"].to(dev)
+        lags = self._row_lags.to(dev)
+        out: dict[str, float] = {}
+        for d in range(self.max_lag + 1):
+            m = mismatch_metrics(
+                sampler_logp, old_logp, loss_mask & (lags == d)[:, None], reducer=self._dp_reducer()
+            ).metrics
+            for key in LAG_MISMATCH_KEYS:
+                out[f"mismatch/lag_{d}/{key}"] = m[f"mismatch/{key}"]
+        return out
 
     def _kl_in_reward(self, batch: dict[str, torch.Tensor], rows: StepRows) -> dict[str, float]:
         """algo.kl.placement=reward: penalise each sequence's reward by coef * sum_t KL(old || ref) over its

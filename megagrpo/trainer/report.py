@@ -40,6 +40,20 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
+def lag_histogram(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Share of the run's trained completions by policy lag (async rollout's `rollout/lag_<d>_frac`,
+    weighted by each step's `rollout/completions`); empty for a colocated run."""
+    totals: dict[int, float] = {}
+    for r in records:
+        n = r.get("rollout/completions", 0.0)
+        for key, v in r.items():
+            if key.startswith("rollout/lag_") and key.endswith("_frac") and v is not None:
+                d = int(key[len("rollout/lag_") : -len("_frac")])
+                totals[d] = totals.get(d, 0.0) + v * n
+    whole = sum(totals.values())
+    return {d: totals[d] / whole for d in sorted(totals)} if whole > 0 else {}
+
+
 def write_report(
     run_dir: str | Path, *, title: str = "megagrpo run", extra_md: str = ""
 ) -> tuple[Path, Path]:
@@ -53,7 +67,8 @@ def write_report(
     run_dir = Path(run_dir)
     records = read_jsonl(run_dir / "metrics.jsonl")
     panels = [(name, keys) for name, keys in PANELS if any(_series(records, k)[0] for k in keys)]
-    n = max(len(panels), 1)
+    lags = lag_histogram(records)
+    n = max(len(panels) + bool(lags), 1)
     cols = 2 if n > 1 else 1
     rows = -(-n // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 2.8 * rows), squeeze=False)
@@ -71,7 +86,14 @@ def write_report(
             ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels) :]:
+    if lags:
+        ax = list(axes.flat)[len(panels)]
+        ax.bar([str(d) for d in lags], list(lags.values()))
+        ax.set_title("policy lag of trained completions (async rollout)")
+        ax.set_xlabel("lag (learner steps)")
+        ax.set_ylabel("share of completions")
+        ax.grid(alpha=0.3, axis="y")
+    for ax in list(axes.flat)[len(panels) + bool(lags) :]:
         ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout()
@@ -92,6 +114,11 @@ def write_report(
             _, ys = _series(records, k)
             if ys:
                 lines.append(f"| `{k}` | {ys[0]:.4g} | {ys[-1]:.4g} |")
+    if lags:
+        lines += [
+            "",
+            "Policy lag of trained completions: " + ", ".join(f"{d}: {v:.1%}" for d, v in lags.items()),
+        ]
     if extra_md:
         lines += ["", extra_md]
     lines += ["", "![curves](report.png)", ""]

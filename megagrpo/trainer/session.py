@@ -5,6 +5,7 @@ signals and the step loop.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -97,6 +98,8 @@ class Session:
         self.step = 0
         self._calls = 0  # engine calls within the current step: part of each call's sampling seed
         self.history: list[dict[str, float]] = []
+        self.sync_wait_seconds = 0.0  # async: the step's wait for the sampler before its weight sync
+        self.placement = None  # CPU cores of the engines and the learner (rollout.placement)
         self.engine = None
         self.rewards = None  # the reward functions run where the completions are: on engine owners
         # Run-long reward error/timeout totals over every engine, the same on every rank (checkpointed).
@@ -108,6 +111,12 @@ class Session:
             self.rewards = RewardRunner(cfg)
         self.start_engine()
         self.sampling = sampling_config(cfg)
+        # rollout.mode=async: future steps' first rounds, generated while the learner trains
+        self.async_rollout = None
+        if self.asynchronous:
+            from megagrpo.trainer.async_rollout import AsyncRollout
+
+            self.async_rollout = AsyncRollout(self, cfg.rollout.max_staleness)
         self.logger = MetricsLogger(
             self.out_dir,
             enabled=self.rank0,
@@ -131,6 +140,11 @@ class Session:
     # (validation, then the engine's weights resumed and overwritten); `sampler_phase` (learner offloaded,
     # KV cache resumed). On the CPU the offload is a no-op and the order is the same.
 
+    @property
+    def asynchronous(self) -> bool:
+        """rollout.mode=async: the engines keep their own devices; no phase swaps memory."""
+        return self.needs_engine and self.stage == "train" and self.cfg.rollout.mode == "async"
+
     def num_engines(self) -> int:
         if not self.needs_engine:
             return 0
@@ -144,24 +158,54 @@ class Session:
         self.learner.init_optimizer_state()
         if not self.needs_engine:
             return
-        self.learner.offload()
+        placement = self.placement = self.core_placement()
+        if not self.asynchronous:
+            self.learner.offload()
         barrier()  # every rank's learner is off its device before any engine process sizes itself
         if self.engines.engine is not None:
             from megagrpo.rollout.engine import RolloutEngine
+            from megagrpo.rollout.placement import engine_cores
 
             rc = replace(rollout_config(self.cfg, self.model_path), base_gpu_id=self.engines.base_gpu_id())
-            self.engine = RolloutEngine(rc).start()
+            with engine_cores(placement) if placement else contextlib.nullcontext():
+                self.engine = RolloutEngine(rc).start()
             # one line per engine, so a job's log says where its samplers run
+            where = f"cores {list(placement.engine)}" if placement else f"first GPU {rc.base_gpu_id}"
             print(
                 f"engine {self.engines.engine} of {self.engines.num_engines}: rank {self.engines.rank} on "
-                f"{node_name()}, first GPU {rc.base_gpu_id}",
+                f"{node_name()}, {where}",
                 flush=True,
             )
+        elif placement:
+            from megagrpo.rollout.placement import pin_learner
+
+            pin_learner(placement)  # a rank without an engine still keeps off the engines' cores
         barrier()
+
+    def core_placement(self):
+        """The CPU cores of the engines and the learners (`rollout.placement`), or None: on GPUs, and
+        colocated without `engine_cores`. Async on GPUs needs device placement, not built yet."""
+        r = self.cfg.rollout
+        if torch.cuda.is_available():
+            if self.asynchronous:
+                raise MegagrpoError(
+                    "rollout.mode=async runs on the CPU placement only in this release: on GPUs the "
+                    "engines need devices of their own and a cross-device weight sync, which megagrpo does "
+                    "not have yet (issue 17); use rollout.mode=colocated on GPUs"
+                )
+            return None
+        if not self.asynchronous and r.placement.engine_cores is None:
+            return None
+        from megagrpo.rollout.placement import core_placement
+
+        return core_placement(r.placement.engine_cores)
 
     def learner_phase(self, release: tuple[str, ...] = ("kv_cache", "weights")) -> None:
         """Sampler -> learner: the engine releases `release` (its weights only when a weight sync follows:
-        a released weights region keeps no copy), then every rank reloads its learner."""
+        a released weights region keeps no copy), then every rank reloads its learner. Async: nothing to
+        swap, the engines have devices of their own."""
+        if self.asynchronous:
+            return
         if self.engine is not None:
             self.engine.release(list(release))
         barrier()  # the engine's memory is free on every device before any learner reloads
@@ -170,6 +214,8 @@ class Session:
     def sampler_phase(self) -> None:
         """Learner -> sampler: every rank offloads its learner (and returns cached blocks to the driver),
         then the engine resumes whatever it released."""
+        if self.asynchronous:
+            return
         self.learner.offload()
         barrier()
         if self.engine is not None:
@@ -251,8 +297,15 @@ class Session:
         """This engine's share of one engine call: each prompt group gets its completions. Called on every
         rank (an empty share on ranks without an engine), so every rank counts the same calls: a call's
         number is part of its requests' seeds."""
-        sampling = replace(sampling, seed=request_seed_base(self.cfg.schedule.seed, self.step, self._calls))
+        sampling = replace(sampling, seed=self.request_seed(self.step, self._calls))
         self._calls += 1
+        return self.generate_with(prompts, sampling, group_size, index_offset)
+
+    def request_seed(self, step: int, call: int) -> int:
+        return request_seed_base(self.cfg.schedule.seed, step, call)
+
+    def generate_with(self, prompts: list[PromptGroup], sampling, group_size: int, index_offset: int) -> list:
+        """This engine's completions of `prompts` with `sampling` as it is (its seed included)."""
         if not prompts:
             return []
         groups = self.engine.generate(
@@ -262,9 +315,12 @@ class Session:
             p.completions = group
         return groups
 
-    def score(self, prompts: list[PromptGroup], groups: list[list]) -> torch.Tensor:
+    def score(
+        self, prompts: list[PromptGroup], groups: list[list], counts: dict[str, float] | None = None
+    ) -> torch.Tensor:
         """Rewards of this engine's groups, float32 `[n, G]`, set on each group with the per-function
-        scores; the step's error/timeout counts add up in `self.reward_counts`."""
+        scores; the error/timeout counts add up in `counts` (default: the step's `self.reward_counts`)."""
+        counts = self.reward_counts if counts is None else counts
         comps = [c for g in groups for c in g]
         G = len(groups[0])
         rb = self.rewards.score(
@@ -278,7 +334,7 @@ class Session:
             p.per_reward = rb.per_reward[i].clone()
         for k, v in rb.metrics.items():
             if k.endswith(("/errors", "/timeouts")):
-                self.reward_counts[k] = self.reward_counts.get(k, 0.0) + float(v)
+                counts[k] = counts.get(k, 0.0) + float(v)
         return rb.rewards
 
     # -- sync and evaluation ------------------------------------------------------------------------
@@ -306,6 +362,8 @@ class Session:
         from megagrpo.sync.weights import sync_weights
 
         check_learner_weights(self.learner)
+        if self.async_rollout is not None:  # weights change only between requests (request boundaries)
+            self.sync_wait_seconds += self.async_rollout.queue.drain()
         buckets = export_buckets(self.learner, self.cfg.sync.bucket_mb << 20, receive=self.engine is not None)
         mine: dict[str, float] | None = None
         if self.engine is not None:
@@ -314,7 +372,7 @@ class Session:
                 buckets,
                 checksum=self.cfg.sync.checksum,
                 pack=self.cfg.sync.pack,
-                before_send=lambda: self.engine.resume(["weights"]),
+                before_send=None if self.asynchronous else (lambda: self.engine.resume(["weights"])),
                 announced=self.export_shapes,
             )
             mine = stats.metrics()
@@ -378,11 +436,14 @@ class Session:
             "prompts": self.prompts.state_dict(),
             "stage": self.stage,
             "reward_totals": dict(self.reward_totals),
+            "async_rollout": self.async_rollout.state_dict() if self.async_rollout else None,
         }
 
     def load_extra_state(self, st: dict) -> None:
         self.step = int(st["step"])
         self.prompts.load_state_dict(st["prompts"])
+        if self.async_rollout is not None:  # the queued rounds' prompts are drawn again
+            self.async_rollout.load_state_dict(st.get("async_rollout"))
         if "reward_totals" in st:
             self.reward_totals = {k: float(v) for k, v in st["reward_totals"].items()}
         elif st.get("rewards"):  # checkpoints written before the totals moved out of the runner
@@ -503,6 +564,8 @@ class Session:
             progress.console.print(f"[yellow]health warning[/yellow]: {w}")
 
     def close(self) -> None:
+        if self.async_rollout is not None:
+            self.async_rollout.close()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -517,6 +580,10 @@ class Session:
             except Exception as e:  # a plotting failure must never lose a finished run
                 print(f"report.png not written: {e}")
         self.learner.close(process_group=True)
+        if self.placement is not None:
+            from megagrpo.rollout.placement import release
+
+            release(self.placement)
 
 
 def merge_engine_metrics(per_engine: list[dict[str, float] | None]) -> dict[str, float]:

@@ -277,14 +277,18 @@ def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
     assert not (tmp_path / "run").exists()  # nothing started: validation comes before any process group
 
 
-@pytest.mark.parametrize("mesh", ["mesh.ep=2", "mesh.pp=2"])
+@pytest.mark.parametrize(
+    "mesh", ["mesh.ep=2 rollout.mode=async rollout.max_staleness=1", "mesh.pp=2"], ids=["ep2-async", "pp2"]
+)
 def test_two_processes_expert_or_pipeline_parallel(tmp_path, moe_model, mesh):
     """The same loop on an EP2 or a PP2 mesh (torchrun, 2 ranks): rank 0 samples, both ranks train and
-    export; under PP each stage receives and replays (R3) only its own MoE layers' routes."""
+    export; under PP each stage receives and replays (R3) only its own MoE layers' routes. The EP2 run
+    samples asynchronously (k = 1): rank 0's queue generates step 2's round during step 1 while both
+    ranks keep every collective on their main threads."""
     cfg = write_config(
         tmp_path, moe_model, schedule__steps=2, schedule__eval_every=2, schedule__save_every=2, replay="R3"
     )
-    res = cli("train", str(cfg), mesh, "--nproc", "2")
+    res = cli("train", str(cfg), *mesh.split(), "--nproc", "2")
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     recs = records(tmp_path / "run")
     assert [r["step"] for r in recs] == [0, 1, 2]
@@ -297,3 +301,6 @@ def test_two_processes_expert_or_pipeline_parallel(tmp_path, moe_model, mesh):
     assert rec["moe/replay_fallback_tokens"] == 0 and rec["moe/replay_unconsumed"] == 0
     assert rec["sync/bytes"] > 0
     assert (tmp_path / "ckpt" / "step_00000002" / "meta.json").is_file()
+    # async: step 1 samples now (lag 0), step 2 trains on the round generated during step 1 (lag 1)
+    lags = [r["rollout/staleness_max"] for r in recs[1:]]
+    assert lags == ([0.0, 1.0] if "async" in mesh else [0.0, 0.0])

@@ -74,3 +74,19 @@ def test_stop_request_on_sigusr1():
         assert stop.requested and stop.name() == "SIGUSR1"
     finally:
         stop.uninstall()
+
+
+def test_report_shows_the_lag_histogram_of_an_async_run(tmp_path):
+    from megagrpo.trainer.report import lag_histogram
+
+    recs = [
+        {"step": 1, "rollout/completions": 8.0, "rollout/lag_0_frac": 1.0, "rollout/lag_1_frac": 0.0},
+        {"step": 2, "rollout/completions": 24.0, "rollout/lag_0_frac": 0.25, "rollout/lag_1_frac": 0.75},
+    ]
+    assert lag_histogram(recs) == {0: (8 + 6) / 32, 1: 18 / 32}
+    assert lag_histogram([{"step": 1, "reward/mean": 0.5}]) == {}
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps({**r, "reward/mean": 0.5}) + "\n" for r in recs)
+    png, md = write_report(tmp_path, title="t")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "Policy lag of trained completions: 0: 43.8%, 1: 56.2%" in md.read_text()

@@ -71,7 +71,9 @@ def session(log, monkeypatch) -> Session:
         sync=SimpleNamespace(bucket_mb=1, checksum=False, pack=True),
         checkpoint=SimpleNamespace(keep_last=2),
         model=SimpleNamespace(hf_path="hf"),
+        rollout=SimpleNamespace(mode="colocated", placement=SimpleNamespace(engine_cores=None)),
     )
+    s.async_rollout, s.placement, s.sync_wait_seconds = None, None, 0.0
     s.learner, s.engine, s.rank0, s.model_path = FakeLearner(log), None, True, "hf"
     s.step = 0
     s.engines = EngineGroups(world=1, rank=0, num_engines=1)
@@ -136,6 +138,36 @@ def test_a_step_and_its_weight_sync(session, log, monkeypatch):
         "engine.resume.kv_cache",
     ]
     assert not session.engine.released and session.learner.offloaded
+
+
+def test_async_swaps_no_memory_and_syncs_at_a_request_boundary(session, log, monkeypatch):
+    """rollout.mode=async: the engine has its own cores, so the learner never leaves and the engine is
+    never released; the sync first waits for the sampler's queued round (drain), then writes."""
+    import megagrpo.bridge.maps as maps_module
+    import megagrpo.sync.weights as sync_module
+
+    def fake_sync(engine, buckets, *, checksum, pack, before_send, announced):
+        assert before_send is None  # nothing to resume: nothing was released
+        list(buckets)
+        log.append("sync.write")
+        return SimpleNamespace(metrics=lambda: {"sync/bytes": 4.0})
+
+    monkeypatch.setattr(
+        session_module, "export_buckets", lambda learner, nbytes, *, receive: iter([[("w", torch.zeros(1))]])
+    )
+    monkeypatch.setattr(session_module, "check_learner_weights", lambda learner: log.append("check"))
+    monkeypatch.setattr(sync_module, "sync_weights", fake_sync)
+    monkeypatch.setattr(maps_module, "hf_shapes", lambda arch: {"w": (1,)})
+    monkeypatch.setattr(session_module.Session, "core_placement", lambda self: None)
+    session.arch, session.needs_engine, session.stage = None, True, "train"
+    session.cfg.rollout.mode = "async"
+    session.async_rollout = SimpleNamespace(queue=SimpleNamespace(drain=lambda: log.append("drain") or 0.5))
+    session.start_engine()
+    session.learner_phase()
+    session.sync_weights()
+    session.sampler_phase()
+    assert log == ["learner.init_optimizer_state", "engine.start", "check", "drain", "sync.write"]
+    assert session.sync_wait_seconds == 0.5
 
 
 def test_a_checkpoint_between_steps_keeps_the_engine_weights(session, log, monkeypatch):

@@ -1,0 +1,31 @@
+"""Run several `megagrpo train` configs one after the other in ONE process (argv: `config[:resume]`...).
+
+The async-rollout tests compare whole runs; sharing the process saves each run after the first the ~30 s
+of importing megatron-core and SGLang. Each run is the CLI's own path (`trainer.entry.run`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from megagrpo.config.loader import load_config
+from megagrpo.trainer.entry import run
+
+
+def main(argv: list[str]) -> int:
+    for arg in argv:
+        path, _, resume = arg.partition(":")
+        # tests.integration.trainer_rewards:recorded_parity writes each run's completions beside its config
+        record = Path(path).parent / "samples"
+        record.mkdir(exist_ok=True)
+        os.environ["MEGAGRPO_TEST_RECORD_DIR"] = str(record)
+        code = run("train", load_config(path), resume=resume or None)
+        if code:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""CPU placement of an async sampler (`rollout.placement`), and its refusals."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megagrpo.config.schema import Config
+from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.placement import CorePlacement, core_placement, engine_cores, release
+
+
+def test_the_engine_gets_the_last_core_and_the_learner_the_rest_by_default():
+    assert core_placement(None, available={0, 1, 2, 3}) == CorePlacement(
+        learner=(0, 1, 2), engine=(3,), available=(0, 1, 2, 3)
+    )
+    assert core_placement([0, 1], available={0, 1, 2}).learner == (2,)
+
+
+@pytest.mark.parametrize(
+    ("cores", "available", "match"),
+    [
+        (None, {0}, "need one each"),
+        ([5], {0, 1}, r"core\(s\) \[5\] are not available"),
+        ([0, 1], {0, 1}, "leave at least one for the learner"),
+    ],
+)
+def test_a_placement_without_a_core_for_each_side_is_refused(cores, available, match):
+    with pytest.raises(MegagrpoError, match=match):
+        core_placement(cores, available=available)
+
+
+def test_bad_engine_cores_are_refused_by_the_schema():
+    with pytest.raises(ValueError, match="engine_cores"):
+        Config.model_validate({"model": {"hf_path": "m"}, "rollout": {"placement": {"engine_cores": []}}})
+
+
+def test_async_needs_the_recomputed_old_policy():
+    with pytest.raises(ValueError, match="algo.old_logp"):
+        Config.model_validate(
+            {
+                "model": {"hf_path": "m"},
+                "rollout": {"mode": "async"},
+                "algo": {"old_logp": "rollout"},
+                "diagnostics": {"mismatch": False},
+            }
+        )
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to pin apart")
+def test_an_engine_started_inside_inherits_the_engine_cores_and_the_learner_keeps_the_rest():
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    p = core_placement(None)
+    try:
+        with engine_cores(p):
+            assert os.sched_getaffinity(0) == set(p.engine)
+            assert os.environ["OMP_NUM_THREADS"] == str(len(p.engine))
+        assert os.sched_getaffinity(0) == set(p.learner)
+        assert torch.get_num_threads() == len(p.learner)
+    finally:
+        release(p)
+        torch.set_num_threads(threads)
+    assert os.sched_getaffinity(0) == before
+
+
+def test_async_on_gpus_is_refused_with_the_reason(monkeypatch):
+    from megagrpo.trainer.session import Session
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake = SimpleNamespace(cfg=Config.model_validate({"model": {"hf_path": "m"}}), asynchronous=True)
+    with pytest.raises(MegagrpoError, match="rollout.mode=async runs on the CPU placement only"):
+        Session.core_placement(fake)
+    fake.asynchronous = False
+    assert Session.core_placement(fake) is None  # colocated on GPUs: no pinning

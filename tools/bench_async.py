@@ -31,6 +31,7 @@ from statistics import mean
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+PHASES = ("sleep", "old_logp", "train", "sync")
 
 
 def run_mode(tmp: Path, model: Path, name: str, args: argparse.Namespace, extra: list[str]) -> list[dict]:
@@ -73,6 +74,9 @@ def figures(records: list[dict]) -> dict[str, float]:
         "learner_idle_seconds": mean(r["perf/learner_idle_seconds"] for r in steps),
         "sampler_idle_seconds": mean(r["perf/sampler_idle_seconds"] for r in steps),
         "completions": mean(r["rollout/completions"] for r in steps),
+        # where the rest of the step goes: colocated mode also swaps the engine's memory (sleep, and the
+        # resumes inside sync), which async mode does not do at all
+        **{f"{p}_seconds": mean(r.get(f"perf/{p}_seconds", 0.0) for r in steps) for p in PHASES},
         "staleness_mean": mean(r["rollout/staleness_mean"] for r in steps),
     }
 
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     R = colo["rollout_seconds"]
-    T = colo["step_seconds"] - R
+    T = colo["step_seconds"] - R  # the colocated step's rest, memory swaps included
     summary: dict[str, Any] = {
         "colocated": colo,
         "async": asyn,

@@ -1,7 +1,10 @@
 """Run several `megagrpo train` configs one after the other in ONE process (argv: `config[:resume]`...).
 
-The async-rollout tests compare whole runs; sharing the process saves each run after the first the ~30 s
-of importing megatron-core and SGLang. Each run is the CLI's own path (`trainer.entry.run`).
+The async-rollout tests compare whole runs; sharing the process saves each run after the first the
+import of megatron-core and SGLang, and the runs share one pooled SGLang engine (`EnginePool`: each run
+gets it back with its own initial weights, as a fresh engine would load them). The first run starts it,
+so it keeps that run's placement (`rollout.placement.engine_cores`); the runs must agree on it. Each run
+is the CLI's own path (`trainer.entry.run`).
 """
 
 from __future__ import annotations
@@ -15,15 +18,25 @@ from megagrpo.trainer.entry import run
 
 
 def main(argv: list[str]) -> int:
-    for arg in argv:
-        path, _, resume = arg.partition(":")
-        # tests.integration.trainer_rewards:recorded_parity writes each run's completions beside its config
-        record = Path(path).parent / "samples"
-        record.mkdir(exist_ok=True)
-        os.environ["MEGAGRPO_TEST_RECORD_DIR"] = str(record)
-        code = run("train", load_config(path), resume=resume or None)
-        if code:
-            return code
+    import megagrpo.rollout.engine as engine_module
+    from megagrpo.compat import apply_cpu_compat
+    from tests.integration.engine_pool import EnginePool
+
+    apply_cpu_compat(megatron=True, sglang=True)
+    pool = EnginePool()
+    engine_module.RolloutEngine = pool
+    try:
+        for arg in argv:
+            path, _, resume = arg.partition(":")
+            # tests.integration.trainer_rewards:recorded_parity writes each run's completions beside its config
+            record = Path(path).parent / "samples"
+            record.mkdir(exist_ok=True)
+            os.environ["MEGAGRPO_TEST_RECORD_DIR"] = str(record)
+            code = run("train", load_config(path), resume=resume or None)
+            if code:
+                return code
+    finally:
+        pool.drop_all()
     return 0
 
 

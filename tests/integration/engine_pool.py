@@ -1,0 +1,55 @@
+"""`EnginePool`: SGLang engines reused by several trainer runs in one test process.
+
+Engine start-up (SGLang's scheduler processes) dominates a short run on the CPU, so tests that run many
+short trainings in one process (the option matrix, the async-rollout runs) give each run a pooled engine
+with the run's initial weights instead of a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+
+class EnginePool:
+    """SGLang engines shared by the cases of this module, keyed by architecture and engine settings.
+
+    Stands in for `megagrpo.rollout.engine.RolloutEngine` while the cases run: the trainer's
+    `RolloutEngine(cfg).start()` gets a started engine, whose weights are reloaded from the case's model
+    directory when it served an earlier case, and its `shutdown()` leaves the engine running for the
+    next case. `close()` shuts every engine down for real."""
+
+    def __init__(self) -> None:
+        from megagrpo.rollout.engine import RolloutEngine
+
+        self.cls = RolloutEngine
+        self.engines: dict[tuple, RolloutEngine] = {}
+        self.starts = 0
+
+    @staticmethod
+    def key(cfg) -> tuple:
+        hf = json.loads((Path(cfg.model_path) / "config.json").read_text())
+        arch = tuple(hf.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"))
+        settings = dataclasses.asdict(dataclasses.replace(cfg, model_path=""))
+        return (arch, json.dumps(settings, sort_keys=True, default=str))
+
+    def __call__(self, cfg):
+        key = self.key(cfg)
+        eng = self.engines.get(key)
+        if eng is None:
+            eng = self.cls(cfg)  # started by the trainer's own start() call
+            eng.shutdown = lambda: None
+            self.engines[key] = eng
+            self.starts += 1
+            return eng
+        eng.resume()
+        ok, message, *_ = eng.engine.update_weights_from_disk(cfg.model_path)
+        if not ok:
+            raise RuntimeError(f"update_weights_from_disk({cfg.model_path}) failed: {message}")
+        return eng
+
+    def drop_all(self) -> None:
+        for eng in self.engines.values():
+            self.cls.shutdown(eng)
+        self.engines.clear()

@@ -1,5 +1,5 @@
 """`rollout.mode: async` end to end: real SGLang engine on its own core, real megatron learner, tiny
-Qwen3-MoE. The four runs share one process (`async_runs.py`) to save the libraries' import time:
+Qwen3-MoE. The four runs share one process and one SGLang engine (`pooled_runs.py`):
 
 - colocated and async with max_staleness 0, both with the engine pinned to core 1: the same completions
   and every non-timing metric within fp32 round-off (relative 1e-6);
@@ -67,7 +67,7 @@ def async_runs(tmp_path_factory):
     ckpt2 = tmp / "k2" / "ckpt" / "step_00000002"
     args = [str(paths[n]) for n in ("colocated", "k0", "k2")] + [f"{paths['k2_resumed']}:{ckpt2}"]
     res = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "integration" / "async_runs.py"), *args],
+        [sys.executable, str(REPO / "tests" / "integration" / "pooled_runs.py"), *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         text=True,

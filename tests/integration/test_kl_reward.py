@@ -42,31 +42,33 @@ def write_config(tmp: Path, model: Path, kl: dict) -> Path:
     return path
 
 
-def train(tmp: Path, model: Path, kl: dict) -> dict[int, dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    res = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", "train", str(write_config(tmp, model, kl))],
-        cwd=REPO,
-        env=env,
-        text=True,
-        capture_output=True,
-        timeout=1200,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    lines = (tmp / "run" / "metrics.jsonl").read_text().splitlines()
+def records(run: Path) -> dict[int, dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
     return {int(r["step"]): r for r in map(json.loads, filter(str.strip, lines))}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Both runs in one process with one pooled SGLang engine (`pooled_runs.py`): the second gets the
+    engine back with the model's initial weights, as a fresh engine would load them."""
     from megagrpo.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("model") / "m", "qwen3_moe", seed=1)
-    no_kl = train(tmp_path_factory.mktemp("no_kl"), model, {"coef": 0.0})
-    in_reward = train(
-        tmp_path_factory.mktemp("kl_reward"), model, {"coef": 0.5, "estimator": "k3", "placement": "reward"}
+    no_kl, in_reward = tmp_path_factory.mktemp("no_kl"), tmp_path_factory.mktemp("kl_reward")
+    configs = [
+        write_config(no_kl, model, {"coef": 0.0}),
+        write_config(in_reward, model, {"coef": 0.5, "estimator": "k3", "placement": "reward"}),
+    ]
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "integration" / "pooled_runs.py"), *map(str, configs)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        text=True,
+        capture_output=True,
+        timeout=1200,
     )
-    return no_kl, in_reward
+    assert res.returncode == 0, res.stderr[-3000:]
+    return records(no_kl / "run"), records(in_reward / "run")
 
 
 def test_reward_placement_penalises_rewards_and_changes_advantages(runs):

@@ -1,10 +1,12 @@
 """Run several `megagrpo train` configs one after the other in ONE process (argv: `config[:resume]`...).
 
-The async-rollout tests compare whole runs; sharing the process saves each run after the first the
-import of megatron-core and SGLang, and the runs share one pooled SGLang engine (`EnginePool`: each run
-gets it back with its own initial weights, as a fresh engine would load them). The first run starts it,
-so it keeps that run's placement (`rollout.placement.engine_cores`); the runs must agree on it. Each run
-is the CLI's own path (`trainer.entry.run`).
+Tests that compare whole runs (async rollout against colocated, KL in the reward against none) run them
+here: sharing the process saves each run after the first the import of megatron-core and SGLang, and
+runs with the same engine settings share one pooled SGLang engine (`EnginePool`: each run gets it back
+with its own initial weights, as a fresh engine would load them). A pooled engine keeps the placement of
+the run that started it (`rollout.placement.engine_cores`). Each run is the CLI's own path
+(`trainer.entry.run`). With `tests.integration.trainer_rewards:recorded_parity` as a reward, each run's
+completions are written to `samples/` beside its config.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ def main(argv: list[str]) -> int:
     try:
         for arg in argv:
             path, _, resume = arg.partition(":")
-            # tests.integration.trainer_rewards:recorded_parity writes each run's completions beside its config
             record = Path(path).parent / "samples"
             record.mkdir(exist_ok=True)
             os.environ["MEGAGRPO_TEST_RECORD_DIR"] = str(record)

@@ -12,11 +12,25 @@ completions are written to `samples/` beside its config.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 from megagrpo.config.loader import load_config
 from megagrpo.trainer.entry import run
+
+
+def run_pooled(*runs: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    """This script on `runs` (each `config[:resume]`) in a fresh process; output captured."""
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *runs],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def main(argv: list[str]) -> int:

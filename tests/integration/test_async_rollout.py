@@ -15,15 +15,13 @@ tests/unit/trainer/test_async_rollout.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.integration.test_trainer_e2e import REPO, records, write_config
+from tests.integration.pooled_runs import run_pooled
+from tests.integration.test_trainer_e2e import records, write_config
 
 STEPS = 4
 # Timing and throughput metrics differ between any two runs; the rest must not.
@@ -66,14 +64,7 @@ def async_runs(tmp_path_factory):
     paths["k2_resumed"].write_text(yaml.safe_dump(resumed))
     ckpt2 = tmp / "k2" / "ckpt" / "step_00000002"
     args = [str(paths[n]) for n in ("colocated", "k0", "k2")] + [f"{paths['k2_resumed']}:{ckpt2}"]
-    res = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "integration" / "pooled_runs.py"), *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        text=True,
-        capture_output=True,
-        timeout=1500,
-    )
+    res = run_pooled(*args)
     assert res.returncode == 0, res.stderr[-4000:]
     return {name: p.parent for name, p in paths.items()}
 

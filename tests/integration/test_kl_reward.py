@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.pooled_runs import run_pooled
 
 
 def write_config(tmp: Path, model: Path, kl: dict) -> Path:
@@ -59,14 +56,7 @@ def runs(tmp_path_factory):
         write_config(no_kl, model, {"coef": 0.0}),
         write_config(in_reward, model, {"coef": 0.5, "estimator": "k3", "placement": "reward"}),
     ]
-    res = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "integration" / "pooled_runs.py"), *map(str, configs)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        text=True,
-        capture_output=True,
-        timeout=1200,
-    )
+    res = run_pooled(*map(str, configs), timeout=1200)
     assert res.returncode == 0, res.stderr[-3000:]
     return records(no_kl / "run"), records(in_reward / "run")
 

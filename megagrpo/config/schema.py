@@ -1036,6 +1036,12 @@ def check_mesh(cfg: Config, world_size: int, stage: str = "train", *, on_gpu: bo
     if stage != "sft":
         r = cfg.rollout
         engines = engine_count(world_size, r.engine_tp, r.num_engines, on_gpu=on_gpu)
+    if stage == "train" and on_gpu and cfg.rollout.mode == "async":
+        raise MegagrpoError(
+            "rollout.mode=async runs on the CPU placement only in this release: on GPUs the engines need "
+            "devices of their own and a cross-device weight sync, which megagrpo does not have yet "
+            "(docs/async.md); use rollout.mode=colocated on GPUs"
+        )
     per_rank = 0
     if stage == "train":
         n_seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size

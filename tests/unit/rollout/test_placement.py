@@ -75,3 +75,14 @@ def test_async_on_gpus_is_refused_with_the_reason(monkeypatch):
         Session.core_placement(fake)
     fake.asynchronous = False
     assert Session.core_placement(fake) is None  # colocated on GPUs: no pinning
+
+
+def test_async_on_gpus_is_refused_before_anything_starts():
+    """`check_mesh` runs before any process group, engine or `megagrpo submit` job."""
+    from megagrpo.config.schema import check_mesh
+
+    cfg = Config.model_validate({"model": {"hf_path": "m"}, "rollout": {"mode": "async"}, "schedule": {}})
+    with pytest.raises(MegagrpoError, match="rollout.mode=async runs on the CPU placement only"):
+        check_mesh(cfg, 8, "train", on_gpu=True)
+    assert check_mesh(cfg, 1, "train", on_gpu=False).num_engines == 1
+    assert check_mesh(cfg, 8, "eval", on_gpu=True).num_engines == 8  # eval samples colocated anyway

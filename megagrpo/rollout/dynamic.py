@@ -45,6 +45,10 @@ class DynamicSamplingConfig:
     oversample: float = _SCHEMA["oversample"].default  # prompts drawn per missing group in each round
     max_rounds: int = _SCHEMA["max_rounds"].default  # cap on generation rounds per batch
 
+    def draw_size(self, missing: int) -> int:
+        """Prompts a round draws when `missing` groups are still wanted."""
+        return math.ceil(missing * self.oversample)
+
     @classmethod
     def from_config(cls, cfg: Config) -> DynamicSamplingConfig:
         """`algo.dynamic_sampling: false` is one round of exactly `prompts_per_step` prompts."""
@@ -149,7 +153,7 @@ def dynamic_sample(
         if queued is not None:
             draw, share, round_version = queued.draw, queued.share, queued.version
         else:
-            draw = [p for _, p in zip(range(math.ceil(missing * cfg.oversample)), prompts)]
+            draw = [p for _, p in zip(range(cfg.draw_size(missing)), prompts)]
             share = engines.share(len(draw)) if engines is not None else range(len(draw))
             round_version = version
         if not draw:

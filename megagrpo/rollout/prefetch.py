@@ -90,10 +90,6 @@ class RolloutQueue:
             self._cv.notify_all()
 
     @property
-    def steps(self) -> list[int]:
-        return [r.step for r in self._rounds]
-
-    @property
     def last_step(self) -> int | None:
         return self._rounds[-1].step if self._rounds else None
 
@@ -131,12 +127,6 @@ class RolloutQueue:
 
     def pending(self) -> list[QueuedRound]:
         return list(self._rounds)
-
-    def clear(self) -> list[QueuedRound]:
-        """Drop every queued round (after `drain`); returns them."""
-        self.drain()
-        out, self._rounds = self._rounds, []
-        return out
 
     def close(self) -> None:
         with self._cv:

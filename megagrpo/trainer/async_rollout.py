@@ -5,8 +5,8 @@ v(n) = max(0, n - k): the engine holds version n at the start of step n (the wei
 lands first), so at that point the queue gets step n + k's round, generated while the learner trains
 step n. Refill rounds, if dynamic sampling needs them, run at their step with the current weights
 (lag 0). The lag of a round is fixed when it is queued and is at most k by construction, so the queue
-never has to throw work away; a round that is older than the bound anyway (a run resumed with a smaller
-k) is dropped, regenerated and counted (`rollout/dropped_stale`).
+never has to throw work away; a round that is older than the bound anyway (the bound tightened under a
+queued round) is generated again with the current weights and counted (`rollout/dropped_stale`).
 
 Why a fixed lag and not "whatever version is current": a seeded run then repeats exactly (the round of
 step m always comes from version max(0, m - k) with the seeds of step m), k = 0 is colocated mode's step
@@ -24,17 +24,17 @@ later draw is the uninterrupted run's.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
+from megagrpo.rollout.dynamic import DynamicSamplingConfig
 from megagrpo.rollout.prefetch import QueuedRound, RolloutQueue
 
 
 @dataclass
 class StepLag:
-    """The step's sampling: the queued round it used, the lag bookkeeping and the idle times."""
+    """What taking a step's queued round cost and found: the wait, and completions generated again."""
 
     learner_wait: float = 0.0  # seconds the learner waited for samples
     dropped_stale: int = 0  # completions of a queued round older than the bound, regenerated
@@ -82,8 +82,9 @@ class AsyncRollout:
             self._queue_round(m, version=step)
 
     def _round_prompts(self) -> int:
-        r = self.s.cfg.rollout
-        return math.ceil(r.prompts_per_step * (r.oversample if self.s.cfg.algo.dynamic_sampling else 1.0))
+        """A step's first round: what dynamic sampling draws with the whole batch missing."""
+        d = DynamicSamplingConfig.from_config(self.s.cfg)
+        return d.draw_size(d.batch_prompts)
 
     def _queue_round(self, m: int, version: int) -> None:
         """Draw step m's first round (every rank draws the same prompts) and queue its generation on

@@ -67,12 +67,20 @@ demo-clean:
 
 # Integration files run one pytest process each: they start SGLang engines, megatron meshes and Slurm
 # daemons in-process, and a fresh process per file keeps one file's process state out of the next.
+# Each part's wall time goes to $(TIMES), and the table of them (with the total) is printed at the end, so a
+# slow file shows up before it costs CI its 90-minute limit (the budget is 40 minutes on a quiet machine).
+TIMES ?= .test-times.tsv
 test: setup
 	@$(MAKE) --no-print-directory lint
+	@: > $(TIMES)
 	@# tests/gpu is collected too: without CUDA every test there is listed as skipped, with its reason.
-	$(PY) -m pytest tests/unit tests/dist tests/gpu $(PYTEST_ARGS)
+	@set -e; t0=$$(date +%s); \
+	  $(PY) -m pytest tests/unit tests/dist tests/gpu $(PYTEST_ARGS); \
+	  echo -e "$$(( $$(date +%s) - t0 ))\ttests/unit tests/dist tests/gpu" >> $(TIMES)
 	@set -e; for f in tests/integration/test_*.py; do \
-	  echo "== $$f"; $(PY) -m pytest "$$f" -m "not gpu" $(PYTEST_ARGS); done
+	  echo "== $$f"; t0=$$(date +%s); $(PY) -m pytest "$$f" -m "not gpu" $(PYTEST_ARGS); \
+	  echo -e "$$(( $$(date +%s) - t0 ))\t$$f" >> $(TIMES); done
+	@$(PY) tools/test_times.py $(TIMES)
 
 # The GPU tier needs no install step: a GPU node is often offline, so it runs with the venv when one
 # exists, else with GPU_PYTHON, a python3 that already holds CUDA torch and the wheels it lacks.

@@ -10,6 +10,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 from megagrpo.errors import MegagrpoError
 
@@ -39,19 +40,39 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spawn_torchrun(nproc: int, mode: str, argv_rest: list[str]) -> int:
-    """Start `nproc` local ranks of the installed package's per-process entry (megagrpo.launch.run)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "megagrpo.launch.run",
-        mode,
-        *argv_rest,
-    ]
-    return subprocess.call(cmd)
+    """Start `nproc` local ranks of the installed package's per-process entry (megagrpo.launch.run).
+
+    A user error inside the ranks is printed here once, as in a single process, and exits 2: each rank
+    leaves its message in a private directory instead of printing it, and torchrun runs through
+    `megagrpo.launch.torchrun`, which keeps torchrun's failure report and traceback for other failures."""
+    from megagrpo.launch.torchrun import ERROR_DIR_ENV, first_user_error
+
+    with tempfile.TemporaryDirectory(prefix="megagrpo-errors-") as errors:
+        cmd = [
+            sys.executable,
+            "-m",
+            "megagrpo.launch.torchrun",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "megagrpo.launch.run",
+            mode,
+            *argv_rest,
+        ]
+        code = subprocess.call(cmd, env={**os.environ, ERROR_DIR_ENV: errors})
+        message = first_user_error(errors)
+    if message is not None:
+        print(f"megagrpo: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return code
+
+
+def _report(error: MegagrpoError) -> None:
+    """Print a user error; a rank started by `_spawn_torchrun` leaves it for the parent to print once."""
+    from megagrpo.launch.torchrun import leave_user_error
+
+    if not leave_user_error(str(error)):
+        print(f"megagrpo: error: {error}", file=sys.stderr)
 
 
 def _check_world(cfg, stage: str, nproc: int | None) -> None:
@@ -97,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["convert"], ["probe"]):  # their own parsers; REMAINDER would refuse a leading --help
         args = argparse.Namespace(cmd=argv[0], args=argv[1:])
     else:
-        args = parser.parse_args(argv)
+        # Overrides may follow options (`train CFG --resume X a.b=1`): argparse ends a nargs="*"
+        # positional at the first option, so what it leaves over is taken as more overrides.
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            if not hasattr(args, "overrides") or any(a.startswith("-") for a in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides = [*args.overrides, *extra]
     if args.cmd == "probe" and "--verbose" in args.args:
         args.args, args.verbose = [a for a in args.args if a != "--verbose"], True
     if args.cmd in ("train", "sft", "eval", "probe"):
@@ -135,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides, stage=args.cmd)  # validates before anything starts
         spawn = bool(args.nproc and args.nproc > 1 and "RANK" not in os.environ)
         _check_world(cfg, args.cmd, args.nproc if spawn else None)
+        from megagrpo.trainer.preflight import check_stage_inputs
+
+        check_stage_inputs(cfg, args.cmd, args.resume)  # model config.json, checkpoint meta.json
         if spawn:
             rest = [args.config, *args.overrides] + (["--resume", args.resume] if args.resume else [])
             return _spawn_torchrun(args.nproc, args.cmd, rest)
@@ -142,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args.cmd, cfg, resume=args.resume)
     except MegagrpoError as e:
-        print(f"megagrpo: error: {e}", file=sys.stderr)
+        _report(e)
         return EXIT_USER_ERROR
 
 

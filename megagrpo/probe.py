@@ -184,14 +184,14 @@ def is_router(name: str) -> bool:
 
 
 def hf_weights(model_dir: str | Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+    from megagrpo.bridge.hf_io import read_safetensors
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise MegagrpoError(f"{model_dir}: no *.safetensors files; pass a Hugging Face model directory")
     out: list[tuple[str, torch.Tensor]] = []
     for f in files:
-        out.extend(load_file(str(f)).items())
+        out.extend(read_safetensors(f).items())
     return out
 
 

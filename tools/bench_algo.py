@@ -19,6 +19,11 @@ import torch
 from megagrpo.algo.aggregation import loss_normaliser
 from megagrpo.algo.losses import VARIANTS, policy_loss
 
+try:
+    from tools.machine import describe, headline
+except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    from machine import describe, headline
+
 CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "gmpo": (0.4, 0.4)}
 
 
@@ -83,6 +88,7 @@ def main() -> None:
 
         return run
 
+    machine = describe()
     fns = {"baseline": run_baseline} | {v: runner(v) for v in args.variants}
     for fn in fns.values():  # warm-up (allocator, lazy init)
         fn()
@@ -91,6 +97,7 @@ def main() -> None:
         for k, fn in fns.items():
             times[k].append(time_once(fn))
     base = statistics.median(times["baseline"])
+    print(headline(describe(machine)))
     print(f"B={args.batch} T={args.seq} agg={args.agg} threads={torch.get_num_threads()} reps={args.reps}")
     print(f"{'baseline (plain PPO-clip)':28s} {base * 1e3:9.1f} ms   1.00x")
     for v in args.variants:

@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from megagrpo.tiny_model import make_tiny_model
     from tools.bench_step import write_figures
+    from tools.machine import describe, headline
+
+    machine = describe()
 
     with tempfile.TemporaryDirectory(prefix="bench_async_") as td:
         tmp = Path(td)
@@ -130,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             "engine_core": args.engine_core,
             "cores": cores,
         },
+        "machine": describe(machine),
     }
+    print(headline(summary["machine"]))
     print(
         f"colocated: {colo['steps_per_minute']:.1f} steps/min (rollout share {summary['rollout_share_colocated']:.2f})\n"
         f"async k={args.k}: {asyn['steps_per_minute']:.1f} steps/min (mean lag {asyn['staleness_mean']:.2f}, "

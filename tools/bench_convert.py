@@ -27,6 +27,11 @@ import threading
 import time
 from pathlib import Path
 
+try:
+    from tools.machine import describe, headline
+except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    from machine import describe, headline
+
 
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -146,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from megagrpo.tiny_model import make_tiny_model
 
+    machine = describe()
+    print(headline(machine), file=sys.stderr)  # stdout is the JSON report
     work = Path(tempfile.mkdtemp(prefix="bench_convert.", dir=a.workdir))
     try:
         model = make_tiny_model(
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "peak_rss_mib": {m: max(x["peak_rss_mib"] for x in r) for m, r in runs.items()},
             "runs": runs,
+            "machine": describe(machine),
         }
         print(json.dumps(report, indent=2))
     finally:

@@ -36,6 +36,11 @@ import torch
 
 from megagrpo.learner.logprobs import token_logprobs_and_entropy
 
+try:
+    from tools.machine import describe, headline
+except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    from machine import describe, headline
+
 SEQ_LEN = 1024  # the selective baseline loops over sequences of this many tokens, as TRL loops over rows
 
 
@@ -154,6 +159,7 @@ def main() -> None:
         print(json.dumps(memory_case(args.memory_case, args.tokens, args.vocab, chunk)))
         return
 
+    machine = describe()
     cases = _cases(chunk)
     mem = {}
     for name in cases:
@@ -171,6 +177,7 @@ def main() -> None:
     times = time_cases(args.tokens, args.vocab, args.rounds, chunk)
 
     logits_mb = next(iter(mem.values()))["logits_bytes"] / 2**20
+    print(headline(describe(machine)))
     print(
         f"logits: {args.tokens} tokens x {args.vocab} vocab fp32 = {logits_mb:.0f} MiB; "
         f"torch threads {torch.get_num_threads()}; chunk_tokens {args.chunk_tokens or 'default'}; "

@@ -28,6 +28,11 @@ from megagrpo.moe.replay import micro_batch_table_bytes, store_bytes_per_route
 from megagrpo.rollout.completion import Completion
 from megagrpo.trainer.rows import RouteSlices
 
+try:
+    from tools.machine import describe, headline
+except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    from machine import describe, headline
+
 
 def make_rows(B: int, tokens: int, layers: int, topk: int) -> list[Completion]:
     gen = torch.Generator().manual_seed(0)
@@ -59,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mini-batches", type=int, default=2)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     args = ap.parse_args(argv)
+    machine = describe()  # bytes, not times: the machine is recorded, not needed
     table = []
     L = args.layers
     moe = tuple(range(L))
@@ -95,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     base = {t["batch"]: t for t in table if t["dp"] == 1}
+    machine = describe(machine)
+    print(headline(machine))
     print(
         "| global batch | DP | rows bytes / rank (max) | vs DP 1 | at PP 2 | vs PP 1 "
         "| replay tables / micro-batch (max) | vs DP 1 | replay host store / rank | vs DP 1 |"
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['replay_table_bytes']:,} | {t['replay_table_bytes'] / b['replay_table_bytes']:.2f} | "
             f"{t['store_bytes']:,} | {t['store_bytes'] / b['store_bytes']:.2f} |"
         )
-    print(json.dumps({"rows": table}))
+    print(json.dumps({"rows": table, "machine": machine}))
     return 0
 
 

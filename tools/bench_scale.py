@@ -20,6 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
+try:
+    from tools.machine import describe, headline
+except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    from machine import describe, headline
+
 
 def _engine_worker(
     model: str, threads: int, prompts: list, group: int, new_tokens: int, offset: int, start, out
@@ -81,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from megagrpo.tiny_model import make_tiny_model
 
+    machine = describe()
+
     with tempfile.TemporaryDirectory() as tmp:
         model = str(
             make_tiny_model(Path(tmp) / "m", "qwen3_moe", hidden=128, layers=2, experts=8, topk=2, seed=0)
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             one.append(run_layout(model, 1, a.threads, prompts, a.group, a.new_tokens))
             many.append(run_layout(model, a.engines, a.threads, prompts, a.group, a.new_tokens))
     best_one, best_many = max(one), max(many)
+    machine = describe(machine)
+    print(headline(machine))
     print(
         json.dumps(
             {
@@ -100,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s_1_engine": round(best_one, 1),
                 f"tokens_per_s_{a.engines}_engines": round(best_many, 1),
                 "ratio": round(best_many / best_one, 3),
+                "machine": machine,
             }
         )
     )

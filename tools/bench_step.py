@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -34,6 +32,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+try:
+    from tools.machine import describe, headline
+except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    from machine import describe, headline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -237,6 +240,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from megagrpo.config.loader import load_config
     from megagrpo.tiny_model import make_tiny_model
 
+    machine = describe()
     with tempfile.TemporaryDirectory(prefix="bench_step_") as td:
         tmp = Path(td)
         model = make_tiny_model(tmp / "model", "qwen3_moe", hidden=128, layers=2, experts=8, topk=2, seed=0)
@@ -291,7 +295,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "variant": cfg.algo.variant,
         "replay": cfg.replay,
         "overrides": list(args.overrides),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "machine": describe(machine),
     }
     summary["records"] = records
     return summary
@@ -302,6 +306,7 @@ def render(summary: Mapping[str, Any]) -> None:
     from rich.table import Table
 
     con = Console()
+    con.print(headline(summary["run"]["machine"]))
     step = summary["step_seconds"]
     t = Table(
         title=f"GRPO step on the demo model: mean of {summary['steps_measured']} steps ({step:.2f} s/step)"

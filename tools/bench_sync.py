@@ -38,6 +38,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    from tools.machine import describe, headline
+except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    from machine import describe, headline
+
 _TIMING_DIR_ENV = "MEGAGRPO_BENCH_SYNC_TIMING_DIR"
 
 
@@ -111,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads here and in the engine")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    machine = describe()
+    print(headline(machine), flush=True)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # read by the engine's spawned processes at start
 
     from megagrpo.compat import apply_cpu_compat
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         out["copy_exponent"] = round(_slope(xs, [r["copy_s"] for r in rows]), 3)
         print(json.dumps(out))
+    print(json.dumps({"machine": describe(machine)}))
     return 0
 
 

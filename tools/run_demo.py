@@ -23,6 +23,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STOPPED = 75  # megagrpo's exit code after a signal-triggered checkpoint (trainer.signals.REQUEUE_EXIT_CODE)
+# The bar a finished demo must clear, held-out accuracy after GRPO against the SFT model's (README, `make
+# demo`). The exact figures depend on the CPU's floating-point paths; an install that computes wrong
+# results would still run to the end, so the driver checks this rather than the figures.
+DEMO_CONFIG = "configs/demo_qwen3_moe.yaml"
+BAR_RATIO = 1.5
+BAR_POINTS = 0.15
+LEARNED_NOT = 3  # exit code of a finished demo that did not clear the bar
+
+
+def verdict(before: float, after: float) -> tuple[bool, str]:
+    """(cleared the bar, one line saying so) for held-out accuracy before and after GRPO."""
+    ratio = after / before if before > 0 else float("inf") if after > 0 else 0.0
+    gain = after - before
+    ok = ratio >= BAR_RATIO and gain >= BAR_POINTS
+    figures = f"{before:.3f} -> {after:.3f}: {ratio:.2f}x and {100 * gain:+.0f} points"
+    bar = f"the bar is >= {BAR_RATIO}x and >= +{100 * BAR_POINTS:.0f} points"
+    if ok:
+        return True, f"verdict: the demo learned as expected ({figures}; {bar})"
+    return False, (
+        f"verdict: the demo did NOT learn as expected ({figures}; {bar}). A run on any CPU clears it; "
+        "check the install (`make clean-venv && make demo`) and report the output if it persists"
+    )
 
 
 def run(cmd: list[str]) -> int:
@@ -39,7 +61,7 @@ def run(cmd: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/demo_qwen3_moe.yaml")
+    p.add_argument("--config", default=DEMO_CONFIG)
     p.add_argument("overrides", nargs="*", help="dotted overrides passed to both stages")
     a = p.parse_args(argv)
     # The tiny model's ops are too small for a second OpenMP thread to pay off, and on a busy CPU every op
@@ -72,11 +94,18 @@ def main(argv: list[str] | None = None) -> int:
             r = json.loads(line)
             if r.get("eval/accuracy") is not None:
                 evals.append((r["step"], r["eval/accuracy"]))
+    learned = None
     if evals:
         (s0, before), (s1, after) = evals[0], evals[-1]
         print(
             f"\nheld-out accuracy: {before:.3f} after SFT (step {s0})  ->  {after:.3f} after GRPO (step {s1})"
         )
+        if code == 0 and s1 == cfg.schedule.steps:
+            if a.config == DEMO_CONFIG and not a.overrides:
+                learned, line = verdict(before, after)
+                print(line)
+            else:
+                print(f"no verdict: the bar is for {DEMO_CONFIG} without overrides")
     print(f"metrics:     {run_dir / 'metrics.jsonl'}")
     print(f"tensorboard: {run_dir / 'tensorboard'}")
     print(f"report:      {run_dir / 'report.png'}  and  {run_dir / 'report.md'}")
@@ -84,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall time:   {time.time() - t0:.0f} s")
     if code == STOPPED:
         print("stopped with a checkpoint; `make demo` again resumes", flush=True)
-    return code
+    return LEARNED_NOT if code == 0 and learned is False else code
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Levels: `token` (r_t), `sequence` (prod_t r_t, i.e. exp of the summed log-ratio)
   sequence and geometric levels this removes whole sequences: a "sequence veto".
 - `icepop`: the two-sided token mask of IcePop; needs `cap_low` and `level="token"`.
 `veto_low` (any mode or level) removes every sequence that holds a token whose ratio is below it.
+Two corrections at once (`combine_corrections`): the truncating one gives the weight, the other its mask.
 
 Causes (`ImportanceMasks`, and the `mismatch/is_*` metrics, see `megagrpo.algo.metrics.REDUCTIONS`):
 token above cap / below floor (token level; truncated or masked per `mode`), sequence above cap / below
@@ -187,6 +188,32 @@ def importance_metrics(masks: ImportanceMasks, loss_mask: Tensor, reducer=None) 
         "mismatch/is_weight_min": torch.where(has, -ext[0], zero),
         "mismatch/is_weight_max": torch.where(has, ext[1], zero),
     }
+
+
+def combine_corrections(sections: list[tuple[str, ImportanceMasks]]) -> Tensor:
+    """One weight `[B, T]` from several corrections `[(mode, masks), ...]` of the same tokens (the
+    trainer's `algo.tis` then `algo.mis`); TIS with rejection sampling, as in Yao et al. 2025 ("Your
+    efficient RL framework secretly brings you off-policy RL training", truncated IS) with the masks of
+    "When speed kills stability" (masked IS): w = min(r, C) * 1[kept].
+
+    The ratio enters once: a masking section's weight (mode mask or icepop) is the ratio itself where it
+    keeps a token, so the product of two sections' weights would give a kept token min(r, C) * r, above
+    the cap. The weight is the first truncating section's (the first section's when none truncates), and
+    every other section contributes its mask only. Two truncating sections are refused: the result would
+    be one of two caps, or a doubled ratio."""
+    if not sections:
+        raise ValueError("combine_corrections needs at least one section")
+    for mode, _ in sections:
+        _checks.choice("mode", mode, MODES)
+    truncating = [m for mode, m in sections if mode == "truncate"]
+    if len(truncating) > 1:
+        raise ValueError("two truncating corrections: keep one truncate and make the others mask or icepop")
+    lead = truncating[0] if truncating else sections[0][1]
+    w = lead.weights
+    for _, m in sections:
+        if m is not lead:
+            w = torch.where(m.zero_weight, 0.0, w)
+    return w
 
 
 def train_inference_weights(

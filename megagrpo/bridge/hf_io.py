@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megagrpo.bridge.hf_config import arch_from_hf
@@ -50,6 +50,31 @@ _DTYPES = {
     "BF16": torch.bfloat16,
     "F64": torch.float64,
 }
+
+
+def open_safetensors(path: str | Path):
+    """`safe_open(path, "pt")`, with a MegagrpoError naming the file and the fix when it cannot be read.
+
+    Every read of a user's safetensors file goes through here (learner load, conversion, the engine's
+    checkpoint shapes in weight sync, the probe), so a truncated download says the same thing everywhere.
+    """
+    try:
+        return safe_open(str(path), "pt")
+    except SafetensorError as e:  # a truncated or corrupt header: safetensors checks sizes on open
+        raise MegagrpoError(
+            f"{path}: not a complete safetensors file ({e}); it is truncated or corrupt: re-download the "
+            "model, or re-run `megagrpo convert megatron-to-hf` if it was converted from a checkpoint"
+        ) from None
+    except OSError as e:
+        raise MegagrpoError(
+            f"{path}: cannot read ({e.strerror or e}); check the path and its permissions"
+        ) from None
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (as `safetensors.torch.load_file`), errors as `open_safetensors`."""
+    with open_safetensors(path) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
 
 
 class HFCheckpoint:
@@ -88,15 +113,12 @@ class HFCheckpoint:
             raise MegagrpoError(
                 f"{self.dir}: neither {SINGLE} nor {INDEX} found; only safetensors are supported"
             )
-        with safe_open(str(single), "pt") as f:
+        with open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), SINGLE)
 
     def _handle(self, fname: str):
         if fname not in self._handles:
-            try:
-                self._handles[fname] = safe_open(str(self.dir / fname), "pt")
-            except Exception as e:  # safetensors raises its own error types for truncated headers
-                raise MegagrpoError(f"{self.dir / fname}: cannot open as safetensors ({e})") from e
+            self._handles[fname] = open_safetensors(self.dir / fname)
         return self._handles[fname]
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -59,6 +59,7 @@ name of every patch the first time it is hit to `<dir>/<pid>.hits`; `read_child_
 
 from __future__ import annotations
 
+import multiprocessing.spawn
 import os
 import sys
 import types
@@ -376,8 +377,27 @@ def read_child_hits(hits_dir: str | Path) -> dict[str, set[int]]:
     return out
 
 
+def _skip_megatron_in_child() -> None:
+    """The scheduler never runs megatron, but SGLang's debug dumper imports `megatron.core` (and wandb and
+    tensorboard through it) when its class body is defined, for an optional plugin that reads megatron's
+    parallel state. On this CPU that import is a third of a scheduler's start-up. An entry of None in
+    `sys.modules` makes the import raise ImportError, which the dumper already handles (plugin off)."""
+    if "megatron" in sys.modules:
+        return  # already imported here: nothing to save, and nothing may be hidden
+    sys.modules["megatron"] = None  # type: ignore[assignment]
+    patching.APPLIED["sys.modules['megatron']"] = patching.Patch(
+        "sys.modules['megatron']",
+        "spawned SGLang children only: the debug dumper's optional megatron plugin imported megatron.core, "
+        "wandb and tensorboard on every engine start; the import now fails and the plugin stays off",
+    )
+
+
 if os.environ.get(CHILD_ENV) == "1" and not torch.cuda.is_available():
     # Imported in a spawned SGLang subprocess (the parent applied the patches): apply them here too,
     # after the parent's console filters for log records (its warning filters arrived as -W options).
+    # A spawned child (multiprocessing's marker on its command line): SGLang's scheduler or detokenizer,
+    # never a trainer rank (torchrun starts those as plain interpreters, with this variable inherited too).
+    if multiprocessing.spawn.is_forking(sys.argv):
+        _skip_megatron_in_child()
     console.quiet_child()
     apply()

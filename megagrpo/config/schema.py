@@ -356,7 +356,8 @@ class AutoCapConfig(Section):
 
 
 class ImportanceConfig(Section):
-    """Train/inference importance correction (TIS truncates, MIS masks); both may be on at once."""
+    """Train/inference importance correction (TIS truncates, MIS masks); both may be on at once, and then
+    one ratio weighs a token, times the other section's mask (`megagrpo.algo.importance.combine_corrections`)."""
 
     enabled: bool = Field(default=False, description="Apply this correction to the policy loss.")
     level: Literal["token", "sequence", "geometric"] = Field(
@@ -483,12 +484,17 @@ class AlgoConfig(Section):
     )
     tis: ImportanceConfig = Field(
         default_factory=ImportanceConfig,
-        description="Truncated importance sampling between sampler and learner probabilities.",
+        description="Truncated importance sampling between sampler and learner probabilities. With algo.mis "
+        "also on, this section's weight min(ratio, cap) is the token's weight, times mis's mask only: "
+        "min(ratio, cap) x 1[kept by mis], the ratio counted once (e.g. tis level sequence + mis level "
+        "geometric, or both token).",
     )
     mis: MaskedImportanceConfig = Field(
         default_factory=MaskedImportanceConfig,
         description="Masked importance sampling: drops tokens/sequences whose sampler/learner ratio is "
-        "out of range (default mode mask).",
+        "out of range (default mode mask). With algo.tis also on, it contributes its mask only (which "
+        "tokens/sequences it keeps), never its ratio; the weight is the truncating section's (tis's when "
+        "neither truncates). tis and mis may not both have mode truncate.",
     )
     router_shift: bool = Field(
         default=False,
@@ -543,6 +549,13 @@ class AlgoConfig(Section):
                     "ratio of the old policy, and with old_logp=rollout the old policy IS the sampler, so "
                     f"the weight is always 1: set algo.old_logp=recompute or algo.{name}.enabled=false",
                 )
+        if self.tis.enabled and self.mis.enabled and self.tis.mode == self.mis.mode == "truncate":
+            raise invalid(
+                "mis.mode",
+                "'truncate' with algo.tis.mode=truncate; with both sections on, one ratio weighs a token "
+                "and the other section contributes its mask only, so two truncations would leave one of "
+                "them without effect: set algo.mis.mode=mask (or icepop), or algo.mis.enabled=false",
+            )
         if self.kl.placement == "reward" and self.advantages == "gdpo":
             raise invalid(
                 "kl.placement",
@@ -646,8 +659,8 @@ class DataConfig(Section):
     )
     malformed: Literal["skip", "fatal"] = Field(
         default="skip",
-        description="A malformed row (bad JSON, missing/empty field, too long) is reported with "
-        "file:line, then skipped and counted (skip) or stops loading with an error (fatal).",
+        description="A malformed row (bad JSON, bytes that are not UTF-8, missing/empty field, too long) "
+        "is reported with file:line, then skipped and counted (skip) or stops loading with an error (fatal).",
     )
     shuffle: bool = Field(
         default=True, description="Reshuffle the training prompts every epoch (seeded by schedule.seed)."
@@ -719,7 +732,10 @@ class RewardsConfig(Section):
 
 class OptimizerConfig(Section):
     lr: float = Field(
-        default=1e-6, gt=0.0, description="Peak learning rate (RL fine-tuning uses ~1e-6 on large models)."
+        default=1e-6,
+        gt=0.0,
+        description="Peak learning rate (RL fine-tuning uses ~1e-6 on large models). A resume may change it "
+        "(and min_lr): the checkpoint's Adam moments are kept, the schedule takes the new values.",
     )
     min_lr: float = Field(default=0.0, ge=0.0, description="Floor the decay schedule ends at.")
     weight_decay: float = Field(default=0.01, ge=0.0, description="AdamW decoupled weight decay.")
@@ -752,7 +768,12 @@ class OptimizerConfig(Section):
 class ScheduleConfig(Section):
     steps: int = Field(default=100, ge=1, description="Training steps (one rollout batch each).")
     micro_batch_size: int = Field(
-        default=1, ge=1, description="Sequences per learner micro-batch per rank (memory knob only)."
+        default=1,
+        ge=1,
+        description="Sequences per learner micro-batch per rank, on average: each DP rank runs "
+        "ceil(its share of the mini-batch / this) micro-batches, the same count on every rank (expert "
+        "parallelism needs it), so a rank holding short rows packs more of them into a micro-batch, with "
+        "about the same tokens. A memory knob: no loss, gradient or metric depends on it.",
     )
     seed: int = Field(default=0, description="Seed for sampling, shuffling and init; a seeded run repeats.")
     eval_every: int = Field(
@@ -771,7 +792,8 @@ class CheckpointConfig(Section):
     resume: str = Field(
         default="auto",
         description="auto: continue from the latest checkpoint in dir if any; none: start fresh; or a "
-        "checkpoint path.",
+        "checkpoint path. Checked before anything starts: it must be a complete checkpoint of this model "
+        "and stage (an SFT checkpoint does not resume `train`: set model.hf_path to sft.output_dir).",
     )
 
 
@@ -923,7 +945,8 @@ class Config(Section):
     replay: Literal["none", "R2", "R3"] = Field(
         default="none",
         description="MoE routing replay: none; R2 replays the learner's old-pass routes in training; R3 "
-        "replays the sampler's routes (removes routing mismatch). MoE configs use R3.",
+        "replays the sampler's routes (removes routing mismatch). MoE configs use R3; a dense model refuses "
+        "R2/R3.",
     )
     data: DataConfig = Field(
         default_factory=lambda: DataConfig(synthetic=SyntheticConfig(task="addition")),

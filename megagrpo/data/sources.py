@@ -75,8 +75,21 @@ def validate_row(row: Any, cfg: DataConfig, required: tuple[str, ...]) -> dict:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Bytes, decoded line by line: one non-UTF-8 byte is then one malformed row, where a text-mode
+    # reader would raise UnicodeDecodeError mid-file and lose every row. Splitting on b"\n" is safe
+    # because no multi-byte UTF-8 sequence contains that byte.
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                # utf-8-sig on the first line drops a byte-order mark that some editors write
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                reason = (
+                    f"not valid UTF-8 (byte 0x{raw[e.start : e.start + 1].hex()} at byte {e.start + 1} "
+                    "of the line); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                )
+                yield lineno, None, reason
+                continue
             if not line.strip():
                 continue  # blank lines (e.g. a trailing newline) are not rows
             try:

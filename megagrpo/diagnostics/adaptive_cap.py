@@ -15,6 +15,11 @@ range (config `tis.auto.clamp` = [cap_min, cap_max]). Before the first measureme
 cap until something was measured). A step with no valid token (`mismatch/n_tokens` = 0) contributes
 nothing. The same class can serve a lower MIS floor: `quantile=0.001` and a range below 1.
 
+The measured quantiles are histogram quantiles (`megagrpo.algo.quantiles`, bounded by DP all-reduces of a
+fixed size): a bin edge on the outward side of the exact quantile, so an upper quantile (a cap) is never
+below the exact one and a lower one (a floor) never above, by at most a factor exp(1.09%·|log q| + 2^-23).
+The cap from them thus truncates or masks no token that the exact quantile's cap would keep.
+
 The cap to use at step s is `cap` read *before* `update` with step s's measurement (the weights of a step
 cannot depend on a quantile measured on themselves after the fact without a second pass); callers that
 do measure first may update first, the rule is the same. The state is the list of recent measurements,

@@ -188,13 +188,8 @@ def load_checkpoint(
     _require_dist()
     path = Path(path).absolute()
     meta = read_meta(path)
-    want = json.loads(json.dumps(arch.to_dict())) if arch is not None else None  # tuples -> lists, as saved
-    if want is not None and meta.arch is not None and meta.arch != want:
-        diff = {k: (meta.arch.get(k), v) for k, v in want.items() if meta.arch.get(k) != v}
-        raise MegagrpoError(
-            f"checkpoint {path} was saved for a different model architecture: {diff} "
-            "(field: (checkpoint, current)); load it with the model config it was trained with"
-        )
+    if arch is not None:
+        check_arch(path, meta, arch)
     if optimizer is not None and not meta.has_optimizer:
         raise MegagrpoError(
             f"checkpoint {path} holds no optimizer state (it was saved with weights only); load it as "
@@ -220,7 +215,7 @@ def load_checkpoint(
     for i, chunk in enumerate(model_chunks):
         _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(_regroup_optimizer_state(loaded["optimizer"], optimizer))
+        optimizer.load_state_dict(_regroup_optimizer_state(loaded["optimizer"], optimizer, path))
     if scheduler is not None:
         scheduler.num_steps = 0  # upstream load_state_dict ADDS the saved count to the current one
         scheduler.load_state_dict(loaded["scheduler"])
@@ -288,6 +283,20 @@ def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
             "delete it and resume from an earlier checkpoint"
         )
     return meta
+
+
+def check_arch(path: str | os.PathLike[str], meta: CheckpointMeta, arch: Any, *, source: str = "") -> None:
+    """Raise MegagrpoError when the checkpoint at `path` was saved for another architecture than `arch`
+    (a `ModelArch`; `source` names where it comes from, e.g. "model.hf_path='...'"). No process group needed."""
+    want = json.loads(json.dumps(arch.to_dict()))  # tuples -> lists, as saved
+    if meta.arch is None or meta.arch == want:
+        return
+    diff = {k: (meta.arch.get(k), v) for k, v in want.items() if meta.arch.get(k) != v}
+    than = f" than {source}" if source else ""
+    raise MegagrpoError(
+        f"checkpoint {path} was saved for a different model architecture{than}: {diff} "
+        "(field: (checkpoint, current)); load it with the model config it was trained with"
+    )
 
 
 def _check_files(path: Path, meta: CheckpointMeta) -> None:
@@ -407,46 +416,83 @@ def init_optimizer_state(optimizer: Any) -> None:
                     inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
 
 
-def _regroup_optimizer_state(loaded: dict[Any, Any], optimizer: Any) -> Any:
-    """Fit the checkpoint's per-optimizer common state to THIS mesh's optimizer structure.
+def _regroup_optimizer_state(loaded: dict[Any, Any], optimizer: Any, path: Path) -> Any:
+    """Fit the checkpoint's per-optimizer common state to THIS run's optimizer: its mesh and its config.
 
-    megatron builds one DistributedOptimizer per distinct (dense, expert) data-parallel group, chained
-    when there are several; whether there are one or two depends on the mesh (one process: one; TP2
-    without EP: two). The tensors are stored per parameter and load on any structure, but the common
-    part (param_groups with lr and step) is nested per optimizer of the SAVING mesh. `loaded` is the
-    merge of that saved nesting with the current one, e.g. `{"optimizer": ..., 0: {...}, 1: {...}}`.
-    Every current optimizer gets the union of the saved param_groups; megatron pairs groups by their
-    identifying fields (expert or not, lr/wd multipliers), not by position, so the union is exact.
+    Structure: megatron builds one DistributedOptimizer per distinct (dense, expert) data-parallel group,
+    chained when there are several; whether there are one or two depends on the mesh (one process: one;
+    TP2 without EP: two). The tensors are stored per parameter and load on any structure, but the common
+    part (param_groups) is nested per optimizer of the SAVING mesh. `loaded` is the merge of that saved
+    nesting with the current one, e.g. `{"optimizer": ..., 0: {...}, 1: {...}}`.
+
+    Config: megatron pairs saved and current param_groups by an identifier that includes the group's
+    max_lr and min_lr, so a resume with a changed `optimizer.lr` (routine after an instability) or an SFT
+    checkpoint's LR would not find its groups. Here each current group takes the saved group of the same
+    structure (lr/wd multipliers, decoupled LR, expert or not) for what the checkpoint owns (Adam's step
+    counter; the moments travel in `param_state`), and every hyper-parameter from this run's config
+    (lr, min_lr, weight decay, betas, eps): the config wins, as `build_scheduler`'s override mode does.
     """
     subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     nested = {k: v for k, v in loaded.items() if isinstance(k, int)}
     top = {k: v for k, v in loaded.items() if not isinstance(k, int)}
     saved = ([top] if "optimizer" in top else []) + [v for _, v in sorted(nested.items()) if "optimizer" in v]
-    if not saved:
+    groups = [g for s in saved for g in s["optimizer"].get("param_groups", [])]
+    if not groups:
         raise MegagrpoError(
-            "the checkpoint's optimizer state has no param_groups; it is damaged, resume from an earlier one"
+            f"checkpoint {path}: its optimizer state has no param_groups; it is damaged, resume from an "
+            "earlier one"
         )
-    groups = [g for s in saved for g in s["optimizer"]["param_groups"]]
-    # On a mesh where expert and dense params share one optimizer, no saved group is flagged
-    # is_expert_parallel; a mesh that separates them needs such groups. Their hyper-parameters are the
-    # same (megagrpo sets no expert-specific overrides), so a flipped copy of each group stands in.
-    have = {_group_id(g) for g in groups}
-    for g in list(groups):
-        flipped = {**g, "is_expert_parallel": not g.get("is_expert_parallel", False)}
-        if _group_id(flipped) not in have:
-            groups.append(flipped)
-            have.add(_group_id(flipped))
-    common = {**saved[0], "optimizer": {**saved[0]["optimizer"], "param_groups": groups}}
-    common = {k: v for k, v in common.items() if k != "param_state"}
+    by_structure: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for g in groups:
+        by_structure.setdefault(_group_structure(g), g)
+    common = {k: v for k, v in saved[0].items() if k != "param_state"}
+    per_sub = []
+    for sub in subs:
+        # The inner torch optimizer's groups: integer params in its state order, this config's values.
+        current = sub.optimizer.state_dict()["param_groups"]
+        fitted = [_fit_group(cur, by_structure, path) for cur in current]
+        per_sub.append({**common, "optimizer": {**saved[0]["optimizer"], "param_groups": fitted}})
     if len(subs) == 1:
-        return {**common, "param_state": top.get("param_state", nested.get(0, {}).get("param_state"))}
-    return {i: {**common, "param_state": nested[i]["param_state"]} for i in range(len(subs))}
+        return {**per_sub[0], "param_state": top.get("param_state", nested.get(0, {}).get("param_state"))}
+    return {i: {**per_sub[i], "param_state": nested[i]["param_state"]} for i in range(len(subs))}
 
 
-def _group_id(group: dict[str, Any]) -> tuple[Any, ...]:
+# The identifier fields megatron takes from the config (ParamGroupOverride's schedule values); the rest of
+# `param_group_identifier_keys` is the group's structure.
+_CONFIG_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+_CHECKPOINT_GROUP_KEYS = ("step",)  # apex/TE Adam keep their step counter in the group
+
+
+def _group_structure(group: dict[str, Any]) -> tuple[Any, ...]:
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-    return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
+    return tuple(
+        group.get(k, group.get(f"pre_{k}"))
+        for k in param_group_identifier_keys
+        if k not in _CONFIG_GROUP_KEYS
+    )
+
+
+def _fit_group(
+    current: dict[str, Any], saved: dict[tuple[Any, ...], dict[str, Any]], path: Path
+) -> dict[str, Any]:
+    """The saved group of `current`'s structure, with `current`'s params and hyper-parameters."""
+    match = saved.get(_group_structure(current))
+    if match is None:
+        # A mesh where expert and dense params share one optimizer saves no group flagged
+        # is_expert_parallel; a mesh that separates them needs such groups. Their hyper-parameters are the
+        # same (megagrpo sets no expert-specific overrides), so the other flag's group stands in.
+        flipped = {**current, "is_expert_parallel": not current.get("is_expert_parallel", False)}
+        match = saved.get(_group_structure(flipped))
+    if match is None:
+        raise MegagrpoError(
+            f"checkpoint {path}: its optimizer has no parameter group shaped like this run's "
+            f"{_group_structure(current)} (saved: {sorted(saved, key=str)}); the grouping of parameters "
+            "(weight-decay exclusions, LR multipliers) changed since the save. Resume with the settings it "
+            "was saved with, or start the optimizer afresh from its weights (model.hf_path after a convert)"
+        )
+    keep = {k: match[k] for k in _CHECKPOINT_GROUP_KEYS if k in match}
+    return {**match, **current, **keep}
 
 
 def _mesh_now(num_chunks: int) -> dict[str, int]:

@@ -41,7 +41,9 @@ Phases (`trainer/session.py`): the learner and the engine take turns on the devi
 releases its weights and KV cache before the learner reloads; the learner offloads all of its state to
 host memory (`Learner.offload`) before the engine resumes. The weight sync resumes the engine's weights
 beside the reloaded learner. So a GPU must hold
-  rollout:  the engine's static pool (plus the learner state, for frameworks that keep it resident)
+  rollout:  the engine's static pool (plus the learner state, for frameworks that keep it resident),
+            and the step's rows in flight: they move while the engine holds its pool, through NCCL,
+            i.e. device memory (`rows_wire_bytes`)
   training: learner state (+ resident reference) + activations and logits of the micro-batches in flight
   sync:     learner state (+ resident reference) + the engine's weight shard + two export buckets
 each within the GPU memory minus `RESERVE_GIB` (CUDA contexts of the learner and the SGLang
@@ -65,6 +67,12 @@ PARAM_ALIGN = 64  # megatron `pad_param_start`: each tensor starts on a 64-eleme
 BUFFER_ALIGN = 128  # megatron `pad_bucket_end`: a bucket ends on a multiple of lcm(DP, 128)
 RESERVE_GIB = 4.0  # CUDA contexts (2 x ~0.5), NCCL buffers (~1), SGLang CUDA graphs/sampling (~1-2)
 LOGPROB_CHUNK_TOKENS = 1024  # learner.LearnerConfig.chunk_tokens: rows of fp32 logits worked on at once
+# The data plane's wire piece; the same as `megagrpo.rollout.groups.WIRE_CHUNK_BYTES` (a unit test holds
+# them equal). Pickled scalars of the step's rows (`trainer.rows.row_scalars`), upper bounds that a unit
+# test measures: per group its position and scores tensor, per row 3 ints, per score 4 bytes.
+ROWS_WIRE_CHUNK_BYTES = 64 << 20
+GROUP_SCALAR_BYTES = 512
+ROW_SCALAR_BYTES = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 Recompute = Literal["none", "full"]
@@ -347,6 +355,16 @@ def engine_weight_bytes(arch: ModelArch, engine_tp: int, dtype: str = "bfloat16"
     return -(-model_numel(arch) * dtype_bytes(dtype) // engine_tp)
 
 
+def rows_wire_bytes(world_size: int, engines: int, groups: int, group_size: int, scores: int) -> int:
+    """Device bytes of megagrpo's data plane (`trainer.rows`) on one GPU during the rollout phase: one wire
+    piece out and one in (2 x `ROWS_WIRE_CHUNK_BYTES`), and the gathered per-row scalars: every rank
+    receives each engine owner's, padded to the largest (ceil(groups / engines) prompt groups of
+    `group_size` rows with `scores` reward scores each), plus its own: (world + 1) x that. The int64 sizes
+    and flags (a few per rank) are not counted."""
+    per_owner = -(-groups // engines) * (GROUP_SCALAR_BYTES + group_size * (ROW_SCALAR_BYTES + 4 * scores))
+    return 2 * ROWS_WIRE_CHUNK_BYTES + (world_size + 1) * per_owner
+
+
 # ------------------------------------------------------------------------------------ the workload
 
 
@@ -370,6 +388,7 @@ class Workload:
     optimizer_offload: float = 0.0  # fraction of optimizer state (and master params) kept on the CPU
     offload_in_rollout: bool = True  # learner state moved to host memory while sampling (megagrpo does)
     sync_bucket_bytes: int = 512 << 20  # weight-sync bucket; two are held at once (one built, one sent)
+    rows_in_flight: int = 0  # the data plane's device bytes while sampling (megagrpo: `rows_wire_bytes`)
     engine_tp: int = 1
     engine_mem_fraction: float = 0.5
     engine_dtype: str = "bfloat16"
@@ -414,6 +433,13 @@ def workload_from_config(cfg: Any, world_size: int) -> Workload:
         engine_dtype=auto if cfg.rollout.dtype == "auto" else cfg.rollout.dtype,
         engine_fp8=cfg.rollout.fp8,
         sync_bucket_bytes=cfg.sync.bucket_mb << 20,
+        rows_in_flight=rows_wire_bytes(
+            world_size,
+            max(1, world_size // cfg.rollout.engine_tp),  # one engine per colocation group on GPUs
+            cfg.rollout.prompts_per_step,
+            cfg.rollout.group_size,
+            max(1, len(cfg.rewards.functions)),
+        ),
     )
 
 
@@ -445,6 +471,7 @@ class MemoryPlan:
     max_kv_tokens: int  # largest KV cache, in tokens, whose rollout peak fits
     stage: int = 0  # the pipeline stage the bytes are of: the one with the highest training peak
     reasons: tuple[str, ...] = field(default=())
+    rows_in_flight: int = 0  # the step's rows on their way to the learner ranks (rollout phase)
 
     @property
     def margin(self) -> int:
@@ -463,6 +490,7 @@ class MemoryPlan:
             ("logits and log-softmax", self.logits, ""),
             ("engine weights", self.engine_weights, ""),
             ("engine KV cache", self.kv_cache, f"  ({self.kv_tokens} tokens)"),
+            ("rows in flight (data plane)", self.rows_in_flight, ""),
             ("reserve (contexts, NCCL)", int(w.reserve_gib * GIB), ""),
             None,
             ("rollout peak", self.rollout_peak, ""),
@@ -559,14 +587,15 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
     kv = pool - e_weights
     per_token = kv_bytes_per_token(arch, w.engine_tp, w.engine_dtype)
     kv_tokens = max(0, kv // per_token)
-    rollout_peak = resident_rollout + pool
+    rollout_peak = resident_rollout + pool + w.rows_in_flight
     sync_peak = learner + e_weights + 2 * w.sync_bucket_bytes
     total = max(rollout_peak, train_peak, sync_peak)
     reasons = []
     if rollout_peak > budget:
         reasons.append(
             f"rollout: learner state {resident_rollout / GIB:.1f} GiB + engine pool {pool / GIB:.1f} GiB "
-            f"exceed {budget / GIB:.1f} GiB; lower rollout.mem_fraction_static or shard the learner more"
+            f"+ rows in flight {w.rows_in_flight / GIB:.1f} GiB exceed {budget / GIB:.1f} GiB; lower "
+            "rollout.mem_fraction_static or shard the learner more"
         )
     if train_peak > budget:
         reasons.append(
@@ -591,7 +620,7 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
         max_mb = lo
     else:
         max_mb = w.micro_batch_size if train_peak <= budget else 0
-    room = budget - resident_rollout - e_weights
+    room = budget - resident_rollout - e_weights - w.rows_in_flight
     return MemoryPlan(
         gpu_mem_gib=gpu_mem_gib,
         workload=w,
@@ -614,6 +643,7 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
         max_kv_tokens=max(0, room // per_token),
         stage=worst.stage,
         reasons=tuple(reasons),
+        rows_in_flight=w.rows_in_flight,
     )
 
 

@@ -11,6 +11,13 @@ Shutdown. `sglang.Engine.shutdown()` ends with `kill_process_tree(os.getpid(), i
 SIGKILLs EVERY child of the calling process, not only the engine's (a colocated checkpoint writer, a test
 fixture's cluster, another engine). `RolloutEngine.shutdown` narrows that call to the processes this engine
 started (recorded at start) for the duration of the shutdown, and unregisters SGLang's `atexit` hook.
+
+SIGTERM. SGLang's tokenizer manager creates its request loop at the first request and, on the main thread,
+registers on it a SIGTERM callback that drains the engine, kills its schedulers and raises SystemExit(0),
+and while that callback is registered a SIGTERM between requests is dropped by uvloop. Either way a
+preempted trainer would end with exit 0 and no checkpoint. `start` creates that request loop itself,
+before any request, and removes the callback in the same loop step (`_keep_sigterm`), so SIGTERM always
+reaches the host process's own handler.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import Completion, completion_from_output
 from megagrpo.rollout.config import DTYPES, RolloutConfig, SamplingConfig
+from megagrpo.rollout.startup import only_the_served_model_imported
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +144,8 @@ class RolloutEngine:
 
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
-            self._engine = sglang.Engine(**self.engine_kwargs())
+            with only_the_served_model_imported(self.cfg.model_path):
+                self._engine = sglang.Engine(**self.engine_kwargs())
         finally:
             after = psutil.Process().children(recursive=True)
             # multiprocessing's resource tracker is started by the first spawn but is shared, not the engine's
@@ -149,24 +158,30 @@ class RolloutEngine:
         self.context_len = int(self._engine.tokenizer_manager.context_len)
         self.vocab_size = int(hf.vocab_size)
         self.tokenizer = self._engine.tokenizer_manager.tokenizer
+        self._keep_sigterm()
         return self
 
-    def _forget_sigterm(self, host_handler: Any) -> None:
-        """Leave SIGTERM to the host process. On its first request SGLang's tokenizer manager registers a
-        SIGTERM callback on its event loop that drains and then exits the whole process with status 0,
-        which would defeat the trainer's checkpoint-on-SIGTERM (Slurm preemption). Only that callback is
-        removed and the host's handler (read before the request) put back; SGLang's SIGQUIT handling (a
-        child died) is kept. The loop is a uvloop loop, whose signal table is not visible from Python and
-        which removes a handler only from inside the running loop."""
-        loop = getattr(self._engine.tokenizer_manager, "event_loop", None)
-        if loop is None or threading.current_thread() is not threading.main_thread():
-            return
+    def _keep_sigterm(self) -> None:
+        """Leave SIGTERM to the host process from before the first request on (module docstring, "SIGTERM").
 
-        async def remove() -> bool:
-            return loop.remove_signal_handler(signal.SIGTERM)
+        SGLang's `TokenizerManager.auto_create_handle_loop` runs at the first request: it creates the
+        request loop's tasks and, on the main thread only, registers the SIGTERM callback (drain, then
+        `sys.exit(0)`) and a SIGQUIT one (a child died). It is run here, before any request, and the
+        SIGTERM callback removed in the same step of the loop, so no request ever runs with it, whatever
+        the thread of that request (async rollout generates on a worker thread). SIGQUIT handling is kept.
+        The host's handler, read first, is put back: uvloop leaves the default there, and removes a
+        handler only from inside the running loop."""
+        tm = self._engine.tokenizer_manager
+        loop = self._engine.loop
+        on_main = threading.current_thread() is threading.main_thread()
+        host = signal.getsignal(signal.SIGTERM)
 
-        if loop.run_until_complete(remove()) and host_handler is not None:
-            signal.signal(signal.SIGTERM, host_handler)
+        async def create_request_loop_without_sigterm() -> bool:
+            tm.auto_create_handle_loop()  # returns at once if the loop already exists
+            return on_main and loop.remove_signal_handler(signal.SIGTERM)
+
+        if loop.run_until_complete(create_request_loop_without_sigterm()) and host is not None:
+            signal.signal(signal.SIGTERM, host)
 
     def shutdown(self) -> None:
         """Stop the engine and every process it started; idempotent."""
@@ -341,7 +356,6 @@ class RolloutEngine:
                 seed = None if sampling.seed is None else sampling.seed + index_offset + i * group_size + g
                 params.append(self._sampling_params(sampling, seed))
         want_routes = bool(self.engine.server_args.enable_return_routed_experts)
-        host_sigterm = signal.getsignal(signal.SIGTERM)
         outs = self.engine.loop.run_until_complete(
             self.engine.async_generate(
                 input_ids=batch_ids,
@@ -350,7 +364,6 @@ class RolloutEngine:
                 return_routed_experts=want_routes,
             )
         )
-        self._forget_sigterm(host_sigterm)
         if isinstance(outs, dict):
             outs = [outs]
         groups: list[list[Completion]] = []
@@ -388,7 +401,6 @@ class RolloutEngine:
                 raise MegagrpoError(
                     f"sequences[{i}] has {len(s)} tokens; score needs 2 .. {self.context_len - 1}"
                 )
-        host_sigterm = signal.getsignal(signal.SIGTERM)
         outs = self.engine.loop.run_until_complete(
             self.engine.async_generate(
                 input_ids=ids,
@@ -397,7 +409,6 @@ class RolloutEngine:
                 logprob_start_len=0,
             )
         )
-        self._forget_sigterm(host_sigterm)
         if isinstance(outs, dict):
             outs = [outs]
         result = []

@@ -14,8 +14,9 @@ same prompt gets the same seed whichever engine samples it: the number of engine
 
 Costs. `gather`, `join_shares` and `sum_counts` carry scalars per prompt group (rewards, counts) over
 WORLD. Tokens move once per step, in `send_rows`: each row goes from the owner that sampled it to the
-ranks that asked for it, and nowhere else (an all-to-all of the pickled rows; a rank receives exactly
-the rows it asked for, plus one int64 size per rank).
+ranks that asked for it, and nowhere else (all-to-alls of the pickled rows in pieces of at most
+`WIRE_CHUNK_BYTES`, device memory on GPUs; a rank receives exactly the rows it asked for, plus two int64
+per rank).
 """
 
 from __future__ import annotations
@@ -156,34 +157,76 @@ def wire_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_to_all_bytes(payloads: list[bytes]) -> list[bytes]:
-    """payloads[r] goes to rank r; returns what each rank sent to this one (b"" when nothing)."""
+# The data plane's byte movers hold at most this many bytes per direction at once. On GPUs the world and
+# stage groups are NCCL, which reaches only device memory, and the rows move while the engine still holds
+# its pool (before `engine.release`): the wire buffers are therefore bounded pieces, not the size of the
+# rows, and `megagrpo plan` counts them in the rollout phase (`plan.memory.ROWS_WIRE_CHUNK_BYTES`, held
+# equal by a unit test). 64 MiB keeps a piece at NCCL's full bandwidth.
+WIRE_CHUNK_BYTES = 64 << 20
+
+
+def _all_to_all_bytes(payloads: list[bytes], chunk: int | None = None) -> list[bytes | bytearray]:
+    """payloads[r] goes to rank r; returns what each rank sent to this one (empty when nothing).
+
+    In pieces of at most `chunk` bytes (default `WIRE_CHUNK_BYTES`). Shift j = 1 .. world - 1 pairs every
+    rank with rank + j (it sends) and rank - j (it receives); a shift runs as many all-to-alls as its
+    largest pair needs pieces, each carrying at most one piece out of and one into any rank, and a shift in
+    which no rank sends is skipped. Per-rank cost: its own bytes out and in; wire buffers (device memory
+    under NCCL) of at most one piece each way; an all-to-all and an all-reduce (MAX) of `world` int64, then
+    the sum over shifts of the largest pair's piece count of all-to-alls over WORLD."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    chunk = chunk or WIRE_CHUNK_BYTES
     dev = wire_device()
     sizes_in = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=dev)
     sizes_out = torch.empty_like(sizes_in)
     dist.all_to_all_single(sizes_out, sizes_in)
-    out_splits = [int(x) for x in sizes_out.tolist()]
-    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8) if any(payloads) else None
-    send = send.to(dev) if send is not None else torch.empty(0, dtype=torch.uint8, device=dev)
-    recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(recv, send, out_splits, [len(p) for p in payloads])
-    flat = recv.cpu().numpy().tobytes()
-    out, lo = [], 0
-    for n in out_splits:
-        out.append(flat[lo : lo + n])
-        lo += n
+    out: list[bytes | bytearray] = [bytearray(int(n)) for n in sizes_out.tolist()]
+    out[rank] = payloads[rank]
+    pieces = [-(-len(payloads[(rank + j) % world]) // chunk) for j in range(world)]
+    shifts = torch.tensor(pieces, dtype=torch.int64, device=dev)
+    dist.all_reduce(shifts, op=dist.ReduceOp.MAX)
+    for j, n in enumerate(shifts.tolist()):
+        if j == 0 or n == 0:
+            continue
+        dst, src = (rank + j) % world, (rank - j) % world
+        data, into = memoryview(payloads[dst]), out[src]
+        for lo in range(0, n * chunk, chunk):
+            piece = data[lo : lo + chunk]
+            n_in = max(0, min(chunk, len(into) - lo))
+            send_splits, recv_splits = [0] * world, [0] * world
+            send_splits[dst], recv_splits[src] = len(piece), n_in
+            send = _wire_piece(piece, dev)
+            recv = torch.empty(n_in, dtype=torch.uint8, device=dev)
+            dist.all_to_all_single(recv, send, recv_splits, send_splits)
+            if n_in:
+                into[lo : lo + n_in] = recv.cpu().numpy().tobytes()
     return out
 
 
-def broadcast_bytes(payload: bytes | None, src: int, group) -> bytes:
-    """`payload` of global rank `src` on every rank of `group` (a size, then the bytes)."""
+def _wire_piece(piece: memoryview, dev: torch.device) -> torch.Tensor:
+    """One piece of a payload as a uint8 tensor on the wire's device (a host copy of at most one piece)."""
+    if not len(piece):
+        return torch.empty(0, dtype=torch.uint8, device=dev)
+    return torch.frombuffer(bytearray(piece), dtype=torch.uint8).to(dev)
+
+
+def broadcast_bytes(payload: bytes | None, src: int, group, chunk: int | None = None) -> bytes | bytearray:
+    """`payload` of global rank `src` on every rank of `group`: its size, then pieces of at most `chunk`
+    bytes (default `WIRE_CHUNK_BYTES`: the wire buffer of a piece is device memory under NCCL). Per-rank
+    cost: the payload's bytes, in 1 + ceil(size / chunk) broadcasts within `group`."""
+    chunk = chunk or WIRE_CHUNK_BYTES
     dev = wire_device(group)
     size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=dev)
     dist.broadcast(size, src=src, group=group)
-    if payload is not None:
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-    else:
-        buf = torch.empty(int(size), dtype=torch.uint8, device=dev)
-    if buf.numel():
-        dist.broadcast(buf, src=src, group=group)
-    return payload if payload is not None else buf.cpu().numpy().tobytes()
+    n = int(size)
+    data = memoryview(payload) if payload is not None else None
+    out = bytearray(n) if payload is None else None
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        if data is not None:
+            dist.broadcast(_wire_piece(data[lo:hi], dev), src=src, group=group)
+        else:
+            buf = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
+            dist.broadcast(buf, src=src, group=group)
+            out[lo:hi] = buf.cpu().numpy().tobytes()
+    return payload if payload is not None else out

@@ -1,9 +1,11 @@
 """`megagrpo submit CONFIG --nodes N --gpus-per-node G [...]`: check, render, submit, report.
 
-Everything that can be checked before submission is: the config (schema and paths), the mesh against
-N x G, the partition (exists, is up, has the nodes, GPUs or CPUs), and the log directory (writable). The
-rendered script and a snapshot of the resolved config go to the log directory, so a requeue runs what was
-submitted. `--dry-run` does all of this, prints the script, and submits nothing.
+Everything that can be checked before submission is, the checks that need no cluster first: the config
+(schema and paths), the mesh against N x G, the memory plan (GPU train jobs), then the partition (exists,
+is up, has the nodes, GPUs or CPUs) and the log directory (writable). The rendered script and a snapshot
+of the resolved config go to the log directory, so a requeue runs what was submitted. `--dry-run` does
+all of this, prints the script, and submits nothing; where no Slurm controller answers, it skips the
+partition checks and says so.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.submit.render import LAYOUTS, render_layout
+
+if TYPE_CHECKING:
+    from megagrpo.submit.resources import JobShape
 
 STAGES = ("train", "sft", "eval", "check")  # check: megagrpo.launch.mesh_check on the config's mesh and model
 _SAFE = re.compile(r"^[A-Za-z0-9_./+@:,=-]+$")  # no spaces or shell syntax in #SBATCH paths and names
@@ -135,57 +141,108 @@ def _program(stage: str, cfg, snapshot: Path, log_dir: Path, job_name: str) -> s
     return f"-m megagrpo.launch.run {stage} {shlex.quote(str(snapshot))} --resume auto"
 
 
+def _memory_plan(cfg, args: argparse.Namespace):
+    """(MemoryPlan | None, MegagrpoError | None): the plan, or why there is none (raised later, and
+    only if the job turns out to run on GPUs). Pure arithmetic on the config and the model's
+    config.json, so it runs before anything asks the cluster."""
+    from megagrpo.plan.command import plan_for
+
+    try:
+        return plan_for(
+            cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem_gib
+        )[0], None
+    except MegagrpoError as e:
+        return None, e
+
+
+def _memory_verdict(plan, error: MegagrpoError | None, args: argparse.Namespace) -> str:
+    """The plan's one-line verdict; a MegagrpoError when it does not fit or is missing (unless --force)."""
+    from megagrpo.plan.memory import GIB
+
+    if plan is None:
+        if not args.force:
+            raise MegagrpoError(f"{error}; or pass --force to submit without a memory plan")
+        return "memory plan: none (--force)"
+    verdict = (
+        f"memory plan: peak {plan.total / GIB:.1f} GiB per GPU of a {plan.budget / GIB:.1f} GiB budget "
+        f"({args.gpu_mem_gib:g} GiB GPUs)"
+    )
+    if plan.fits:
+        return f"{verdict}: fits"
+    if not args.force:
+        cpu = ", pass --device cpu for a CPU partition" if args.device == "auto" else ""
+        raise MegagrpoError(
+            f"the memory plan does not fit {args.gpu_mem_gib:g} GiB per GPU:\n{plan.table()}\n"
+            "change the config (try `megagrpo plan`), give the real GPU size with --gpu-mem-gib"
+            f"{cpu}, or pass --force to submit anyway"
+        )
+    print(
+        f"megagrpo submit: warning: --force: the memory plan does not fit:\n{plan.table()}", file=sys.stderr
+    )
+    return f"{verdict}: DOES NOT FIT (--force)"
+
+
+def _job_shape(args: argparse.Namespace, device: str) -> JobShape:
+    from megagrpo.submit.resources import JobShape
+
+    cpus_per_proc = args.cpus_per_proc or (8 if device == "gpu" else 1)
+    if cpus_per_proc < 1:
+        raise MegagrpoError(f"--cpus-per-proc must be >= 1, got {cpus_per_proc}")
+    return JobShape(args.nodes, args.gpus_per_node, device, cpus_per_proc)
+
+
 def run_submit(args: argparse.Namespace) -> int:
     from megagrpo.config import dump_config, load_config
-    from megagrpo.submit.resources import JobShape, check_mesh_fits, check_partition_fits, mesh_warnings
-    from megagrpo.submit.slurm import have_slurm, partitions, pick_partition, sbatch
+    from megagrpo.submit.resources import check_mesh_fits, check_partition_fits, mesh_warnings
+    from megagrpo.submit.slurm import CLUSTER_CHECKS, NoController, partitions, pick_partition, sbatch
 
     cfg = load_config(args.config, args.overrides, stage="eval" if args.stage == "check" else args.stage)
     for name in ("nodes", "gpus_per_node", "signal_seconds"):
         if getattr(args, name) < 1:
             raise MegagrpoError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    parts = partitions() if have_slurm() else None
+    # What needs no cluster is checked first, so a job that cannot run is refused even where no
+    # controller answers, and without waiting for one. The memory plan models the colocated RL step on
+    # GPUs; --device auto is taken as GPUs here (the usual case) and the verdict dropped if the
+    # partition turns out to have none.
+    if args.device != "auto":
+        check_mesh_fits(cfg, _job_shape(args, args.device), args.stage)
+    plan = plan_error = verdict = None
+    if args.device != "cpu" and args.stage == "train":
+        plan, plan_error = _memory_plan(cfg, args)
+        if plan is not None or args.device == "gpu":
+            verdict = _memory_verdict(plan, plan_error, args)
+    try:
+        parts, unreachable = partitions(), None
+    except NoController as e:
+        if not args.dry_run:
+            raise MegagrpoError(
+                f"no Slurm controller answered ({e}); submitting needs one: run on a login node of a "
+                "cluster whose slurmctld is up, or pass --dry-run to render the script without the "
+                "cluster checks"
+            ) from None
+        parts, unreachable = None, str(e)
     part = pick_partition(args.partition, parts) if parts is not None else None
     device = args.device
     if device == "auto":
         device = "gpu" if part is None or part.gpus_per_node > 0 else "cpu"
-    cpus_per_proc = args.cpus_per_proc or (8 if device == "gpu" else 1)
-    if cpus_per_proc < 1:
-        raise MegagrpoError(f"--cpus-per-proc must be >= 1, got {cpus_per_proc}")
-    shape = JobShape(args.nodes, args.gpus_per_node, device, cpus_per_proc)
+    shape = _job_shape(args, device)
     sizes = check_mesh_fits(cfg, shape, args.stage)
     if part is not None:
         check_partition_fits(shape, part)
-    elif not args.dry_run:
-        raise MegagrpoError(
-            "sinfo/sbatch not found: run `megagrpo submit` on a Slurm login node, or use --dry-run"
-        )
     else:
-        print("megagrpo submit: no Slurm client here; partition and node sizes not checked", file=sys.stderr)
+        print(
+            f"megagrpo submit: no Slurm controller answered ({unreachable}); cluster checks skipped: "
+            + "; ".join(CLUSTER_CHECKS),
+            file=sys.stderr,
+        )
     for w in mesh_warnings(cfg, shape):
         print(f"megagrpo submit: warning: {w}", file=sys.stderr)
-    if device == "gpu" and args.stage == "train":  # the memory plan models the colocated RL step
-        from megagrpo.plan.command import plan_for
-
-        try:
-            plan, _ = plan_for(
-                cfg, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem_gib
-            )
-        except MegagrpoError as e:
-            if not args.force:
-                raise MegagrpoError(f"{e}; or pass --force to submit without a memory plan") from None
-            plan = None
-        if plan is not None and not plan.fits:
-            if not args.force:
-                raise MegagrpoError(
-                    f"the memory plan does not fit {args.gpu_mem_gib:g} GiB per GPU:\n{plan.table()}\n"
-                    "change the config (try `megagrpo plan`), give the real GPU size with --gpu-mem-gib, "
-                    "or pass --force to submit anyway"
-                )
-            print(
-                f"megagrpo submit: warning: --force: the memory plan does not fit:\n{plan.table()}",
-                file=sys.stderr,
-            )
+    if device == "cpu":
+        verdict = None  # --device auto on a CPU partition: GPU memory does not apply
+    elif verdict is None and args.stage == "train":  # --device auto without a plan, now known to be GPUs
+        verdict = _memory_verdict(plan, plan_error, args)
+    if verdict is not None:
+        print(f"megagrpo submit: {verdict}", file=sys.stderr)
     layout = args.layout if args.layout != "auto" else ("single" if args.nodes == 1 else "torchrun")
     if layout == "single" and args.nodes != 1:
         raise MegagrpoError(
@@ -208,8 +265,8 @@ def run_submit(args: argparse.Namespace) -> int:
         job_name=job_name,
         nodes=str(shape.nodes),
         procs_per_node=str(shape.procs_per_node),
-        cpus_per_proc=str(cpus_per_proc),
-        cpus_per_node=str(shape.procs_per_node * cpus_per_proc),
+        cpus_per_proc=str(shape.cpus_per_proc),
+        cpus_per_node=str(shape.procs_per_node * shape.cpus_per_proc),
         log_dir=str(log_dir),
         signal_seconds=str(args.signal_seconds),
         sbatch_lines=_sbatch_lines(args, shape, args.partition),

@@ -21,6 +21,21 @@ class PartitionInfo:
     gpus_per_node: int  # the smallest node's GPU count from its gres (0: no GPUs)
 
 
+# A down controller makes sinfo retry for its MessageTimeout (10 s by default) before it fails.
+SINFO_TIMEOUT_S = 30.0
+# What `megagrpo submit` cannot check without a controller (it renders the script all the same).
+CLUSTER_CHECKS = (
+    "the partition exists and is up",
+    "it has --nodes nodes",
+    "its nodes have --gpus-per-node GPUs and the CPUs asked for",
+    "--device auto (taken as gpu)",
+)
+
+
+class NoController(MegagrpoError):
+    """No Slurm controller answered: the client commands are not on PATH, or sinfo failed or timed out."""
+
+
 def have_slurm() -> bool:
     return shutil.which("sinfo") is not None and shutil.which("sbatch") is not None
 
@@ -49,9 +64,17 @@ def _gpus(gres: str) -> int:
     return total
 
 
-def partitions() -> dict[str, PartitionInfo]:
-    """Every partition with its node count and smallest per-node CPU and GPU counts (from `sinfo`)."""
-    out = _run(["sinfo", "-h", "-o", "%P|%a|%D|%c|%G"], "listing partitions")
+def partitions(timeout: float | None = None) -> dict[str, PartitionInfo]:
+    """Every partition with its node count and smallest per-node CPU and GPU counts (from `sinfo`).
+
+    Raises NoController, naming the cause, when the clients are missing or sinfo fails or times out.
+    """
+    if not have_slurm():
+        raise NoController("sinfo/sbatch not found on PATH: not a Slurm login node")
+    try:
+        out = _run(["sinfo", "-h", "-o", "%P|%a|%D|%c|%G"], "listing partitions", timeout or SINFO_TIMEOUT_S)
+    except MegagrpoError as e:
+        raise NoController(str(e)) from None
     acc: dict[str, dict] = {}
     for line in out.splitlines():
         parts = line.strip().split("|")

@@ -26,20 +26,19 @@ bucket is a single CUDA-IPC handle per TP rank instead of one per tensor; SGLang
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import math
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from megagrpo.bridge.hf_io import open_safetensors
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync.buckets import NamedTensor, tensor_bytes
 from megagrpo.sync.sglang_layout import FusedParam, fuse_into, sglang_params, sglang_plan
@@ -81,7 +80,7 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
         files = ["model.safetensors"]
     shapes: dict[str, tuple[int, ...]] = {}
     for fname in files:
-        with safe_open(os.path.join(model_dir, fname), "pt") as f:
+        with open_safetensors(os.path.join(model_dir, fname)) as f:
             for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shapes[k] = tuple(f.get_slice(k).get_shape())
     return shapes
@@ -179,11 +178,17 @@ def _check_ok(result: Any, what: str) -> None:
         raise RuntimeError(f"SGLang {what} failed: {msg or result}")
 
 
-def _flattened_payload(bucket: list[NamedTensor], tp_size: int) -> list[Any]:
-    from sglang.srt.utils import MultiprocessingSerializer
+def _flatten(bucket: list[NamedTensor]) -> Any:
+    """The bucket as SGLang's `FlattenedTensorBucket`: one new buffer holding every tensor's bytes."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    flat = FlattenedTensorBucket(named_tensors=bucket)
+    return FlattenedTensorBucket(named_tensors=bucket)
+
+
+def _flattened_payload(flat: Any, tp_size: int) -> list[Any]:
+    """One serialized flattened bucket per TP rank (on GPUs a CUDA-IPC handle, not a copy)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
     payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
     return [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(tp_size)]
 
@@ -335,6 +340,7 @@ def sync_weights(
     pack: bool = True,
     before_send: Callable[[], None] | None = None,
     announced: Mapping[str, tuple[int, ...]] | None = None,
+    streamed: bool | None = None,
 ) -> SyncStats:
     """Send HF-named tensors into a running SGLang engine. Returns `SyncStats` (see `metrics()`).
 
@@ -346,7 +352,8 @@ def sync_weights(
     always sends HF names through SGLang's `load_weights`. announced: the names and shapes the export will
     yield (`bridge.maps.hf_shapes`), checked against the engine's checkpoint before the first bucket is
     read, so that a streamed sync can fail on a name or shape after its first send only if the export
-    breaks its own announcement.
+    breaks its own announcement. streamed: the GPU transport (flattened buckets, one in flight); None =
+    when the tensors are on a GPU; True forces it for CPU tensors (its memory bound is tested there).
 
     Nothing is overwritten before everything is checked, so a bad export (an unknown, misshapen, missing or
     NaN/inf tensor, named in the error) leaves the engine serving its old weights. Only then is
@@ -357,29 +364,57 @@ def sync_weights(
       shared-memory staging (`_Staging`, one model in the engine's dtype, kept while the engine lives) as
       it arrives and then dropped; the staged buckets are sent after the last one. Extra memory held: the
       staging and one export bucket.
-    - GPU (flattened buckets over CUDA IPC): streamed, one bucket checked and sent at a time, so the sending
-      rank never holds more than the bucket in flight. The values were checked on the learner's own
-      shards before the export (`trainer.weights.check_learner_weights`) and its names and shapes as
+    - GPU (flattened buckets over CUDA IPC): streamed, one bucket checked and sent at a time
+      (`_sync_streamed`), so the sending rank holds two export buckets at most. The values were checked
+      on the learner's own shards before the export (`trainer.weights.check_learner_weights`) and its names and shapes as
       `announced` before any send; the check of each bucket catches an export that breaks its
       announcement, at the cost that a bucket failing it after the first was sent leaves a partly
       updated engine (the error says so).
     - HF-named on the CPU, and partial syncs: the buckets are held until all are checked (a debugging
       transport and small partial updates).
+
+    On any error `buckets` is still consumed to its end (each bucket dropped as it comes) before the error
+    is raised: the streaming export's gathers are collectives that the other ranks of this owner's replica
+    are in, so they finish the export and reach the caller's agreement on the failure (`trainer.agree`).
     """
+    it = iter(buckets)
+    try:
+        return _sync_weights(
+            engine, it, checksum=checksum, partial=partial, pack=pack, before_send=before_send,
+            announced=announced, streamed=streamed,
+        )  # fmt: skip
+    except Exception:
+        for _ in it:
+            pass
+        raise
+
+
+def _sync_weights(
+    engine: Any,
+    buckets: Iterator[list[NamedTensor]],
+    *,
+    checksum: bool,
+    partial: bool,
+    pack: bool,
+    before_send: Callable[[], None] | None,
+    announced: Mapping[str, tuple[int, ...]] | None,
+    streamed: bool | None,
+) -> SyncStats:
     t0 = time.perf_counter()
     eng = _sglang_engine(engine)
     shapes = _per_engine(eng, "shapes", lambda: checkpoint_shapes(eng.server_args.model_path))
     tp_size = int(eng.server_args.tp_size)
     if announced is not None:
         check_announced(shapes, announced, partial=partial)
-    stream = (b for b in (list(b) for b in buckets) if b)
+    stream = _nonempty(buckets)
     first = next(stream, None)
     if first is None:
         raise MegagrpoError("weight sync got no tensors; the export yielded nothing")
     on_gpu = any(t.is_cuda for _, t in first)
     checker = _Checker(shapes)
-    rest = itertools.chain([first], stream)
-    if on_gpu and not partial:
+    rest = _prepend([first], stream)
+    del first  # from here on only `rest` holds it, and drops it once the next bucket is asked for
+    if (on_gpu if streamed is None else streamed) and not partial:
         return _sync_streamed(eng, rest, checker, tp_size, checksum, before_send, t0)
     packable = pack and not on_gpu and tp_size == 1
     dtype = eng.tokenizer_manager.model_config.dtype
@@ -446,34 +481,65 @@ def _full_packing_plan(eng: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[
     )
 
 
+def _nonempty(buckets: Iterable[Iterable[NamedTensor]]) -> Iterator[list[NamedTensor]]:
+    """Each non-empty bucket as a list. Holds no bucket while it asks for the next (a `for` loop or a
+    generator expression would keep the last one alive while the export builds the next one)."""
+    it = iter(buckets)
+    while (bucket := next(it, None)) is not None:
+        bucket = list(bucket)
+        if bucket:
+            yield bucket
+        del bucket
+
+
+def _prepend(box: list[list[NamedTensor]], rest: Iterator[list[NamedTensor]]) -> Iterator[list[NamedTensor]]:
+    """`box`'s one bucket, then `rest`; `box` is emptied, so that nothing here holds the first bucket once
+    it is consumed (`itertools.chain` would keep it until the end)."""
+    yield box.pop()
+    yield from rest
+
+
 def _sync_streamed(
     eng, buckets, checker: _Checker, tp_size: int, checksum: bool, before_send, t0
 ) -> SyncStats:
-    """GPU: check and send one flattened bucket at a time (see `sync_weights`)."""
+    """GPU: check, flatten and send one bucket at a time (see `sync_weights`).
+
+    Bucket N is sent once N + 1 has passed its checks (the last send flushes the cache, so it must know
+    that it is the last; and a one-bucket export is sent only after `finish` found nothing missing). Each
+    bucket is flattened as soon as the one before it is sent, and its own tensors are dropped then, so
+    this rank holds two buckets at most: the flattened N waiting, and N + 1 being built by the export or
+    checked; during a send, the flattened N and the checked N + 1; while N + 1 is flattened, N + 1 and
+    its flattened copy. That holds when the export keeps no bucket it has yielded (`bridge.export`,
+    `_nonempty`); tensors that alias the learner's parameters (no gather, no cast) are the learner's
+    memory, not a bucket's."""
     if checksum:
         raise MegagrpoError("weight sync checksum needs the CPU engine; set sync.checksum=false on GPUs")
     nbytes = tensors = calls = 0
-    pending: list[NamedTensor] | None = None
+    pending: Any = None  # the previous bucket, flattened
     begun = False
 
-    def send(bucket: list[NamedTensor], last: bool) -> None:
+    def send(flat: Any, last: bool) -> None:
         nonlocal begun, calls
         if not begun:  # the engine's weights are resumed only once a first bucket has passed the checks
             if before_send is not None:
                 before_send()
             _check_ok(eng.begin_weight_update(), "begin_weight_update")
             begun = True
-        _send_flat(eng, bucket, tp_size, last=last)  # the last send flushes the cache
+        _send_flat(eng, flat, tp_size, last=last)  # the last send flushes the cache
         calls += 1
 
     try:
-        for bucket in buckets:
+        it = iter(buckets)
+        while (bucket := next(it, None)) is not None:
             checker.check(bucket, check_finite=True)
-            if pending is not None:
-                send(pending, last=False)
-            pending = bucket
             nbytes += sum(tensor_bytes(t) for _, t in bucket)
             tensors += len(bucket)
+            if pending is not None:
+                send(pending, last=False)
+                pending = None  # freed before the next flattened copy is made
+                _collect_ipc()
+            pending = _flatten(bucket)
+            del bucket  # only its flattened copy is held while the export builds the next bucket
         checker.finish()
         send(pending, last=True)
     except MegagrpoError as e:
@@ -490,11 +556,19 @@ def _sync_streamed(
     )
 
 
-def _send_flat(eng: Any, bucket: list[NamedTensor], tp_size: int, *, last: bool) -> None:
+def _send_flat(eng: Any, flat: Any, tp_size: int, *, last: bool) -> None:
     result = eng.update_weights_from_tensor(
-        _flattened_payload(bucket, tp_size), load_format="flattened_bucket", flush_cache=last
+        _flattened_payload(flat, tp_size), load_format="flattened_bucket", flush_cache=last
     )
     _check_ok(result, "update_weights_from_tensor")
+
+
+def _collect_ipc() -> None:
+    """Free the device memory of sent buckets that the engine has already let go of: a CUDA tensor shared
+    over IPC outlives its last reference here until the receiver has released it, and torch frees it only
+    when asked (or at its next share)."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
 
 
 def _verify_packed(eng: Any, sends: list[list[NamedTensor]]) -> bool:

@@ -30,6 +30,11 @@ import torch
 
 from megagrpo.rollout.dynamic import DynamicSamplingConfig
 from megagrpo.rollout.prefetch import QueuedRound, RolloutQueue
+from megagrpo.trainer.agree import agreed
+
+# A queued round that failed surfaces on its engine's owner only (the worker runs there); every rank
+# calls `take` and `drain` at the same points, so they agree there before the next collective.
+_WORKER = "the async rollout worker (a round queued on its engine failed)"
 
 
 @dataclass
@@ -51,7 +56,19 @@ class AsyncRollout:
         self._requeue: list[tuple[int, dict]] = []  # a resumed run's queued rounds, to generate again
 
     def take(self, step: int) -> tuple[QueuedRound | None, StepLag]:
-        """The queued round of `step` (None: sample it now), waiting for it if it is still generating."""
+        """The queued round of `step` (None: sample it now), waiting for it if it is still generating.
+        Every rank: a round that failed on its owner raises there and stops the others (`trainer.agree`;
+        one int64 all-reduce over WORLD)."""
+        with agreed(_WORKER):
+            return self._take(step)
+
+    def drain(self) -> float:
+        """`RolloutQueue.drain` on every rank at once (before a weight sync, after a skipped step): seconds
+        waited; a failed round stops every rank as in `take`."""
+        with agreed(_WORKER):
+            return self.queue.drain()
+
+    def _take(self, step: int) -> tuple[QueuedRound | None, StepLag]:
         lag = StepLag()
         if self._requeue:  # a resumed run: the checkpoint's queued rounds, drawn again in their order
             lag.regenerated = len(self._requeue) * self._round_prompts() * self.s.cfg.rollout.group_size

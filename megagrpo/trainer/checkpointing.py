@@ -75,3 +75,31 @@ def load(learner: Any, path: str | Path) -> dict:
         )
     learner.step = meta.step
     return meta.extra
+
+
+def router_state(learner: Any) -> dict | None:
+    """The MoE routers' state a checkpoint keeps (`RouterTaps.state_dict`: the load-drift tracker's previous
+    `[L, E]` expert load, over every MoE layer), written once into `meta.json` by rank 0. Every rank holds
+    the same table (the step's load is summed over the replica and DP before the tracker sees it,
+    `moe.replay.StepReplay.old_pass_metrics`), so this rank's copy is the table: no collective, and
+    L × E floats per checkpoint whatever the world size. None for a dense model."""
+    if not learner.arch.is_moe:
+        return None
+    from megagrpo.moe.routers import router_taps
+
+    return router_taps(learner).state_dict()
+
+
+def load_router_state(learner: Any, extra: dict) -> None:
+    """Every rank restores `router_state` from the checkpoint's single copy, on any mesh (the table covers
+    every MoE layer). Checkpoints written before issue 25 hold one equal copy per rank under
+    `router_taps`; the first is taken."""
+    if not learner.arch.is_moe:
+        return
+    st = extra.get("router_state")
+    if st is None and extra.get("router_taps"):
+        st = extra["router_taps"][0]
+    if st is not None:
+        from megagrpo.moe.routers import router_taps
+
+        router_taps(learner).load_state_dict(st)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megagrpo.algo.advantages import gdpo, group_advantages
 from megagrpo.algo.aggregation import loss_normaliser_tensor
 from megagrpo.algo.filters import keep_groups, overlong_mask, soft_overlong_penalty
-from megagrpo.algo.importance import importance_masks, importance_metrics
+from megagrpo.algo.importance import combine_corrections, importance_masks, importance_metrics
 from megagrpo.algo.kl import kl_penalised_rewards
 from megagrpo.algo.losses import policy_loss
 from megagrpo.config.schema import Config
@@ -31,6 +31,7 @@ from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
 from megagrpo.diagnostics.mismatch import mismatch_metrics, token_ratio_quantiles
 from megagrpo.diagnostics.reduce import DistReducer, LocalReducer
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
+from megagrpo.trainer import checkpointing
 from megagrpo.trainer.async_rollout import StepLag, lag_metrics
 from megagrpo.trainer.batch import response_mask, rollout_batch, select_rows
 from megagrpo.trainer.rows import StepRows, distribute_rows
@@ -61,6 +62,17 @@ def correction_masks(spec, cap: float, learner_logp, sampler_logp, loss_mask):
         cap_low=cap_low,
         veto_low=spec.veto_low,
     )
+
+
+def correction_caps(algo) -> tuple[AdaptiveCap | None, AdaptiveCap | None]:
+    """The `auto` caps of `algo.tis` and `algo.mis` (None where a section is off or has a fixed cap)."""
+    tis = AdaptiveCap.from_auto_config(algo.tis.auto) if algo.tis.enabled and algo.tis.cap == "auto" else None
+    mis = (
+        AdaptiveCap.from_auto_config(algo.mis.auto, log_name="mismatch/mis_cap")
+        if algo.mis.enabled and algo.mis.cap == "auto"
+        else None
+    )
+    return tis, mis
 
 
 def mismatch_measurements(
@@ -109,14 +121,7 @@ class GRPOTrainer(Session):
     def __init__(self, cfg: Config, *, resume: str | None = None) -> None:
         super().__init__(cfg, resume=resume)
         a = cfg.algo
-        self.tis_cap = (
-            AdaptiveCap.from_auto_config(a.tis.auto) if a.tis.enabled and a.tis.cap == "auto" else None
-        )
-        self.mis_cap = (
-            AdaptiveCap.from_auto_config(a.mis.auto, log_name="mismatch/mis_cap")
-            if (a.mis.enabled and a.mis.cap == "auto")
-            else None
-        )
+        self.tis_cap, self.mis_cap = correction_caps(a)
         if (
             self.async_rollout is not None
             and cfg.rollout.max_staleness > 0
@@ -137,21 +142,8 @@ class GRPOTrainer(Session):
         st = super().extra_state()
         st["tis_cap"] = self.tis_cap.state_dict() if self.tis_cap else None
         st["mis_cap"] = self.mis_cap.state_dict() if self.mis_cap else None
-        st["router_taps"] = self._gather_router_state()
+        st["router_state"] = checkpointing.router_state(self.learner)  # one copy: the same on every rank
         return st
-
-    def _gather_router_state(self) -> list | None:
-        """Collective: every rank's router state (its pipeline stage's layers), indexed by global rank."""
-        if not self.learner.arch.is_moe:
-            return None
-        from megagrpo.moe.routers import router_taps
-
-        mine = router_taps(self.learner).state_dict()
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return [mine]
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, mine)
-        return out
 
     def load_extra_state(self, st: dict) -> None:
         super().load_extra_state(st)
@@ -159,14 +151,7 @@ class GRPOTrainer(Session):
             self.tis_cap.load_state_dict(st["tis_cap"])
         if self.mis_cap and st.get("mis_cap"):
             self.mis_cap.load_state_dict(st["mis_cap"])
-        per_rank = st.get("router_taps")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        # A different world size means different stages per rank: the drift baseline restarts, which only
-        # costs moe/load_drift for the first resumed step.
-        if self.learner.arch.is_moe and per_rank and len(per_rank) == world:
-            from megagrpo.moe.routers import router_taps
-
-            router_taps(self.learner).load_state_dict(per_rank[dist.get_rank() if world > 1 else 0])
+        checkpointing.load_router_state(self.learner, st)
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -267,9 +252,10 @@ class GRPOTrainer(Session):
         return {**counts, **(self.reward_totals if counts else {})}
 
     def _importance(self, old_logp, batch, metrics) -> torch.Tensor | None:
-        """TIS and/or MIS weights from learner-old vs sampler (their product when both are on)."""
+        """TIS and/or MIS weights from learner-old vs sampler; with both on, one ratio times the other
+        section's mask (`combine_corrections`). Per rank: two DP all-reduces of 9 and 2 scalars per section."""
         a = self.cfg.algo
-        weights = None
+        sections = []
         for name, spec, auto in (("tis", a.tis, self.tis_cap), ("mis", a.mis, self.mis_cap)):
             if not spec.enabled:
                 continue
@@ -285,8 +271,8 @@ class GRPOTrainer(Session):
             )
             if auto is not None:
                 metrics.update(auto.metrics())
-            weights = masks.weights if weights is None else weights * masks.weights
-        return weights
+            sections.append((spec.mode, masks))
+        return combine_corrections(sections) if sections else None
 
     def train_step(self) -> dict[str, float]:
         cfg, a = self.cfg, self.cfg.algo
@@ -301,7 +287,7 @@ class GRPOTrainer(Session):
                 self.engine.release(["kv_cache", "weights"])
         if batch is None:
             if self.async_rollout is not None:  # no sync follows: the queue must be idle between steps
-                self.async_rollout.queue.drain()
+                self.async_rollout.drain()  # every rank: a failed round stops them all
             # Every group had equal rewards in every round: all advantages are 0, so there is nothing to
             # learn from; the step is counted and logged (rollout/skipped_step) but no update is made.
             if self.rank0:

@@ -12,6 +12,19 @@ rank trains on.
 
 Per-rank cost (B rows of up to T tokens, L MoE layers, top-k K, DP ranks, PP stages): the rows of its DP
 rank, about B/DP x T x (8 + 4 + 4·K·L/PP) bytes with routes, plus O(B) scalars.
+
+Device memory. On GPUs the groups are NCCL, which moves only device buffers, and this runs before the
+engine releases its pool. The rows therefore travel in pieces of at most `rollout.groups.WIRE_CHUNK_BYTES`
+each way (steps 3 and 4), so the data plane holds two pieces of device memory whatever B x T, and the
+gathered scalars of step 1 (world x the largest owner's, about 2 MB at 16 GPUs and B 8192); `megagrpo plan`
+counts both in the rollout phase (`plan.memory.rows_wire_bytes`). Why pieces rather than the other two
+ways out: gloo would keep the bytes off the device, but moves 26 GB per stage leader (docs/scaling.md's
+example) over TCP instead of NVLink and InfiniBand; moving the rows after `engine.release` would put the
+whole DP rank's rows on the device beside the learner's reload instead, and reorder the step.
+
+Failures. A row whose routes do not fit the learner's model is found on the owner that sampled it, before
+any bytes move, and every rank learns of it there (`trainer.agree`): the owner raises the error, the
+others name the owner, instead of waiting in the exchange until `dist.timeout_minutes`.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from megagrpo.learner.row_plan import RowPlan
 from megagrpo.rollout.completion import Completion
 from megagrpo.rollout.dynamic import DynamicBatch
 from megagrpo.rollout.groups import EngineGroups, broadcast_bytes
+from megagrpo.trainer.agree import agreed
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,7 @@ class RouteSlices:
     moe_layers: tuple[int, ...]  # model layer index of each MoE layer
     num_layers: int
     stage: tuple[tuple[int, ...], ...]  # per global rank: the MoE-layer indices its routers read
+    topk: int | None = None  # experts per token of the learner's routers (None: not checked)
 
     def columns(self, rank: int, width: int) -> list[int]:
         """The columns of a `[tokens, width, K]` route table that `rank` needs, in MoE-layer order."""
@@ -54,6 +69,28 @@ class RouteSlices:
             f"MoE layers ({self.num_layers} layers in all): the sampler and the learner run different models "
             "(check model.path and the engine's model directory)"
         )
+
+    def check(self, c: Completion) -> None:
+        """MegagrpoError naming the row when its routes are not int `[tokens, width, topk]` for the learner's
+        model (O(1): shapes only; the expert ids are checked where replay reads them)."""
+        r = c.routes
+        if r is None:
+            return
+        where = f"the routes of prompt {c.prompt_index} sample {c.sample_index}"
+        if r.dim() != 3 or r.dtype.is_floating_point or int(r.shape[0]) != c.num_tokens:
+            raise MegagrpoError(
+                f"{where} are {r.dtype} {tuple(r.shape)}; expected int [{c.num_tokens} tokens, layers, topk] "
+                "(the engine's routed_experts, decoded by rollout.completion)"
+            )
+        if self.topk is not None and int(r.shape[2]) != self.topk:
+            raise MegagrpoError(
+                f"{where} have top-k {int(r.shape[2])}; the learner's model routes each token to "
+                f"{self.topk} experts: the sampler and the learner run different models"
+            )
+        try:
+            self.columns(0, int(r.shape[1]))
+        except MegagrpoError as e:
+            raise MegagrpoError(f"{where}: {e}") from None
 
     def slice(self, rank: int, c: Completion) -> Completion:
         """`c` as `rank` receives it: no decoded text, only its stage's route columns."""
@@ -76,7 +113,9 @@ def route_slices(learner) -> RouteSlices | None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-    return RouteSlices(tuple(taps.moe_layers), int(taps.config.num_layers), tuple(tuple(x) for x in every))
+    return RouteSlices(
+        tuple(taps.moe_layers), int(taps.config.num_layers), tuple(tuple(x) for x in every), int(taps.topk)
+    )
 
 
 @dataclass
@@ -95,6 +134,16 @@ class StepRows:
         return self.plan.seq_lens
 
 
+def row_scalars(dyn: DynamicBatch) -> list:
+    """Step 1's payload of this rank: per kept group its position, (tokens, output length, truncated)
+    per row, and its per-reward scores (None on a rank without an engine's groups)."""
+    return [
+        (pos, [(c.num_tokens, c.output_ids.numel(), c.finish_reason == "length") for c in p.completions],
+         p.per_reward)
+        for pos, p in zip(dyn.positions, dyn.prompts, strict=True)
+    ]  # fmt: skip
+
+
 def distribute_rows(
     engines: EngineGroups,
     mesh: Mesh,
@@ -107,14 +156,11 @@ def distribute_rows(
     routes: RouteSlices | None = None,
 ) -> StepRows:
     """Collective over WORLD (and each stage's group). See the module doc. Without `routes`, every rank
-    receives every route column the sampler returned."""
+    receives every route column the sampler returned. Raises on every rank when an owner holds a row
+    whose routes do not fit (`RouteSlices.check`): that owner its MegagrpoError, the others `PeerFailed`."""
     G, n = group_size, dyn.kept
     B = n * G
-    mine = [
-        (pos, [(c.num_tokens, c.output_ids.numel(), c.finish_reason == "length") for c in p.completions],
-         p.per_reward)
-        for pos, p in zip(dyn.positions, dyn.prompts, strict=True)
-    ]  # fmt: skip
+    mine = row_scalars(dyn)
     seq_lens = torch.zeros(B, dtype=torch.int64)
     response_len = torch.zeros(B, dtype=torch.int64)
     truncated = torch.zeros(B, dtype=torch.bool)
@@ -134,6 +180,10 @@ def distribute_rows(
         for pos, p in zip(dyn.positions, dyn.prompts, strict=True)
         for g, c in enumerate(p.completions)
     }
+    if routes is not None:  # an MoE model (on every rank): a bad row stops every rank before the exchange
+        with agreed("the step's rows (a sampled row's routes do not fit the learner's model)"):
+            for c in owned.values():
+                routes.check(c)
     rows_of = {d: plan.local_rows(d).tolist() for d in range(mesh.dp)}  # once per DP rank, not per rank
     leaders = set(mesh.stage_leaders().values())
     wanted = [rows_of[mesh.dp_ranks[r]] if r in leaders else [] for r in range(engines.world)]

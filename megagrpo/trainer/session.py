@@ -79,10 +79,10 @@ class Session:
             self.data_cfg,
             self.formatter,
             purpose=self.data_purpose(),
-            section="sft.data" if self.stage == "sft" else "data",
+            section=self.data_section(),
         )
         if not self.sets.train:
-            raise MegagrpoError(f"{'sft.data' if self.stage == 'sft' else 'data'}: no usable training rows")
+            raise MegagrpoError(f"{self.data_section()}: no usable training rows")
         self.prompts = PromptIterator(self.sets.train, seed=cfg.schedule.seed, shuffle=self.data_cfg.shuffle)
         self.learner = Learner(
             self.arch,
@@ -238,6 +238,10 @@ class Session:
     def data_config(self):
         return self.cfg.data
 
+    def data_section(self) -> str:
+        """The config section `data_config` comes from, for messages."""
+        return "data"
+
     def data_purpose(self) -> str:
         return "rl"
 
@@ -262,17 +266,20 @@ class Session:
         if not self.arch.is_moe:
             return None
         from megagrpo.moe.replay import StepReplay
+        from megagrpo.trainer.agree import agreed
 
         a = self.cfg.algo
-        return StepReplay.for_step(
-            self.cfg.replay,
-            self.learner,
-            batch,
-            gamma_min=a.router_shift_gamma_min,
-            router_shift=a.router_shift,
-            sharded=True,  # the batch is this DP rank's rows (trainer.rows)
-            route_layers=route_layers,  # and its routes, this stage's MoE layers
-        )
+        # bad routes in one DP rank's rows raise there: every rank stops, before the passes' collectives
+        with agreed("the step's routes (routing replay found a bad route in its rows)"):
+            return StepReplay.for_step(
+                self.cfg.replay,
+                self.learner,
+                batch,
+                gamma_min=a.router_shift_gamma_min,
+                router_shift=a.router_shift,
+                sharded=True,  # the batch is this DP rank's rows (trainer.rows)
+                route_layers=route_layers,  # and its routes, this stage's MoE layers
+            )
 
     # -- prompts and generation ---------------------------------------------------------------------
 
@@ -360,25 +367,31 @@ class Session:
         `sync/seconds` the slowest engine's, `sync/checksum_ok` true only if every engine's is.
         """
         from megagrpo.sync.weights import sync_weights
+        from megagrpo.trainer.agree import agreed
 
         check_learner_weights(self.learner)
-        if self.async_rollout is not None:  # weights change only between requests (request boundaries)
-            self.sync_wait_seconds += self.async_rollout.queue.drain()
-        buckets = export_buckets(self.learner, self.cfg.sync.bucket_mb << 20, receive=self.engine is not None)
         mine: dict[str, float] | None = None
-        if self.engine is not None:
-            stats = sync_weights(
-                self.engine,
-                buckets,
-                checksum=self.cfg.sync.checksum,
-                pack=self.cfg.sync.pack,
-                before_send=None if self.asynchronous else (lambda: self.engine.resume(["weights"])),
-                announced=self.export_shapes,
+        # An owner's failure (its async worker, or its sync's checks) stops every rank here, not in the
+        # next barrier; a failing owner still runs the export to its end (its gathers are collectives).
+        with agreed("the weight sync (an engine owner's export or update failed)"):
+            if self.async_rollout is not None:  # weights change only between requests (request boundaries)
+                self.sync_wait_seconds += self.async_rollout.queue.drain()
+            buckets = export_buckets(
+                self.learner, self.cfg.sync.bucket_mb << 20, receive=self.engine is not None
             )
-            mine = stats.metrics()
-        else:
-            for _ in buckets:
-                pass
+            if self.engine is not None:
+                stats = sync_weights(
+                    self.engine,
+                    buckets,
+                    checksum=self.cfg.sync.checksum,
+                    pack=self.cfg.sync.pack,
+                    before_send=None if self.asynchronous else (lambda: self.engine.resume(["weights"])),
+                    announced=self.export_shapes,
+                )
+                mine = stats.metrics()
+            else:
+                for _ in buckets:
+                    pass
         self.sampler_phase()
         return merge_engine_metrics(self.engines.gather_from_engines(mine))
 
@@ -493,6 +506,12 @@ class Session:
     # -- the loop -----------------------------------------------------------------------------------
 
     def loop(self, step_fn: Callable[[], dict[str, float]], total: int) -> int:
+        """Run steps up to `total`; returns the exit code: 0 when the run is complete, `REQUEUE_EXIT_CODE`
+        when a stop signal ended it early (a checkpoint of the step reached is on disk either way).
+
+        A stop is acted on at a step boundary. One that arrives during the last step, or during its save,
+        finds the run complete: exit 0, nothing to requeue. One that arrives during the save of an
+        earlier step N stops at N without saving N twice (a second save would eat the grace period)."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         cfg = self.cfg
@@ -506,6 +525,7 @@ class Session:
             disable=not (self.rank0 and cfg.logging.console),
         )
         exit_code = 0
+        saved: tuple[int, Path] | None = None  # (step, checkpoint) of the last save of this run
         try:
             with progress:
                 task = progress.add_task(self.stage, total=total, completed=self.step, info="")
@@ -529,15 +549,24 @@ class Session:
                     # The last step always saves ("0 = end only"): a finished run is never lost.
                     every = cfg.schedule.save_every
                     if self.step == total or (every > 0 and self.step % every == 0):
-                        self.save()
-                if self._stop_agreed():
-                    path = self.save()
+                        saved = (self.step, self.save())
+                if self.step < total:  # every rank left the loop at the same agreed stop
+                    path = saved[1] if saved is not None and saved[0] == self.step else self.save()
                     if self.rank0:
                         print(
-                            f"{self.stop.name()}: saved {path} at step {self.step}; resume with --resume auto",
+                            f"{self.stop.name() or 'stop on another rank'}: saved {path} at step "
+                            f"{self.step}; resume with --resume auto",
                             flush=True,
                         )
                     exit_code = REQUEUE_EXIT_CODE
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+            # A library's sys.exit(0) (SGLang's SIGTERM drain exits so) must not pass for a finished run.
+            raise RuntimeError(
+                f"SystemExit(0) raised inside the {self.stage} loop at step {self.step} of {total}; the run "
+                "is neither complete nor saved since the last checkpoint"
+            ) from e
         finally:
             self.stop.uninstall()
         return exit_code

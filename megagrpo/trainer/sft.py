@@ -13,10 +13,11 @@ import torch
 
 from megagrpo.algo.aggregation import loss_normaliser
 from megagrpo.algo.losses import policy_loss
-from megagrpo.config.schema import Config
+from megagrpo.config.schema import Config, DataConfig
 from megagrpo.errors import MegagrpoError
 from megagrpo.trainer.batch import sft_batch
 from megagrpo.trainer.components import optimizer_factory
+from megagrpo.trainer.preflight import checkpoint_root, model_field
 from megagrpo.trainer.session import Session
 from megagrpo.trainer.weights import save_hf
 
@@ -32,32 +33,39 @@ def sft_metrics(learner_metrics: dict[str, float], *, tokens: float) -> dict[str
     return out
 
 
+def sft_data(cfg: Config) -> tuple[str, DataConfig]:
+    """(config section, its value) of the SFT rows: sft.data, or the main data section when it is null
+    (its rows then need data.completion_key)."""
+    if cfg.sft.data is None:
+        return "data", cfg.data
+    return "sft.data", cfg.sft.data
+
+
 class SFTTrainer(Session):
     stage = "sft"
     needs_engine = False
 
     def __init__(self, cfg: Config, *, resume: str | None = None) -> None:
-        if cfg.sft.data is None:
-            raise MegagrpoError(
-                "sft.data is not set; give the SFT prompts and completions (see docs/config.md)"
-            )
         if cfg.sft.steps < 1:
             raise MegagrpoError(f"sft.steps={cfg.sft.steps}: set sft.steps >= 1 to run the SFT stage")
         super().__init__(cfg, resume=resume)
         self.restore()
 
     def initial_model_path(self) -> str:
-        return self.cfg.sft.base_path or self.cfg.model.hf_path
+        return model_field(self.cfg, "sft")[1]
 
     def checkpoint_dir(self) -> str:
-        return str(Path(self.cfg.checkpoint.dir) / "sft")
+        return str(checkpoint_root(self.cfg, "sft"))
 
     def output_dir(self) -> Path:
         # Its own metrics, TensorBoard and report: the RL stage's log starts again at step 0.
         return Path(self.cfg.logging.out_dir) / "sft"
 
     def data_config(self):
-        return self.cfg.sft.data
+        return sft_data(self.cfg)[1]
+
+    def data_section(self) -> str:
+        return sft_data(self.cfg)[0]
 
     def data_purpose(self) -> str:
         return "sft"

@@ -2,7 +2,11 @@
 
 The loop polls the flag between steps, saves a checkpoint and exits with `REQUEUE_EXIT_CODE`, which the
 sbatch templates map to `scontrol requeue`. Handling the signal between steps, never inside one, keeps
-every checkpoint at a step boundary and so resumable bit for bit.
+every checkpoint at a step boundary and so resumable bit for bit. A step already saved is not saved again,
+and a stop that finds the last step done ends the run with exit 0 (`Session.loop`).
+
+The handlers must stay the process's for the whole loop, engine calls included: SGLang's engine would
+otherwise take SIGTERM for itself, drain and exit 0 (`RolloutEngine._keep_sigterm` keeps it from doing so).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class StopRequest:
 
     def reassert(self) -> None:
         """Put our handlers back if a library replaced them; called at every step boundary. (SGLang's
-        own SIGTERM callback is removed by `RolloutEngine` itself; this guards against any other.)"""
+        SIGTERM callback is never armed, see `RolloutEngine._keep_sigterm`; this guards against others.)"""
         for sig in self._previous:
             if signal.getsignal(sig) is not self._handle:
                 signal.signal(sig, self._handle)

@@ -7,7 +7,8 @@
      `latest_checkpoint` still finds step 1 after the kill; TP2 loads step 1 (same logits as L1), takes
      step 2 (same params as L1), saves on TP2; a failing re-save of that path leaves it intact; then DP2
      loads step 1 and takes step 2 on half the batch per rank (same params as L1).
-  L3 `one_process_load` (1 rank): loads the TP2 checkpoint: same logits, same params after step 3.
+  L3 `one_process_load` (1 rank): loads the TP2 checkpoint: same logits, same params after step 3; then
+     loads it again into an optimizer built with a changed optimizer.lr and min_lr (issue 25, item 4).
 
 Every rank writes rank<r>_<phase>.json; the tests below assert the tolerances.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -43,7 +45,7 @@ def _batch(seed: int) -> torch.Tensor:
     return torch.randint(0, TINY_MOE.vocab_size, (B, T), generator=g)
 
 
-def _setup(mesh_kw: dict[str, Any], seed: int = 7):
+def _setup(mesh_kw: dict[str, Any], seed: int = 7, opt: dict[str, Any] | None = None):
     from megagrpo.learner.mesh import DistEnv, MeshConfig, init_mesh
     from megagrpo.learner.model import build_gpt_model, wrap_ddp
     from megagrpo.learner.optimizer import OptimizerConfig, build_optimizer
@@ -53,7 +55,7 @@ def _setup(mesh_kw: dict[str, Any], seed: int = 7):
     init_mesh(mesh, DistEnv.from_environ(), seed=seed)
     chunks = build_gpt_model(TINY_MOE, mesh)
     model = wrap_ddp(chunks, distributed_optimizer=True)
-    optimizer, scheduler = build_optimizer(model, OptimizerConfig(**OPT, **SCHED))
+    optimizer, scheduler = build_optimizer(model, OptimizerConfig(**{**OPT, **(opt or {})}, **SCHED))
     return chunks, model, optimizer, scheduler
 
 
@@ -395,9 +397,23 @@ def two_processes(rank: int, world: int, outdir: Path, l1: str) -> None:
 
 # -- L3 ------------------------------------------------------------------------------------------------
 
+NEW_LR = dict(lr=3e-4, min_lr=2e-5)  # a resume after an instability: lower peak and floor
+
+
+def _adam_state(optimizer) -> list[torch.Tensor]:
+    """Every Adam moment and step counter of this rank, in the optimizer's own order."""
+    out = []
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for group in sub.optimizer.param_groups:
+            for p in group["params"]:
+                st = sub.optimizer.state[p]
+                out += [st["exp_avg"].clone(), st["exp_avg_sq"].clone(), st["step"].clone().float()]
+    return out
+
 
 def one_process_load(rank: int, world: int, outdir: Path, l2: str) -> None:
     from megagrpo.learner import checkpoint as ck
+    from megagrpo.learner.mesh import destroy_mesh
     from tests.dist._common import local_values, max_abs_diff, read_as_local
 
     l2 = Path(l2)
@@ -409,10 +425,23 @@ def one_process_load(rank: int, world: int, outdir: Path, l2: str) -> None:
     res["logits_err"] = float(
         (_logits(model, _batch(100)) - torch.load(l2 / "l2_logits_step2.pt")).abs().max()
     )
+    moments = _adam_state(optimizer)
     res["loss3"] = _train_step(model, optimizer, scheduler, _batch(3))
     res["param_err_step3"], res["param_err_step3_where"] = max_abs_diff(
         local_values(chunks, source="data"), read_as_local(chunks, l2 / "p3_tp2")
     )
+    destroy_mesh()
+
+    # The same checkpoint into a run whose config changed optimizer.lr and min_lr.
+    chunks, model, optimizer, scheduler = _setup({}, seed=10, opt=NEW_LR)
+    res["new_lr_error"] = _error(
+        lambda: ck.load_checkpoint(path, model, optimizer=optimizer, scheduler=scheduler)
+    )
+    got = _adam_state(optimizer)
+    res["new_lr_moments_err"] = max(float((a - b).abs().max()) for a, b in zip(got, moments, strict=True))
+    res["new_lr_groups"] = [{k: g[k] for k in ("lr", "max_lr", "min_lr")} for g in optimizer.param_groups]
+    res["new_lr_loss3"] = _train_step(model, optimizer, scheduler, _batch(3))
+    res["new_lr_after_step3"] = [g["lr"] for g in optimizer.param_groups]
     _write(outdir, "one_process_load", res)
 
 
@@ -508,6 +537,29 @@ def test_checkpoint_reshards_between_one_process_and_tp2(runs):
     # The optimizer state saved on TP2 resumes on one process: step 3 gives the same params.
     assert l3["param_err_step3"] <= 1e-5
     assert l3["loss3"] == pytest.approx(runs["l2"][0]["tp2_loss3"], rel=1e-6)
+
+
+def _cosine_lr(step: int, lr: float, min_lr: float) -> float:
+    """megatron's cosine decay after a linear warm-up (`OptimizerParamScheduler.get_lr`), for SCHED."""
+    w, total = SCHED["warmup_steps"], SCHED["total_steps"]
+    ratio = (step - w) / (total - w)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (lr - min_lr)
+
+
+def test_resume_with_a_changed_lr_keeps_the_moments_and_takes_the_new_lr(runs):
+    l3 = runs["l3"]
+    assert l3["new_lr_error"] == "NO ERROR RAISED"
+    # Adam's moments and step counters are the checkpoint's, bit for bit.
+    assert l3["new_lr_moments_err"] == 0.0
+    # The config's LR schedule is in effect at the checkpoint's position (step 2), and stays (step 3).
+    assert l3["new_lr_groups"], l3
+    for g in l3["new_lr_groups"]:
+        assert g["max_lr"] == NEW_LR["lr"] and g["min_lr"] == NEW_LR["min_lr"], g
+        assert g["lr"] == pytest.approx(_cosine_lr(2, **NEW_LR), rel=1e-9), g
+    for lr in l3["new_lr_after_step3"]:
+        assert lr == pytest.approx(_cosine_lr(3, **NEW_LR), rel=1e-9)
+    assert math.isfinite(l3["new_lr_loss3"])
+    assert l3["new_lr_loss3"] == pytest.approx(l3["loss3"], rel=1e-6)  # the same weights, the same batch
 
 
 def test_interrupted_saves_leave_previous_checkpoint(runs):

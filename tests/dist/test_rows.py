@@ -1,7 +1,8 @@
 """Issue 14, the sharded data plane: each rank receives exactly the rows its DP rank trains on, intact,
 from whichever engine sampled them, with the route columns of its pipeline stage's MoE layers only; TP
 peers receive the same rows; per-rank bytes fall as 1/DP, and route bytes as 1/PP (one 4-process launch
-over five meshes and two engine counts, no model)."""
+over five meshes and two engine counts, no model). Issue 25: the wire moves the rows in bounded pieces
+(device memory on GPUs), and a bad row on one owner stops every rank at once with that owner named."""
 
 from __future__ import annotations
 
@@ -87,3 +88,30 @@ def test_pipeline_stages_receive_half_the_route_bytes(results):
             assert (
                 saved >= 0.9 * max(results[r][f"{pp1}_e{engines}"]["route_bytes"] for r in range(WORLD)) / 2
             )
+
+
+@pytest.mark.parametrize("mesh", ["dp2", "dp1_pp2"])
+def test_rows_move_through_bounded_wire_buffers(results, mesh):
+    """Issue 25, item 7: on GPUs the wire buffers are device memory while the engine holds its pool, so
+    the rows move in pieces of at most `WIRE_CHUNK_BYTES` (here 4 KiB: rows of about 1 KiB each, and a
+    leader's share of the batch several pieces). Every rank receives exactly what it receives in one
+    piece, and no collective handles a larger byte buffer than one piece."""
+    for rank in range(WORLD):
+        whole, pieces = results[rank][f"{mesh}_e2"], results[rank][f"{mesh}_e2_chunked"]
+        assert pieces["got"] == pieces["want"] == whole["got"]
+        assert (pieces["local"], pieces["bytes"]) == (whole["local"], whole["bytes"])
+        assert 0 < pieces["largest_wire"] <= 4096
+    assert max(results[r][f"{mesh}_e2"]["largest_wire"] for r in range(WORLD)) > 3 * 4096
+
+
+def test_a_bad_route_on_one_rank_stops_every_rank_at_once(results):
+    """Issue 25, item 18: engine 1's owner (rank 2, its own DP rank) holds a row whose routes have 3
+    layers. It raises the error that names the row; the other ranks, instead of waiting in the exchange
+    until the process group's 120 s timeout, raise at once, naming rank 2."""
+    bad = [results[r]["bad_route"] for r in range(WORLD)]
+    assert bad[2]["error"] == "MegagrpoError"
+    assert "prompt 6 sample 1" in bad[2]["message"] and "routes of 3 layers" in bad[2]["message"]
+    for r in (0, 1, 3):
+        assert bad[r]["error"] == "PeerFailed", bad[r]
+        assert bad[r]["message"].startswith("rank 2 failed in the step's rows"), bad[r]
+    assert max(b["seconds"] for b in bad) < 20, bad

@@ -23,6 +23,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from megagrpo.tiny_model import make_tiny_model
+from tests.integration.test_trainer_e2e import EP2_ASYNC, TWO_PROCESS_RUN, check_two_process_run, write_config
+
 REPO = Path(__file__).resolve().parents[2]
 NOT_SOURCE = (
     ".git",
@@ -148,20 +151,29 @@ def test_probe_from_outside_the_clone(installed, tiny_model):
     assert (out / "learner" / "1" / "none.pt").is_file()  # written by the torchrun run of `-m megagrpo.probe`
 
 
-def test_train_two_processes_one_step(installed, tiny_model):
+def test_train_two_processes_expert_parallel_async_with_a_users_reward_module(installed, tmp_path):
+    """`megagrpo train --nproc 2` from the installed package on an EP2 mesh with async sampling (k = 1),
+    scored by a reward module in the user's own directory (on PYTHONPATH, outside the clone): the checks of
+    test_trainer_e2e's two-process runs."""
     bin_dir, work, env = installed
+    model = make_tiny_model(tmp_path / "model", "qwen3_moe", seed=1)
+    rewards = work / "user_rewards"
+    rewards.mkdir()
+    shutil.copy(REPO / "tests" / "integration" / "trainer_rewards.py", rewards / "my_rewards.py")
     run = work / "train"
-    cfg = {
-        "model": {"hf_path": str(tiny_model("qwen3_moe")), "dtype": "float32"},
-        "rollout": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 4, "max_rounds": 1},
-        "data": {"synthetic": {"task": "addition", "num_train": 16, "num_eval": 2, "seed": 0}},
-        "rewards": {"functions": [{"name": "exact_match"}]},
-        "schedule": {"steps": 1, "micro_batch_size": 4, "eval_every": 0, "save_every": 0},
-        "checkpoint": {"dir": str(run / "ckpt")},
-        "logging": {"out_dir": str(run / "log")},
-    }
-    (work / "train.yaml").write_text(yaml.safe_dump(cfg))
-    _run([bin_dir / "megagrpo", "train", work / "train.yaml", "mesh.ep=2", "--nproc", "2"], work, env, 2400)
-    recs = [json.loads(x) for x in (run / "log" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [r["step"] for r in recs][-1] == 1
-    assert (run / "ckpt" / "step_00000001" / "meta.json").is_file()
+    cfg = write_config(
+        run,
+        model,
+        **TWO_PROCESS_RUN,
+        rewards__functions=[
+            {"name": "my_rewards:output_parity", "weight": 1.0},
+            {"name": "my_rewards:always_raises", "weight": 0.5},
+        ],
+    )
+    _run(
+        [bin_dir / "megagrpo", "train", cfg, *EP2_ASYNC, "--nproc", "2"],
+        work,
+        {**env, "PYTHONPATH": str(rewards)},
+        2400,
+    )
+    check_two_process_run(run, is_async=True)

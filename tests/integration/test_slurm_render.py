@@ -284,3 +284,99 @@ def test_distenv_mpi4py_missing_says_how_to_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # import fails as if not installed
     with pytest.raises(MegagrpoError, match="pip install mpi4py"):
         DistEnv.from_environ({"MEGAGRPO_BOOTSTRAP": "mpi4py"})
+
+
+# -- `megagrpo submit` without a Slurm controller (issue 25, item 12) -------------------------------
+
+
+def _fake_slurm(tmp_path: Path, monkeypatch, sinfo_body: str | None) -> Path:
+    """A PATH holding a stand-in `sbatch` and, unless None, an `sinfo`; each logs its calls to calls.log."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "calls.log"
+    tools = {"sbatch": "echo 1; exit 0\n"} | ({"sinfo": sinfo_body} if sinfo_body is not None else {})
+    for name, body in tools.items():
+        (bindir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> {calls}\n{body}')
+        (bindir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bindir))
+    return calls
+
+
+def _submit_args(tmp_path: Path, *extra: str) -> list[str]:
+    """A Qwen3-30B-A3B train job on 2 x 8 GPUs (its config.json only: the plan and the dry run read nothing else)."""
+    model = tmp_path / "Qwen3-30B-A3B"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text((REPO / "configs/models/Qwen3-30B-A3B/config.json").read_text())
+    return [
+        "submit",
+        str(REPO / "configs/countdown_qwen3_moe_gdpo.yaml"),
+        f"model.hf_path={model}",
+        *extra,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--partition",
+        "gpu",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
+
+
+CONTROLLER_DOWN = (
+    'echo "slurm_load_partitions: Unable to contact slurm controller (connect failure)" >&2; exit 1\n'
+)
+
+
+@pytest.mark.parametrize("sinfo", ["missing", "fails", "hangs"])
+def test_dry_run_without_a_controller_renders_and_names_the_skipped_checks(
+    tmp_path, monkeypatch, capsys, sinfo
+):
+    from megagrpo.cli import main
+    from megagrpo.submit import slurm
+
+    body = {"missing": None, "fails": CONTROLLER_DOWN, "hangs": "exec /bin/sleep 30\n"}[sinfo]
+    calls = _fake_slurm(tmp_path, monkeypatch, body)
+    monkeypatch.setattr(slurm, "SINFO_TIMEOUT_S", 0.5)
+    assert main([*_submit_args(tmp_path), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        out.startswith("#!/bin/bash") and "#SBATCH --gres=gpu:8" in out and "#SBATCH --partition=gpu" in out
+    )
+    assert re.search(
+        r"memory plan: peak [\d.]+ GiB per GPU of a [\d.]+ GiB budget \(80 GiB GPUs\): fits", err
+    )
+    cause = {
+        "missing": "sinfo/sbatch not found on PATH",
+        "fails": "Unable to contact slurm controller",
+        "hangs": "did not answer in 0.5 s",
+    }[sinfo]
+    assert re.search(rf"no Slurm controller answered \(.*{cause}.*\); cluster checks skipped", err), err
+    assert "cluster checks skipped: " + "; ".join(slurm.CLUSTER_CHECKS) in err
+    assert "dry run, nothing submitted" in err and "Traceback" not in err
+    assert (
+        not calls.exists()
+        if sinfo == "missing"
+        else calls.read_text().split() == ["sinfo", "-h", "-o", "%P|%a|%D|%c|%G"]
+    )
+
+
+def test_submit_without_a_controller_says_it_needs_one(tmp_path, monkeypatch, capsys):
+    from megagrpo.cli import main
+
+    calls = _fake_slurm(tmp_path, monkeypatch, CONTROLLER_DOWN)
+    assert main(_submit_args(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "no Slurm controller answered" in err and "Unable to contact slurm controller" in err
+    assert "submitting needs one" in err and "--dry-run" in err and "Traceback" not in err
+    assert "sbatch" not in calls.read_text()  # nothing submitted
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_asking_the_cluster(tmp_path, monkeypatch, capsys):
+    from megagrpo.cli import main
+
+    calls = _fake_slurm(tmp_path, monkeypatch, CONTROLLER_DOWN)
+    assert main([*_submit_args(tmp_path, "mesh.pp=1", "mesh.ep=4"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "memory plan does not fit 80 GiB" in err and "--device cpu for a CPU partition" in err
+    assert not calls.exists()  # neither sinfo nor sbatch ran

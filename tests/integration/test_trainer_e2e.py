@@ -76,9 +76,9 @@ def cli(*args: str, timeout: float = 900, env: dict | None = None, **popen) -> s
     )
 
 
-def start_cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+def start_cli(*args: str, env: dict | None = None, module: str = "megagrpo.cli", **popen) -> subprocess.Popen:
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "megagrpo.cli", *args], cwd=REPO, env=env, **popen)
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, **popen)
 
 
 def kill_after_first_checkpoint(
@@ -116,30 +116,35 @@ def moe_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("model") / "m", "qwen3_moe", seed=1)
 
 
+# One uninterrupted run serves every test that reads a finished run: the metric groups, the console, the
+# evaluation of its checkpoint, and the reference that the SIGKILLed-then-resumed run must repeat.
+FULL_RUN = {"schedule__steps": 3, "schedule__save_every": 1, "schedule__eval_every": 3, "replay": "R3"}
+
+
 @pytest.fixture(scope="module")
-def two_step_run(tmp_path_factory, moe_model):
+def full_run(tmp_path_factory, moe_model):
     tmp = tmp_path_factory.mktemp("run1")
-    res = cli("train", str(write_config(tmp, moe_model)))
+    res = cli("train", str(write_config(tmp, moe_model, **FULL_RUN)))
     return tmp, res
 
 
-def test_two_steps_log_every_metric_group(two_step_run):
-    tmp, res = two_step_run
+def test_three_steps_log_every_metric_group(full_run):
+    tmp, res = full_run
     assert res.returncode == 0, res.stderr[-3000:]
     recs = records(tmp / "run")
-    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
     keys = set().union(*recs)
     for group in GROUPS:
         assert any(k.startswith(group) for k in keys), f"no {group} metric in {sorted(keys)}"
     assert (tmp / "run" / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert list((tmp / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert (
-        sorted(p.name for p in (tmp / "ckpt").iterdir() if p.name.startswith("step_"))[-1] == "step_00000002"
+        sorted(p.name for p in (tmp / "ckpt").iterdir() if p.name.startswith("step_"))[-1] == "step_00000003"
     )
 
 
-def test_a_raising_reward_is_counted_and_never_stops_the_run(two_step_run):
-    tmp, res = two_step_run
+def test_a_raising_reward_is_counted_and_never_stops_the_run(full_run):
+    tmp, res = full_run
     assert res.returncode == 0
     steps = [r for r in records(tmp / "run") if r["step"] > 0]
     assert all(r["reward/errors"] > 0 for r in steps)
@@ -150,13 +155,13 @@ def test_a_raising_reward_is_counted_and_never_stops_the_run(two_step_run):
     assert all(r[f"{fns}output_parity/mean"] == pytest.approx(r["reward/mean"]) for r in steps)
 
 
-def test_console_shows_the_steps_without_the_known_library_noise(two_step_run):
+def test_console_shows_the_steps_without_the_known_library_noise(full_run):
     """The default console (megagrpo/console.py): step lines, and none of the known-harmless library
     messages, neither from the CLI process nor from SGLang's spawned children."""
-    tmp, res = two_step_run
+    tmp, res = full_run
     assert res.returncode == 0
     out = res.stdout + res.stderr
-    assert re.search(r"^step 2 ", out, re.M), out[-3000:]
+    assert re.search(r"^step 3 ", out, re.M), out[-3000:]
     for noise in (
         "Transformer Engine and Apex are not installed",  # megatron-core, warnings
         "GPTModel IS DEPRECATED",  # megatron-core, logging
@@ -166,22 +171,22 @@ def test_console_shows_the_steps_without_the_known_library_noise(two_step_run):
         assert noise not in out, f"{noise!r} is on the console:\n{out[-3000:]}"
 
 
-def test_eval_of_a_checkpoint_repeats_the_runs_own_evaluation(two_step_run):
-    """`megagrpo eval --resume step_2` scores the held-out set greedily with the step-2 weights: the same
-    numbers the training run logged at step 2, written under run/eval/ without touching the run's log."""
-    tmp, res = two_step_run
+def test_eval_of_a_checkpoint_repeats_the_runs_own_evaluation(full_run):
+    """`megagrpo eval --resume step_3` scores the held-out set greedily with the step-3 weights: the same
+    numbers the training run logged at step 3, written under run/eval/ without touching the run's log."""
+    tmp, res = full_run
     assert res.returncode == 0
     before = (tmp / "run" / "metrics.jsonl").read_text()
-    ev = cli("eval", str(tmp / "config.yaml"), "--resume", str(tmp / "ckpt" / "step_00000002"))
+    ev = cli("eval", str(tmp / "config.yaml"), "--resume", str(tmp / "ckpt" / "step_00000003"))
     assert ev.returncode == 0, ev.stderr[-3000:]
     (rec,) = records(tmp / "run" / "eval")
-    train2 = records(tmp / "run")[-1]
-    assert rec["step"] == train2["step"] == 2
+    train3 = records(tmp / "run")[-1]
+    assert rec["step"] == train3["step"] == 3
     for k in ("eval/accuracy", "eval/reward_mean", "eval/response_len_mean", "eval/prompts"):
-        assert rec[k] == train2[k], k
+        assert rec[k] == train3[k], k
     assert (tmp / "run" / "metrics.jsonl").read_text() == before
     # The checkpoint carries the HF config and tokenizer, so it converts to a complete HF model.
-    ckpt = tmp / "ckpt" / "step_00000002"
+    ckpt = tmp / "ckpt" / "step_00000003"
     assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
 
 
@@ -220,37 +225,42 @@ def test_sft_stage_learns_and_writes_an_hf_model_the_rl_stage_can_start_from(tmp
 
 
 def test_sigterm_checkpoints_and_exits_for_requeue(tmp_path, moe_model):
+    """Issue 25, item 1: SIGTERM while the first engine request is in flight (the step-0 evaluation; SGLang
+    arms its own drain-and-exit(0) at its first request) must end in a checkpoint and exit 75, with the
+    requeue marker that the sbatch script maps to `scontrol requeue` (tests/integration/test_slurm.py runs
+    the requeue itself). The signal is sent by the process itself at the request's first output."""
     cfg = write_config(
-        tmp_path, moe_model, schedule__steps=200, schedule__save_every=0, schedule__eval_every=0
+        tmp_path, moe_model, schedule__steps=200, schedule__save_every=0, schedule__eval_every=2
     )
-    proc = start_cli("train", str(cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
+    marker = tmp_path / "job.requeue"
+    proc = start_cli(
+        "train",
+        str(cfg),
+        module="tests.integration.sigterm_in_generate",
+        env={"MEGAGRPO_REQUEUE_MARKER": str(marker)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        deadline = time.monotonic() + 600
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "no step finished in 600 s"
-            time.sleep(1)
-        proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert "SIGTERM during the first engine request" in out, out[-3000:]
     assert proc.returncode == 75, out[-3000:]
-    last = records(tmp_path / "run")[-1]["step"]
-    assert "SIGTERM: saved" in out
-    assert (tmp_path / "ckpt" / f"step_{last:08d}" / "meta.json").is_file()
-    assert last < 200
+    assert "SIGTERM: saved" in out and marker.is_file()
+    assert [r["step"] for r in records(tmp_path / "run")] == [0]  # the evaluation, then the stop
+    assert (tmp_path / "ckpt" / "step_00000000" / "meta.json").is_file()
 
 
-def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path, moe_model):
-    """A runs 3 steps through. B is SIGKILLed (with its engine's processes) once its step-1 checkpoint is
-    complete, then resumed with `--resume auto`: every step's metrics must equal A's exactly."""
-    over = {"schedule__steps": 3, "schedule__save_every": 1, "schedule__eval_every": 3, "replay": "R3"}
-    cfg_a = write_config(tmp_path / "a", moe_model, **over)
-    cfg_b = write_config(tmp_path / "b", moe_model, **over)
-    res_a = cli("train", str(cfg_a))
+def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path, moe_model, full_run):
+    """A (the module's full run) runs 3 steps through. B, the same config, is SIGKILLed (with its engine's
+    processes) once its step-1 checkpoint is complete, then resumed with `--resume auto`: every step's
+    metrics must equal A's exactly."""
+    run_a, res_a = full_run
     assert res_a.returncode == 0, res_a.stderr[-3000:]
+    cfg_b = write_config(tmp_path / "b", moe_model, **FULL_RUN)
 
     kill_after_first_checkpoint("train", str(cfg_b), ckpt_dir=tmp_path / "b" / "ckpt")
     killed_after = max(r["step"] for r in records(tmp_path / "b" / "run"))
@@ -259,7 +269,7 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path, moe_model):
     res_b = cli("train", str(cfg_b), "--resume", "auto")
     assert res_b.returncode == 0, res_b.stderr[-3000:]
     assert re.search(r"resumed from \S+ at step [12]\b", res_b.stdout), res_b.stdout[-2000:]
-    ma, mb = last_record_per_step(tmp_path / "a" / "run"), last_record_per_step(tmp_path / "b" / "run")
+    ma, mb = last_record_per_step(run_a / "run"), last_record_per_step(tmp_path / "b" / "run")
     assert sorted(ma) == sorted(mb) == [0, 1, 2, 3]
     assert any(ma[s]["loss/grad_norm"] > 0 for s in (1, 2, 3)), "no step moved the policy: vacuous comparison"
     assert "moe/load_drift" in mb[3] and "mismatch/tis_cap" in mb[3]  # restored tracker and adaptive cap
@@ -277,20 +287,15 @@ def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
     assert not (tmp_path / "run").exists()  # nothing started: validation comes before any process group
 
 
-@pytest.mark.parametrize(
-    "mesh", ["mesh.ep=2 rollout.mode=async rollout.max_staleness=1", "mesh.pp=2"], ids=["ep2-async", "pp2"]
-)
-def test_two_processes_expert_or_pipeline_parallel(tmp_path, moe_model, mesh):
-    """The same loop on an EP2 or a PP2 mesh (torchrun, 2 ranks): rank 0 samples, both ranks train and
-    export; under PP each stage receives and replays (R3) only its own MoE layers' routes. The EP2 run
-    samples asynchronously (k = 1): rank 0's queue generates step 2's round during step 1 while both
-    ranks keep every collective on their main threads."""
-    cfg = write_config(
-        tmp_path, moe_model, schedule__steps=2, schedule__eval_every=2, schedule__save_every=2, replay="R3"
-    )
-    res = cli("train", str(cfg), *mesh.split(), "--nproc", "2")
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-    recs = records(tmp_path / "run")
+TWO_PROCESS_RUN = {"schedule__steps": 2, "schedule__eval_every": 2, "schedule__save_every": 2, "replay": "R3"}
+EP2_ASYNC = ("mesh.ep=2", "rollout.mode=async", "rollout.max_staleness=1")  # run by test_install.py
+
+
+def check_two_process_run(tmp: Path, is_async: bool) -> None:
+    """What a 2-rank run of TWO_PROCESS_RUN must log: 3 records with every metric group, the learner routing
+    as the sampler did under R3 with no replay fallback, a sync and a checkpoint; an async run (k = 1)
+    trains step 2 on the round generated during step 1."""
+    recs = records(tmp / "run")
     assert [r["step"] for r in recs] == [0, 1, 2]
     keys = set().union(*recs)
     for group in GROUPS:
@@ -300,7 +305,17 @@ def test_two_processes_expert_or_pipeline_parallel(tmp_path, moe_model, mesh):
     assert rec["moe/agreement_rollout_old"] > 0.99  # same weights: the learner routes as the sampler did
     assert rec["moe/replay_fallback_tokens"] == 0 and rec["moe/replay_unconsumed"] == 0
     assert rec["sync/bytes"] > 0
-    assert (tmp_path / "ckpt" / "step_00000002" / "meta.json").is_file()
+    assert (tmp / "ckpt" / "step_00000002" / "meta.json").is_file()
     # async: step 1 samples now (lag 0), step 2 trains on the round generated during step 1 (lag 1)
     lags = [r["rollout/staleness_max"] for r in recs[1:]]
-    assert lags == ([0.0, 1.0] if "async" in mesh else [0.0, 0.0])
+    assert lags == ([0.0, 1.0] if is_async else [0.0, 0.0])
+
+
+def test_two_processes_pipeline_parallel(tmp_path, moe_model):
+    """The same loop on a PP2 mesh (torchrun, 2 ranks): rank 0 samples, both ranks train and export, and
+    each stage receives and replays (R3) only its own MoE layers' routes. The EP2 mesh with async sampling
+    runs the same checks from the installed wheel (test_install.py)."""
+    cfg = write_config(tmp_path, moe_model, **TWO_PROCESS_RUN)
+    res = cli("train", str(cfg), "mesh.pp=2", "--nproc", "2")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    check_two_process_run(tmp_path, is_async=False)

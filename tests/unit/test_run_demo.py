@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 STAGE = textwrap.dedent(
@@ -54,3 +56,25 @@ def test_ctrl_c_lets_the_stage_checkpoint_and_returns_its_exit_code():
             os.killpg(proc.pid, signal.SIGKILL)
     assert "stage exit 75" in out
     assert proc.returncode == 75
+
+
+@pytest.mark.parametrize(
+    "before,after,learned",
+    [
+        (0.175, 0.485, True),  # AMD EPYC, this commit (README)
+        (0.275, 0.615, True),  # an earlier machine (README)
+        (0.0, 0.20, True),  # from nothing: any gain of 15 points is infinitely many times
+        (0.175, 0.30, False),  # 1.71x but only +12.5 points
+        (0.40, 0.58, False),  # +18 points but only 1.45x
+        (0.30, 0.30, False),  # nothing learned: what a silently broken install looks like
+    ],
+)
+def test_the_demo_judges_its_own_run_by_the_readmes_bar(before, after, learned):
+    from tools.run_demo import verdict
+
+    ok, line = verdict(before, after)
+    assert ok is learned
+    assert line.startswith(
+        "verdict: the demo learned as expected" if learned else "verdict: the demo did NOT"
+    )
+    assert f"{before:.3f} -> {after:.3f}" in line and ">= 1.5x and >= +15 points" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -107,3 +108,43 @@ def test_write_hf_checkpoint_shards_and_index(tiny_model, tmp_path):
     for f in set(wm.values()):
         got.update(load_file(str(tmp_path / "out" / f)))
     assert set(got) == set(sd) and all(torch.equal(got[n], sd[n]) for n in sd)
+
+
+def _truncate(path, keep=0.9):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+TRUNCATED = r"not a complete safetensors file .*truncated or corrupt: re-download the model, or re-run"
+
+
+def test_truncated_safetensors_named_with_the_fix_everywhere(tiny_model, tmp_path, capsys):
+    """Learner load and conversion (HFCheckpoint), weight sync's shape read and the probe all say it."""
+    from megagrpo.cli import main as cli_main
+    from megagrpo.probe import hf_weights
+    from megagrpo.sync import checkpoint_shapes
+
+    d = shutil.copytree(tiny_model("qwen3"), tmp_path / "m")
+    f = d / "model.safetensors"
+    _truncate(f)
+    for read in (HFCheckpoint, checkpoint_shapes, hf_weights):
+        with pytest.raises(MegagrpoError, match=f"{re.escape(str(f))}: {TRUNCATED}"):
+            read(d)
+    f.write_bytes(f.read_bytes()[:5])  # not even a header length
+    with pytest.raises(MegagrpoError, match=f"{re.escape(str(f))}: {TRUNCATED}"):
+        HFCheckpoint(d)
+    assert cli_main(["convert", "hf-to-megatron", str(d), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: not a complete safetensors file" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_shard_named(tiny_model, tmp_path):
+    from megagrpo.sync import checkpoint_shapes
+
+    d, _ = _sharded_copy(tiny_model("qwen3_moe"), tmp_path / "m")
+    shard = d / "model-00002-of-00002.safetensors"
+    _truncate(shard)
+    for read in (HFCheckpoint, checkpoint_shapes):
+        with pytest.raises(MegagrpoError, match=f"{re.escape(str(shard))}: {TRUNCATED}"):
+            read(d)

@@ -102,3 +102,39 @@ def test_heldout_split_is_fixed_and_disjoint(tmp_path):
     sft = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "q", "completion": "a"}, {"prompt": "q"}])
     d = build_prompt_sets(cfg(sft, heldout_fraction=0.0), purpose="sft")
     assert len(d.train) == 1 and d.malformed == 1
+
+
+def _with_latin1_row(path):
+    # line 2 holds one latin-1 byte (0xe9, "é"), which is not valid UTF-8
+    path.write_bytes(
+        json.dumps(GOOD[0]).encode()
+        + b"\n"
+        + b'{"prompt": "caf\xe9", "answer": "1"}\n'
+        + json.dumps(GOOD[1]).encode()
+        + b"\n"
+    )
+    return path
+
+
+def test_a_non_utf8_byte_is_one_malformed_row(tmp_path):
+    p = _with_latin1_row(tmp_path / "t.jsonl")
+    rows, report = read_rows(p, cfg(p))
+    assert [r["_source"] for r in rows] == [f"{p}:1", f"{p}:3"]
+    assert report.kept == 2 and report.malformed == 1
+    assert report.examples == [
+        f"{p}:2: not valid UTF-8 (byte 0xe9 at byte 16 of the line); "
+        "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    ]
+    with pytest.raises(
+        MegagrpoError, match=r"t.jsonl:2: malformed row: not valid UTF-8 .*re-encode the file"
+    ):
+        read_rows(p, cfg(p, malformed="fatal"))
+
+
+def test_a_utf8_byte_order_mark_is_not_a_malformed_row(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(
+        b"\xef\xbb\xbf" + json.dumps({"prompt": "é", "answer": "1"}, ensure_ascii=False).encode() + b"\n"
+    )
+    rows, report = read_rows(p, cfg(p))
+    assert [r["prompt"] for r in rows] == ["é"] and report.malformed == 0

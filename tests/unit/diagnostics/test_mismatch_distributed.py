@@ -1,4 +1,5 @@
-"""Global metrics over DP ranks equal the single-process metrics of the concatenated batch.
+"""Global metrics over DP ranks equal the single-process metrics of the concatenated batch (the quantiles
+bit for bit: they come from histograms summed over DP).
 
 One launch of 2 gloo processes covers mismatch_metrics and the MoE router statistics; one rank holds
 only an all-masked sequence, so empty local shards are exercised too.
@@ -99,4 +100,7 @@ def test_distributed_equals_single_process(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got.keys() == ref.keys()
         for k, v in ref.items():
-            assert got[k] == pytest.approx(v, rel=1e-12, abs=1e-15), (rank, k)
+            if "ratio_p" in k or "ratio_q" in k or k == "moe/router_shift_gamma_p1":
+                assert got[k] == v, (rank, k)  # histogram quantiles: counts add exactly over DP
+            else:
+                assert got[k] == pytest.approx(v, rel=1e-12, abs=1e-15), (rank, k)

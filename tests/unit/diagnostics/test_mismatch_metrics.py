@@ -11,6 +11,7 @@ import torch
 
 from megagrpo.algo.importance import importance_masks, importance_metrics
 from megagrpo.diagnostics.mismatch import mismatch_metrics
+from tests.unit.algo._quantile_ranks import assert_outward
 
 A = math.log(2.0)
 NAN = float("nan")
@@ -55,20 +56,22 @@ def test_token_metrics_equal_hand_computation():
     )
 
 
-def test_quantiles_equal_hand_computation():
+def test_quantiles_bracket_the_hand_computation():
+    """Histogram quantiles (megagrpo.algo.quantiles): upper ones at the upper edge of the bin of x_(ceil h),
+    clamped to the exact maximum, lower ones at the lower edge of x_(floor h)'s bin."""
     s, ll, m = _inputs()
     g = mismatch_metrics(s, ll, m).metrics
-    # sorted log-ratios [-a, -a, 0, a, 2a]; linear interpolation at h = 4q
-    assert g["mismatch/token_ratio_p50"] == pytest.approx(1.0, abs=1e-12)
-    assert g["mismatch/token_ratio_p99"] == pytest.approx(2.0**1.96, rel=1e-12)  # h=3.96: a + .96·a
-    assert g["mismatch/token_ratio_p999"] == pytest.approx(2.0**1.996, rel=1e-12)
-    assert g["mismatch/token_ratio_p001"] == pytest.approx(0.5, rel=1e-12)  # h=.004 between -a and -a
-    # sequence log-ratios: product [0, a], geometric [0, a/2]; h = q
-    assert g["mismatch/seq_log_ratio_prod_p50"] == pytest.approx(0.5 * A, rel=1e-12)
-    assert g["mismatch/seq_ratio_prod_p50"] == pytest.approx(2.0**0.5, rel=1e-12)
-    assert g["mismatch/seq_ratio_prod_p99"] == pytest.approx(2.0**0.99, rel=1e-12)
-    assert g["mismatch/seq_ratio_geo_p50"] == pytest.approx(2.0**0.25, rel=1e-12)
-    assert g["mismatch/seq_ratio_geo_p99"] == pytest.approx(2.0**0.495, rel=1e-12)
+    # sorted log-ratios [-a, -a, 0, a, 2a]; h = 4q
+    assert 1.0 < g["mismatch/token_ratio_p50"] <= math.exp(2.0**-23)  # x_(2) = 0: the zero bin's edge
+    assert g["mismatch/token_ratio_p99"] == pytest.approx(4.0, rel=1e-12)  # x_(4) = 2a: the exact max
+    assert g["mismatch/token_ratio_p999"] == pytest.approx(4.0, rel=1e-12)
+    assert 0.5 * (1 - 0.011 * A) <= g["mismatch/token_ratio_p001"] <= 0.5  # x_(0) = -a, one bin lower
+    # sequence log-ratios: product [0, a], geometric [0, a/2]; h = q, so x_(1) (the exact max) above p0
+    assert g["mismatch/seq_log_ratio_prod_p50"] == pytest.approx(A, rel=1e-12)
+    assert g["mismatch/seq_ratio_prod_p50"] == pytest.approx(2.0, rel=1e-12)
+    assert g["mismatch/seq_ratio_prod_p99"] == pytest.approx(2.0, rel=1e-12)
+    assert g["mismatch/seq_ratio_geo_p50"] == pytest.approx(2.0**0.5, rel=1e-12)
+    assert g["mismatch/seq_ratio_geo_p99"] == pytest.approx(2.0**0.5, rel=1e-12)
     assert g["mismatch/seq_ess_ratio"] == pytest.approx(9 / 10, rel=1e-12)  # weights [1, 2]
 
 
@@ -188,7 +191,10 @@ def test_quantiles_match_torch_quantile_on_random_input():
     g = mismatch_metrics(s, ll, m).metrics
     d = (ll - s)[m]
     for name, q in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999), ("p001", 0.001)):
-        assert g[f"mismatch/token_ratio_{name}"] == pytest.approx(math.exp(torch.quantile(d, q)), rel=1e-12)
+        assert_outward(math.log(g[f"mismatch/token_ratio_{name}"]), d, q)
+    seq = torch.where(m, ll - s, torch.zeros_like(s)).sum(1)
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        assert_outward(g[f"mismatch/seq_log_ratio_prod_{name}"], seq, q)
     w = d.exp()
     assert g["mismatch/ess_ratio"] == pytest.approx(
         float(w.sum() ** 2 / (w.numel() * (w * w).sum())), rel=1e-12

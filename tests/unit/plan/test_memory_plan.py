@@ -120,7 +120,7 @@ def test_activations_scale_with_tokens_and_shrink_with_recompute_and_sharding():
 def test_phases_learner_offloaded_while_sampling_and_beside_the_engine_weights_in_the_sync():
     cfg = load_config(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml", check_paths=False)
     plan = plan_memory(cfg, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
-    assert plan.rollout_peak == int(cfg.rollout.mem_fraction_static * 80 * GIB)
+    assert plan.rollout_peak == int(cfg.rollout.mem_fraction_static * 80 * GIB) + plan.rows_in_flight
     assert plan.train_peak == plan.params + plan.grads + plan.optimizer + plan.activations + plan.logits
     largest = learner_state_bytes(QWEN3_30B, cfg.mesh, 16).total  # the last stage's, with the output layer
     assert plan.sync_peak == largest + plan.engine_weights + 2 * (cfg.sync.bucket_mb << 20)
@@ -158,8 +158,9 @@ def test_max_micro_batch_is_the_largest_that_fits():
     )
     assert not plan_memory(over, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80).fits
     # and the largest KV cache: the learner is offloaded while sampling, so all but the engine weights
+    # and the rows in flight
     per_token = kv_bytes_per_token(QWEN3_30B, 4)
-    assert plan.max_kv_tokens == (plan.budget - plan.engine_weights) // per_token
+    assert plan.max_kv_tokens == (plan.budget - plan.engine_weights - plan.rows_in_flight) // per_token
 
 
 def test_plan_cli_prints_the_table_and_exits_1_when_it_does_not_fit(capsys):

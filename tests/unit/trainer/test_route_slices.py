@@ -38,3 +38,24 @@ def test_a_completion_without_routes_passes_through():
 def test_routes_of_another_model_are_named():
     with pytest.raises(MegagrpoError, match="routes of 5 layers.*4 MoE layers"):
         SLICES.slice(0, _completion(5))
+
+
+def test_the_owner_s_check_names_the_row_and_what_does_not_fit():
+    """Issue 25, item 18: `RouteSlices.check` runs on the owner before any bytes move (shapes only)."""
+    checked = RouteSlices(moe_layers=(1, 2, 4, 5), num_layers=6, stage=((0, 1), (2, 3)), topk=2)
+    for width in (4, 6):
+        checked.check(_completion(width))
+    c = _completion(5)
+    c.prompt_index, c.sample_index = 3, 1
+    with pytest.raises(MegagrpoError, match=r"^the routes of prompt 3 sample 1: .*routes of 5 layers"):
+        checked.check(c)
+    c = _completion(4)
+    c.routes = c.routes[:6]  # 7 tokens, 6 route rows
+    with pytest.raises(MegagrpoError, match=r"are torch.int32 \(6, 4, 2\); expected int \[7 tokens"):
+        checked.check(c)
+    c = _completion(4)
+    c.routes = torch.cat([c.routes, c.routes], dim=2)
+    with pytest.raises(MegagrpoError, match="top-k 4; the learner's model routes each token to 2 experts"):
+        checked.check(c)
+    c.routes = None
+    checked.check(c)

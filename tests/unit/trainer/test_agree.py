@@ -1,0 +1,75 @@
+"""Issue 25, item 18: `trainer.agree.agreed`, the failure flag agreed before the next collective. The real
+thing runs on 4 gloo ranks in tests/dist/test_rows.py (a bad route on one owner); here the protocol, with
+the other ranks' flags supplied to the one all-reduce it makes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.trainer import agree
+from megagrpo.trainer.agree import PeerFailed, agreed
+
+
+@pytest.fixture
+def world(monkeypatch):
+    """This process is rank 1 of 4; `peers` holds the flags the other ranks contribute."""
+    calls: list[int] = []
+    peers = {"flags": [0, 0, 0]}
+
+    def all_reduce(t, op=None, group=None):
+        assert op == dist.ReduceOp.MAX and t.dtype == torch.int64 and t.numel() == 1
+        calls.append(int(t))
+        t.fill_(max([int(t), *peers["flags"]]))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    return calls, peers
+
+
+def test_nothing_failed_costs_one_all_reduce(world):
+    calls, _ = world
+    with agreed("x"):
+        pass
+    assert calls == [0]
+
+
+def test_the_failing_rank_raises_its_own_error(world):
+    calls, peers = world
+    peers["flags"] = [3 + 1, 0, 0]  # rank 3 failed too
+    with pytest.raises(MegagrpoError, match="my own"), agreed("x"):
+        raise MegagrpoError("my own")
+    assert calls == [1 + 1]
+
+
+def test_the_others_name_the_failing_rank(world):
+    calls, peers = world
+    peers["flags"] = [0, 2 + 1, 0]
+    with (
+        pytest.raises(PeerFailed, match=r"^rank 2 failed in the step's rows;") as e,
+        agreed("the step's rows"),
+    ):
+        pass
+    assert e.value.rank == 2 and isinstance(e.value, MegagrpoError)
+    assert calls == [0]
+
+
+def test_rank_0_failing_is_named_too(world):
+    _, peers = world
+    peers["flags"] = [0 + 1, 0, 0]
+    with pytest.raises(PeerFailed, match="^rank 0 failed"), agreed("x"):
+        pass
+
+
+def test_without_a_process_group_it_only_runs_the_body():
+    assert not dist.is_initialized()
+    with agreed("x"):
+        pass
+    with pytest.raises(ValueError, match="bug"), agreed("x"):
+        raise ValueError("bug")
+    assert agree.failed_rank(True) == 0 and agree.failed_rank(False) is None

@@ -42,8 +42,8 @@ def verdict(before: float, after: float) -> tuple[bool, str]:
     if ok:
         return True, f"verdict: the demo learned as expected ({figures}; {bar})"
     return False, (
-        f"verdict: the demo did NOT learn as expected ({figures}; {bar}). A run on any CPU clears it; "
-        "check the install (`make clean-venv && make demo`) and report the output if it persists"
+        f"verdict: the demo did NOT learn as expected ({figures}; {bar}). The README's runs clear it on every "
+        "CPU listed there; check the install (`make clean-venv && make demo`) and report the output if it persists"
     )
 
 

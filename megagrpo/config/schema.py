@@ -1046,9 +1046,9 @@ def check_mesh(cfg: Config, world_size: int, stage: str = "train", *, on_gpu: bo
     job runs on GPUs (its engine count is world / engine_tp), else on CPUs (`rollout.num_engines`).
 
     Runs for every entry point (train, sft, eval, submit) before any process group or engine starts. The
-    batch must split evenly over DP: the learner gives each rank whole sequences in micro-batches of at
-    most `schedule.micro_batch_size`, and an uneven split could leave a rank fewer sequences than
-    micro-batches.
+    batch must split evenly over DP: the learner gives each rank whole sequences, the same number of
+    micro-batches on every rank (`learner.row_plan.micro_batch_count`, which EP's all-to-alls need), and
+    a split by tokens that still gives every rank at least that many sequences.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")

@@ -124,7 +124,7 @@ class DeadlinePool:
                 t.done = True
                 w.task = None
                 w.retired = True
-                _raise_in_thread(w.thread, RewardDeadline)
+                raise_in_thread(w.thread, RewardDeadline)
             expired += 1
             self._workers.remove(w)
             self.abandoned_threads += 1
@@ -139,6 +139,6 @@ class DeadlinePool:
         self._workers = []
 
 
-def _raise_in_thread(thread: threading.Thread, exc: type[BaseException]) -> None:
+def raise_in_thread(thread: threading.Thread, exc: type[BaseException]) -> None:
     if thread.ident is not None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))

@@ -1,0 +1,95 @@
+"""The "python" tool: the model writes a program, the sandbox runs it, the model reads what it printed.
+
+Each call is a fresh process with an empty scratch directory (no state carries over between calls), the
+standard library only, and no network. `run_python` never raises for anything the code does: a crash, a
+limit or a sandbox that could not start comes back as text the model can read.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from megagrpo.envs import sandbox
+from megagrpo.envs.sandbox import SandboxConfig, SandboxResult
+from megagrpo.envs.tools import Tool
+
+NAME = "python"
+DESCRIPTION = (
+    "Run a Python 3 program (standard library only, no network, no state between calls) and return what it "
+    "prints to stdout. Print every value you need."
+)
+PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "description": "The complete program to run."}},
+    "required": ["code"],
+}
+SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": NAME, "description": DESCRIPTION, "parameters": PARAMETERS},
+}
+
+_STDERR_TAIL_CHARS = 1500  # the end of a traceback names the error; its start rarely helps the model
+
+
+def run_python(code: str, cfg: SandboxConfig | None = None) -> str:
+    """Run `code` in the sandbox and return the text the model sees: stdout, then one error line (and the
+    end of stderr) if the program failed or hit a limit. Empty successful output reads "(no output)"."""
+    cfg = cfg or SandboxConfig()
+    if not isinstance(code, str):
+        return f"Error: `code` must be a string, got {type(code).__name__}."
+    try:
+        result = sandbox.run(code, cfg)
+    except (
+        OSError
+    ) as e:  # the sandbox could not start (no scratch space, no interpreter): not the code's fault
+        return f"Error: the sandbox could not start: {e}"
+    return format_result(result, cfg)
+
+
+def format_result(r: SandboxResult, cfg: SandboxConfig) -> str:
+    parts = [r.stdout] if r.stdout else []
+    if r.truncated:
+        parts.append(f"\n[output cut at {cfg.max_output_bytes} bytes]")
+    error = _error_line(r, cfg)
+    if error:
+        tail = r.stderr.rstrip()[-_STDERR_TAIL_CHARS:]
+        if tail and r.limit not in ("wall", "cpu", "output", "file_size"):
+            parts.append(("\n" if parts else "") + tail)
+        parts.append(("\n" if parts else "") + error)
+    return "".join(parts) or "(no output)"
+
+
+def _error_line(r: SandboxResult, cfg: SandboxConfig) -> str | None:
+    messages = {
+        "wall": f"stopped: wall-time limit of {cfg.wall_seconds:g} s",
+        "cpu": f"stopped: CPU-time limit of {cfg.cpu_seconds} s",
+        "memory": f"out of memory (limit {cfg.memory_mb} MB)",
+        "output": f"stopped: output over {cfg.max_output_bytes} bytes",
+        "file_size": f"stopped: a file grew past {cfg.max_file_mb} MB",
+        "processes": f"too many processes (limit {cfg.max_processes})",
+    }
+    if r.limit:
+        return f"Error: {messages[r.limit]}."
+    if r.signal is not None:
+        try:
+            name = signal.Signals(r.signal).name
+        except ValueError:  # a real-time signal without a name
+            name = f"signal {r.signal}"
+        return f"Error: killed by {name}."
+    if r.exit_code:
+        return f"Error: exited with code {r.exit_code}."
+    return None
+
+
+def python_tool(cfg: SandboxConfig | None = None) -> Tool:
+    """The tool for `ToolExecutor`. Its deadline leaves the sandbox time to kill the run and clean up, so
+    the sandbox's own wall limit, not the executor's, is what ends a long program."""
+    cfg = cfg or SandboxConfig()
+    return Tool(
+        name=NAME,
+        description=DESCRIPTION,
+        parameters=PARAMETERS,
+        fn=lambda code: run_python(code, cfg),
+        timeout_s=cfg.wall_seconds + 5.0,
+    )

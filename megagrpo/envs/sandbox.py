@@ -1,0 +1,443 @@
+"""Run model-written Python in a child process that cannot hurt the trainer: the code sandbox.
+
+`run(code, cfg)` starts `sys.executable -I -S -c _BOOT` (no `preexec_fn`, so it is safe from the threads
+that run tools). The boot process B joins a fresh `pids` cgroup, enters new network and PID namespaces,
+preloads a set of stdlib modules, and forks C, the init of the new PID namespace. C forks D, which sets
+the resource limits, drops root to a fresh unprivileged uid and runs the code in-process; C reaps orphans
+and reports D's wait status on a private pipe. The trainer reads stdout and stderr with a byte cap,
+enforces the wall time, and on any exit kills everything that is left (C, the cgroup, the process group),
+then removes the scratch directory. When C exits the kernel kills every process of its PID namespace, so
+a forked child that called setsid() cannot outlive the run. D is not the init because an init ignores
+SIGXCPU and SIGXFSZ, the signals of the CPU and file-size limits.
+
+What is isolated, what is not, and the root / non-root differences: docs/sandbox.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, fields
+
+from megagrpo.errors import MegagrpoError
+
+# The stdlib modules the code can import even when the sandbox uid cannot read the interpreter's files
+# (a Python under /root, mode 0700): they are imported before the uid drop, and the fork keeps them.
+PRELOADED_MODULES = (  # noqa: SIM905 - one word list reads better than forty lines
+    "array base64 bisect cmath collections copy csv ctypes dataclasses datetime decimal enum fractions "
+    "functools glob hashlib heapq io itertools json linecache math operator pathlib pprint random re "
+    "shutil signal socket statistics string struct subprocess tempfile textwrap threading time traceback "
+    "typing unicodedata encodings.idna"
+).split()
+
+# Runs in B as `python -I -S -c _BOOT SPEC_JSON`; SPEC keys are set by `run`. Only the stdlib, no megagrpo.
+_BOOT = r"""
+import json, os, sys, signal
+spec = json.loads(sys.argv[1])
+rep = spec["report_fd"]
+def report(**kw):
+    os.write(rep, (json.dumps(kw) + "\n").encode())
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: B dies with the trainer
+if spec["cgroup_procs"]:
+    with open(spec["cgroup_procs"], "w") as f:
+        f.write(str(os.getpid()))
+flags = 0 if spec["network"] else os.CLONE_NEWNET
+flags |= os.CLONE_NEWPID
+uid, gid = os.getuid(), os.getgid()
+if uid != 0:
+    flags |= os.CLONE_NEWUSER
+try:
+    os.unshare(flags)
+    if uid != 0:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    netns, pidns = not spec["network"], True
+except OSError:
+    netns = pidns = False
+for m in spec["preload"]:
+    try:
+        __import__(m)
+    except ImportError:
+        pass
+import builtins, resource, traceback
+sys.stdout.flush(); sys.stderr.flush()
+child = os.fork()
+if child:  # B: report, wait for C, exit
+    report(netns=netns, pidns=pidns, child=child)
+    os.waitpid(child, 0)
+    os._exit(0)
+libc.prctl(1, signal.SIGKILL)  # C dies with B
+code_pid = os.fork()
+if code_pid:  # C, the PID namespace's init: reap orphans until the code's process ends, then end them all
+    while True:
+        pid, status = os.wait()
+        if pid == code_pid:
+            report(status=status)
+            os._exit(0)
+os.close(rep)  # D runs the code: not init, so SIGXCPU and SIGXFSZ end it
+cpu = spec["cpu_seconds"]
+for lim, val in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_AS, spec["memory_bytes"]),
+                 (resource.RLIMIT_FSIZE, spec["file_bytes"]), (resource.RLIMIT_NOFILE, spec["open_files"]),
+                 (resource.RLIMIT_NPROC, spec["nproc"]), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(lim, val if isinstance(val, tuple) else (val, val))
+if spec["run_uid"] is not None:
+    os.setgroups([])
+    os.setgid(spec["run_uid"])
+    os.setuid(spec["run_uid"])
+libc.prctl(1, signal.SIGKILL)  # after the uid change, which clears it: D dies with C
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the default ends the run at the limit
+sys.argv = ["main.py"]
+rc = 0
+try:
+    with open("main.py", encoding="utf-8") as f:
+        source = f.read()
+    exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+except SystemExit as e:
+    if e.code is None or isinstance(e.code, int):
+        rc = e.code or 0
+    else:
+        print(e.code, file=sys.stderr)
+        rc = 1
+except BaseException as e:
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the code's frame, not the boot's
+    rc = 1
+try:
+    sys.stdout.flush(); sys.stderr.flush()
+finally:
+    os._exit(rc & 0xFF)
+"""
+
+# What stopped a run. None: it ended by itself (any exit code).
+LIMITS = ("wall", "cpu", "memory", "output", "file_size", "processes")
+
+_MIN_UID, _MAX_UID = 1 << 20, (1 << 31) - 2  # far above any account's uid, below the overflow ids
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits of one sandboxed run. The defaults suit a tool call in an RL rollout: small and short."""
+
+    cpu_seconds: int = 5  # RLIMIT_CPU of the code's process: SIGXCPU at the limit, SIGKILL a second later
+    wall_seconds: float = 10.0  # from start to kill of everything the run started
+    memory_mb: int = 512  # RLIMIT_AS (address space) of each process: allocations past it fail (MemoryError)
+    max_processes: int = (
+        16  # processes and threads at once, the code's own included (pids cgroup / RLIMIT_NPROC)
+    )
+    max_file_mb: int = 16  # RLIMIT_FSIZE: the largest file the code can write; SIGXFSZ ends the run past it
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    max_output_bytes: int = 16384  # stdout and stderr, each; past it the run is killed and the text cut
+    network: bool = False  # False: a new network namespace (loopback only, down); True: the host's network
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "network" and not value > 0:
+                raise MegagrpoError(f"sandbox.{f.name} must be > 0, got {value!r}: give a positive limit")
+        if self.max_processes < 2:
+            raise MegagrpoError("sandbox.max_processes must be >= 2 (the code's process and one thread)")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What a run did. `exit_code` and `signal` are those of the code's process (one of them is None)."""
+
+    stdout: str
+    stderr: str
+    truncated: bool  # stdout or stderr was cut at max_output_bytes
+    exit_code: int | None
+    signal: int | None
+    limit: str | None  # one of LIMITS, or None when the code ended by itself
+    wall_seconds: float
+    network_isolated: bool  # the code ran in a network namespace of its own (False when cfg.network)
+    process_limit: str  # how max_processes was enforced: "cgroup+rlimit" or "rlimit"
+    uid: int  # the uid the code ran as
+    scratch_dir: str  # removed when `run` returns
+    notes: list[str] = field(default_factory=list)  # isolation that was asked for and not in effect
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.limit is None
+
+
+def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
+    """Run `code` as `__main__` in a sandboxed child and return what it printed and how it ended.
+
+    Blocks for at most about `cfg.wall_seconds` plus the cleanup (a fraction of a second), and holds at
+    most 2 × `max_output_bytes` + 128 KiB of the child's output in the trainer, whatever it writes. Raises
+    OSError only when the sandbox itself cannot start (no scratch directory, no interpreter); anything
+    the code does ends up in the result.
+    """
+    cfg = cfg or SandboxConfig()
+    root = os.geteuid() == 0
+    run_uid = random.randint(_MIN_UID, _MAX_UID) if root else None
+    scratch = tempfile.mkdtemp(prefix="megagrpo-sandbox-")
+    cgroup = _PidsCgroup.create(cfg.max_processes + 2)  # + B and C, which stay in the cgroup too
+    notes: list[str] = []
+    try:
+        with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+        if run_uid is not None:
+            os.chown(scratch, run_uid, run_uid)
+        os.chmod(scratch, 0o700)
+        report_r, report_w = os.pipe()
+        spec = {
+            "report_fd": report_w,
+            "cgroup_procs": cgroup.procs_file if cgroup else None,
+            "network": cfg.network,
+            "preload": PRELOADED_MODULES,
+            "cpu_seconds": cfg.cpu_seconds,
+            "memory_bytes": cfg.memory_mb << 20,
+            "file_bytes": cfg.max_file_mb << 20,
+            "open_files": cfg.max_open_files,
+            "nproc": _nproc_limit(cfg.max_processes, root),
+            "run_uid": run_uid,
+        }
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(spec)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=scratch,
+                env=env,
+                pass_fds=(report_w,),
+                start_new_session=True,
+            )
+        finally:
+            os.close(report_w)
+        with os.fdopen(report_r, "rb") as report:
+            out, err, truncated, reports, stop = _collect(proc, report, cfg, start, cgroup)
+        wall = time.monotonic() - start
+        events = cgroup.max_events() if cgroup else 0
+    finally:
+        if cgroup:
+            cgroup.remove()
+        _rmtree(scratch)
+
+    setup = reports[0] if reports else {}
+    status = reports[1]["status"] if len(reports) > 1 else None
+    exit_code = os.waitstatus_to_exitcode(status) if status is not None else None
+    sig = None
+    if exit_code is None or exit_code < 0:
+        sig, exit_code = (-exit_code if exit_code is not None else signal.SIGKILL), None
+    stdout, stderr = (b.decode("utf-8", errors="replace") for b in (out, err))
+    limit = stop or _limit_from_status(sig, exit_code, stderr, events)
+    if not cfg.network and not setup.get("netns", False):
+        notes.append("network namespace unavailable: the code had the host's network")
+    if not setup.get("pidns", False):
+        notes.append("PID namespace unavailable: processes that left the process group may be missed")
+    if not root:
+        notes.append("non-root: RLIMIT_NPROC is shared with this uid's other processes (approximate)")
+    return SandboxResult(
+        stdout=stdout,
+        stderr=stderr,
+        truncated=truncated,
+        exit_code=exit_code,
+        signal=sig,
+        limit=limit,
+        wall_seconds=wall,
+        network_isolated=bool(setup.get("netns", False)),
+        process_limit="cgroup+rlimit" if cgroup else "rlimit",
+        uid=run_uid if run_uid is not None else os.getuid(),
+        scratch_dir=scratch,
+        notes=notes,
+    )
+
+
+def _collect(proc, report, cfg: SandboxConfig, start: float, cgroup: _PidsCgroup | None):
+    """Read stdout, stderr and B's reports until the run ends, its wall time passes or its output overflows.
+
+    Returns (stdout bytes, stderr bytes, truncated, reports, "wall" | "output" | None); both byte strings are
+    cut at max_output_bytes. Every process of the run is dead when it returns.
+    """
+    cap = cfg.max_output_bytes
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray(), report: bytearray()}
+    sel = selectors.DefaultSelector()
+    for f in bufs:
+        os.set_blocking(f.fileno(), False)
+        sel.register(f, selectors.EVENT_READ)
+    deadline = start + cfg.wall_seconds
+    stop = None
+    child = None
+    while sel.get_map():
+        now = time.monotonic()
+        if now >= deadline:
+            stop = "wall"
+            break
+        for key, _ in sel.select(timeout=min(0.1, deadline - now)):
+            chunk = os.read(key.fd, 1 << 16)
+            if not chunk:
+                sel.unregister(key.fileobj)
+                continue
+            buf = bufs[key.fileobj]
+            buf += chunk
+            if key.fileobj is report and child is None and b"\n" in buf:
+                child = json.loads(buf.split(b"\n", 1)[0]).get("child")
+            if key.fileobj is not report and len(buf) > cap:
+                stop = "output"
+        if stop or (proc.poll() is not None and not _fd_open(sel, report)):
+            break  # output overflow, or B and C are done (the report pipe closed): strays are killed below
+    sel.close()
+    _kill_all(proc, child, cgroup)
+    for f in (proc.stdout, proc.stderr, report):
+        with contextlib.suppress(OSError, TypeError):
+            bufs[f] += f.read() or b""  # what was written before the kill; EOF now that all writers are dead
+        f.close()
+    reports = [json.loads(line) for line in bytes(bufs[report]).splitlines() if line.strip()]
+    out, err = bufs[proc.stdout], bufs[proc.stderr]
+    return bytes(out[:cap]), bytes(err[:cap]), max(len(out), len(err)) > cap, reports, stop
+
+
+def _fd_open(sel: selectors.BaseSelector, f) -> bool:
+    return f in {k.fileobj for k in sel.get_map().values()}
+
+
+def _kill_all(proc: subprocess.Popen, child: int | None, cgroup: _PidsCgroup | None) -> None:
+    """SIGKILL everything the run started: C (which ends its PID namespace), B's process group, the cgroup."""
+    if child:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if cgroup:
+        cgroup.kill_all()
+    proc.wait()
+
+
+def _limit_from_status(sig: int | None, exit_code: int | None, stderr: str, pid_events: int) -> str | None:
+    if sig == signal.SIGXCPU:
+        return "cpu"
+    if sig == signal.SIGXFSZ:
+        return "file_size"
+    tail = stderr.rstrip().rsplit("\n", 1)[-1]
+    if exit_code and tail.startswith("MemoryError"):
+        return "memory"
+    # a fork bomb's processes interleave their tracebacks: the failed fork's line can be anywhere
+    if exit_code and (pid_events or any(ln.startswith("BlockingIOError") for ln in stderr.splitlines())):
+        return "processes"
+    return None
+
+
+def _nproc_limit(max_processes: int, root: bool) -> int:
+    """RLIMIT_NPROC counts every process of the uid. As root the code runs as a fresh uid, so the limit is
+    exactly `max_processes`; otherwise it is the uid's current count plus `max_processes` (approximate)."""
+    if root:
+        return max_processes
+    uid, count = os.getuid(), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+            count += any(line.split()[1:2] == [str(uid)] for line in f if line.startswith("Uid:"))
+    return count + max_processes
+
+
+def _rmtree(path: str) -> None:
+    def writable(fn, p, _exc):  # the code may have removed its own permissions on what it made
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+        with contextlib.suppress(OSError):
+            fn(p)
+
+    shutil.rmtree(path, onexc=writable)
+    if os.path.exists(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class _PidsCgroup:
+    """A child cgroup of our own with the `pids` controller (v1 or v2), when it can be made (root, or a
+    delegated v2 subtree): `pids.max` bounds the processes, and killing its members ends every stray."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.procs_file = os.path.join(path, "cgroup.procs")
+
+    @classmethod
+    def create(cls, max_pids: int) -> _PidsCgroup | None:
+        name = f"megagrpo-sandbox-{os.getpid()}-{random.getrandbits(48):012x}"
+        for parent in _pids_cgroup_parents():
+            path = os.path.join(parent, name)
+            try:
+                os.mkdir(path)
+            except OSError:
+                continue
+            try:
+                with open(os.path.join(path, "pids.max"), "w") as f:
+                    f.write(str(max_pids))
+                return cls(path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+        return None
+
+    def pids(self) -> list[int]:
+        with contextlib.suppress(OSError), open(self.procs_file) as f:
+            return [int(x) for x in f.read().split()]
+        return []
+
+    def kill_all(self) -> None:
+        with contextlib.suppress(OSError), open(os.path.join(self.path, "cgroup.kill"), "w") as f:
+            f.write("1")  # v2: one atomic kill, forks in flight included
+        for _ in range(200):  # v1: kill what is listed until the list stays empty
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
+
+    def max_events(self) -> int:
+        """How often a fork failed on pids.max."""
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(self.path, "pids.events")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "max":
+                    return int(value)
+        return 0
+
+    def remove(self) -> None:
+        for _ in range(100):  # a killed member leaves the cgroup once reaped
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                self.kill_all()
+                time.sleep(0.01)
+
+
+def _pids_cgroup_parents() -> list[str]:
+    """The cgroup directories of this process where a `pids` child could be made: v1's pids hierarchy, then
+    v2's unified one when its subtree has the pids controller enabled."""
+    out = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return out
+    for _, controllers, rel in lines:
+        if "pids" in controllers.split(","):
+            out.append(os.path.join("/sys/fs/cgroup/pids", rel.lstrip("/")))
+    for _, controllers, rel in lines:
+        if controllers == "":
+            for base in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+                parent = os.path.join(base, rel.lstrip("/"))
+                with contextlib.suppress(OSError), open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    if "pids" in f.read().split():
+                        out.append(parent)
+    return out

@@ -1,0 +1,305 @@
+"""A multi-turn trajectory: token ids as the engine saw them, never re-tokenised, with per-token loss mask,
+sampler logprobs, policy versions and routes.
+
+A `Trajectory` is the prompt's ids, then segments in order. Each turn appends an environment segment (the
+ids inserted since the engine last generated: the template's closing glue after the model's turn, tool
+results, user turns, the next generation prompt; empty on the first turn) and a model segment (the ids the
+engine generated, with their sampler logprobs and the policy version that generated each). Only model
+tokens take the loss. A single-turn `Completion` is the one-segment case (`Trajectory.from_completion`).
+
+Per-token views, all `[T]` (or `[T, L, K]`) for T = `len(ids)`, column t = the value for token t given the
+tokens before it, the layout `trainer.batch.rollout_batch` writes per row:
+  ids        int64  the prompt, then each segment's ids
+  loss_mask  bool   True on model tokens
+  logprobs   float32 the sampler's log p of each model token, 0 elsewhere
+  versions   int64  the policy version that generated each model token, -1 elsewhere
+  routes     int8/int16/int32 `[T, L, K]`: row t = the experts each MoE layer chose for token t as an input
+             (module doc of `rollout.completion`); the last row is NO_ROUTE (that token is never an input).
+
+Routes across turns (SGLang 0.5.23, `sglang/srt/state_capturer/base.py: BaseTopkCapturer.get_topk`). The
+engine records, at every forward pass, each input token's top-k experts per layer into a host table keyed by
+the token's KV-cache slot, and a request with `return_routed_experts=True, routed_experts_start_len=s`
+returns (base64 of int32, `meta_info["routed_experts"]`) the rows of sequence positions `[s, seqlen - 1)`:
+shape `[seqlen - 1 - s, layers, topk]`, the first row being the route of token s. `s` must lie in
+`[0, len(input_ids)]` (else the request is aborted), and it is ONE int for a whole batched call, so each
+trajectory sends its own request. A token whose KV came from the prefix cache keeps the slot, so the row of
+the forward pass that first computed it.
+
+Each turn sends the whole sequence so far (`ids` + the new environment ids) and asks only for the rows not
+yet held: `s = routed_experts_start_len` = the number of route rows held, which is 0 before the first turn and
+`len(ids) - 1` after it: the last generated token of turn k is never fed back at turn k (SGLang commits KV for
+`P + O - 1` tokens), so its route comes from turn k+1's prefill, first row of that turn's answer. Hence:
+  * turn 1 returns `P + O_1 - 1` rows: the prompt's prefill and the decode-time routes of its tokens;
+  * turn k > 1 returns `E_k + O_k` rows: the previous turn's last token and the inserted tokens (the prefill
+    that first consumed them), then the decode-time routes of this turn's tokens but its last;
+  * rows are appended, never rewritten: the rows returned at turn k are rows
+    `[s_k, s_k + n_k)` of the final table, byte for byte.
+Rows received per trajectory: exactly `T - 1`, whatever the number of turns (a resend-every-turn design
+receives the sum over turns of the sequence length - 1). The table holds T rows: the received ones plus the
+final NO_ROUTE row, filled here, so its size is `T x layers x topk x itemsize` of the stored dtype; the
+received ones are counted in `route_rows_received` and `route_bytes_received` (the same dtype, as stored).
+Routes are stored in the narrowest signed integer type that holds every expert index and NO_ROUTE
+(`route_dtype`); the wire format is int32.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.completion import NO_ROUTE, Completion, finish_reason_of
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest of int8/int16/int32 that holds expert indices 0 .. num_experts - 1 and NO_ROUTE (-1)."""
+    if num_experts < 1:
+        raise MegagrpoError(f"num_experts={num_experts}: an MoE model has at least one expert")
+    for dt in (torch.int8, torch.int16, torch.int32):
+        if num_experts - 1 <= torch.iinfo(dt).max:
+            return dt
+    raise MegagrpoError(f"num_experts={num_experts} does not fit an int32 route table")
+
+
+def route_rows_from_b64(encoded: str, num_rows: int, num_layers: int, topk: int) -> Tensor:
+    """SGLang's base64 int32 `meta_info["routed_experts"]` -> int32 `[num_rows, layers, topk]` (no -1 row added,
+    unlike `completion.decode_routes`: a turn's rows are a slice of the trajectory's table)."""
+    raw = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if raw.size != num_rows * num_layers * topk:
+        raise MegagrpoError(
+            f"routed_experts holds {raw.size} values, expected rows*layers*topk = {num_rows}*{num_layers}*{topk}; "
+            "the engine's model config does not match the layers/topk given to the rollout (check the model "
+            "directory), or the request's routed_experts_start_len was not the trajectory's"
+        )
+    return torch.from_numpy(raw.copy()).view(num_rows, num_layers, topk)
+
+
+@dataclass
+class ModelSegment:
+    """The ids the engine generated in one turn. These take the loss."""
+
+    ids: Tensor  # int64 [n]
+    logprobs: Tensor  # float32 [n]: sampler log p(ids[j]) at the sampling temperature
+    versions: Tensor  # int64 [n]: policy version that generated ids[j]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class EnvSegment:
+    """Ids inserted between two model turns: template glue, tool results, user turns. No loss."""
+
+    ids: Tensor  # int64 [n]
+
+
+Segment = ModelSegment | EnvSegment
+
+
+def _ids(x: Sequence[int] | Tensor) -> Tensor:
+    return torch.as_tensor(x, dtype=torch.int64).reshape(-1)
+
+
+@dataclass
+class Trajectory:
+    """Prompt ids, then environment and model segments in order (module doc). Build with `add_turn`.
+
+    `num_layers`, `topk` and `num_experts` describe the MoE layers whose routes the engine returns; leave
+    `num_experts` None for a dense model (no routes)."""
+
+    prompt_ids: Tensor  # int64 [P]
+    num_layers: int = 0
+    topk: int = 0
+    num_experts: int | None = None
+    prompt_index: int = 0
+    sample_index: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    route_blocks: list[Tensor] = field(default_factory=list)  # rows received per turn, in order
+    route_rows_if_resent: int = 0  # rows a design resending the whole prefix every turn would receive
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _ids(self.prompt_ids)
+        if self.prompt_ids.numel() == 0:
+            raise MegagrpoError("a trajectory's prompt is empty; every prompt needs at least one token")
+        if self.num_experts is not None:
+            route_dtype(self.num_experts)  # validates
+
+    @property
+    def route_dtype(self) -> torch.dtype | None:
+        """The stored routes' dtype (`route_dtype(num_experts)`); None for a dense model."""
+        return None if self.num_experts is None else route_dtype(self.num_experts)
+
+    # ---------------------------------------------------------------- building
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_ids.numel() + sum(s.ids.numel() for s in self.segments)
+
+    @property
+    def routed_experts_start_len(self) -> int:
+        """The `routed_experts_start_len` of the next turn's request: the route rows already held."""
+        return self.num_tokens - 1 if self.segments else 0
+
+    def next_input_ids(self, new_env_ids: Sequence[int] | Tensor = ()) -> list[int]:
+        """The next turn's request ids: everything so far, then the ids to insert."""
+        return [*self.ids.tolist(), *_ids(new_env_ids).tolist()]
+
+    def add_turn(
+        self,
+        new_env_ids: Sequence[int] | Tensor,
+        generated_ids: Sequence[int] | Tensor,
+        logprobs: Sequence[float] | Tensor,
+        version: int | Sequence[int] | Tensor,
+        routes_rows: Tensor | None = None,
+        finish_reason: str = "stop",
+    ) -> None:
+        """Append one turn: the ids inserted before it (empty on the first turn), then the generated ids.
+
+        `routes_rows` int `[n, L, K]` are the rows the engine returned for a request of `next_input_ids(
+        new_env_ids)` with `routed_experts_start_len` read BEFORE this call: n = tokens after the turn - 1 -
+        that start. They are appended as they are; earlier rows are never touched. `version` is the policy
+        version that generated the turn (an int), or one per generated token."""
+        env, gen = _ids(new_env_ids), _ids(generated_ids)
+        if gen.numel() == 0:
+            raise ValueError("a model turn has at least one generated token")
+        if not self.segments and env.numel():
+            raise ValueError("the first turn inserts nothing: put those ids in the prompt")
+        lp = torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1)
+        if lp.numel() != gen.numel():
+            raise ValueError(f"{lp.numel()} logprobs for {gen.numel()} generated tokens")
+        versions = torch.as_tensor(version, dtype=torch.int64).reshape(-1)
+        if versions.numel() not in (1, gen.numel()):
+            raise ValueError(f"{versions.numel()} versions for {gen.numel()} generated tokens")
+        versions = versions.expand(gen.numel()).clone()
+        if finish_reason not in ("stop", "length"):
+            raise ValueError(f"finish_reason={finish_reason!r} is not 'stop' or 'length'")
+        start = self.routed_experts_start_len
+        tokens_after = self.num_tokens + env.numel() + gen.numel()
+        block = self._check_rows(routes_rows, tokens_after - 1 - start)
+        if env.numel():
+            self.segments.append(EnvSegment(env))
+        self.segments.append(ModelSegment(gen, lp, versions, finish_reason))
+        if block is not None:
+            self.route_blocks.append(block)
+            self.route_rows_if_resent += tokens_after - 1
+
+    def add_engine_output(self, out: dict, new_env_ids: Sequence[int] | Tensor = (), *, version: int) -> None:
+        """`add_turn` from one result of `sglang.Engine.async_generate` (input_ids = `next_input_ids(
+        new_env_ids)`, `return_logprob=True`, and with routes `routed_experts_start_len` as above)."""
+        meta = out["meta_info"]
+        gen = out["output_ids"]
+        lp = meta.get("output_token_logprobs")
+        if lp is None or len(lp) != len(gen):
+            raise RuntimeError(
+                f"SGLang returned {0 if lp is None else len(lp)} logprobs for {len(gen)} output tokens"
+            )
+        rows = None
+        if self.route_dtype is not None:
+            if meta.get("routed_experts") is None:
+                raise RuntimeError("the request returned no routed_experts; send return_routed_experts=True")
+            n = self.num_tokens + len(_ids(new_env_ids)) + len(gen) - 1 - self.routed_experts_start_len
+            rows = route_rows_from_b64(meta["routed_experts"], n, self.num_layers, self.topk)
+        self.add_turn(new_env_ids, gen, [float(x[0]) for x in lp], version, rows, finish_reason_of(meta))
+
+    def _check_rows(self, rows: Tensor | None, expect: int) -> Tensor | None:
+        if self.route_dtype is None:
+            if rows is not None:
+                raise ValueError("routes given for a trajectory built without num_experts (a dense model)")
+            return None
+        if rows is None:
+            raise ValueError("an MoE trajectory needs the routes of every turn")
+        if tuple(rows.shape) != (expect, self.num_layers, self.topk):
+            raise MegagrpoError(
+                f"the engine returned routes of shape {tuple(rows.shape)}, expected "
+                f"({expect}, {self.num_layers}, {self.topk}) = (new rows, layers, topk); check that the request "
+                f"used routed_experts_start_len={self.routed_experts_start_len} and that the rollout's "
+                "layers/topk match the served model"
+            )
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.num_experts):
+            raise MegagrpoError(
+                f"the engine returned expert indices in [{int(rows.min())}, {int(rows.max())}]; the model has "
+                f"{self.num_experts} experts (num_experts does not match the served model)"
+            )
+        return rows.to(self.route_dtype)
+
+    @classmethod
+    def from_completion(
+        cls, c: Completion, *, num_experts: int | None = None, version: int = 0
+    ) -> Trajectory:
+        """The one-segment trajectory of a single-turn completion; its ids, routes and logprobs are the
+        completion's (`routes` narrowed to `route_dtype(num_experts)`, same values)."""
+        L, K = (0, 0) if c.routes is None else (int(c.routes.shape[1]), int(c.routes.shape[2]))
+        if (c.routes is None) != (num_experts is None):
+            raise ValueError("pass num_experts exactly when the completion has routes")
+        t = cls(c.prompt_ids, L, K, num_experts, c.prompt_index, c.sample_index)
+        rows = None if c.routes is None else c.routes[: c.num_tokens - 1]
+        t.add_turn((), c.output_ids, c.logprobs, version, rows, c.finish_reason)
+        return t
+
+    # ---------------------------------------------------------------- per-token views
+
+    @property
+    def model_segments(self) -> list[ModelSegment]:
+        return [s for s in self.segments if isinstance(s, ModelSegment)]
+
+    @property
+    def turns(self) -> int:
+        return len(self.model_segments)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(s.ids.numel() for s in self.model_segments)
+
+    @property
+    def finish_reason(self) -> str:
+        """The last turn's finish reason ("length": the trajectory was cut by the token limit)."""
+        return self.model_segments[-1].finish_reason
+
+    @property
+    def ids(self) -> Tensor:
+        """int64 `[T]`: every token, in order."""
+        return torch.cat([self.prompt_ids, *(s.ids for s in self.segments)])
+
+    def _per_token(self, prompt_value, model_values, dtype: torch.dtype) -> Tensor:
+        parts = [torch.full((self.prompt_ids.numel(),), prompt_value, dtype=dtype)]
+        for s in self.segments:
+            if isinstance(s, ModelSegment):
+                parts.append(model_values(s).to(dtype))
+            else:
+                parts.append(torch.full((s.ids.numel(),), prompt_value, dtype=dtype))
+        return torch.cat(parts)
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """bool `[T]`: True on model tokens."""
+        return self._per_token(False, lambda s: torch.ones(s.ids.numel(), dtype=torch.bool), torch.bool)
+
+    @property
+    def logprobs(self) -> Tensor:
+        """float32 `[T]`: the sampler's logprob of each model token, 0 elsewhere."""
+        return self._per_token(0.0, lambda s: s.logprobs, torch.float32)
+
+    @property
+    def versions(self) -> Tensor:
+        """int64 `[T]`: the policy version that generated each model token, -1 elsewhere."""
+        return self._per_token(-1, lambda s: s.versions, torch.int64)
+
+    @property
+    def routes(self) -> Tensor | None:
+        """`route_dtype` `[T, L, K]`: row t = the route the engine used for token t; the last row NO_ROUTE."""
+        if self.route_dtype is None:
+            return None
+        last = torch.full((1, self.num_layers, self.topk), NO_ROUTE, dtype=self.route_dtype)
+        return torch.cat([*self.route_blocks, last])
+
+    @property
+    def route_rows_received(self) -> int:
+        return sum(int(b.shape[0]) for b in self.route_blocks)
+
+    @property
+    def route_bytes_received(self) -> int:
+        """Bytes of the route rows received over all turns, in the stored dtype: (T - 1) x L x K x itemsize."""
+        return sum(b.numel() * b.element_size() for b in self.route_blocks)

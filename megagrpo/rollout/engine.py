@@ -2,7 +2,9 @@
 
 `RolloutEngine` starts a `sglang.Engine` from a `RolloutConfig`, generates G completions per prompt in ONE
 batched `async_generate` call (so the scheduler sees the whole batch at once), releases and resumes its
-memory around training, and shuts down cleanly (context manager, `atexit`, exceptions).
+memory around training, and shuts down cleanly (context manager, `atexit`, exceptions). Multi-turn rollouts
+(`rollout.multi_turn`) send one request per trajectory turn instead (`generate_turn`, a coroutine on the
+engine's loop, with the turn's `routed_experts_start_len`); the scheduler batches the concurrent ones.
 
 On a machine without CUDA, call `megagrpo.compat.apply_cpu_compat(sglang=True)` first; the engine then runs
 SGLang's CPU platform (`device="cpu"`, `attention_backend="torch_native"`, no CUDA graphs).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -60,11 +63,21 @@ def _kill_pids(pids: Sequence[int], timeout: float | None = 30) -> None:
     psutil.wait_procs(procs, timeout=timeout)
 
 
+_MP_HELPERS = ("from multiprocessing.resource_tracker import", "from multiprocessing.forkserver import")
+
+
 def _is_mp_helper(p: psutil.Process) -> bool:
+    """multiprocessing's shared resource tracker or fork server, by the code it runs (`-c CODE`). Only that
+    argument is read: every spawned child's command line carries the parent's warning filters as `-W`
+    options, one of which names the resource tracker, so a scheduler or detokenizer not yet retitled by
+    SGLang would match a search of the whole line, go unrecorded, outlive `shutdown` and hang the
+    process's exit (multiprocessing joins its live children)."""
     try:
-        return any("resource_tracker" in a or "forkserver" in a for a in p.cmdline())
+        args = p.cmdline()
     except psutil.Error:
         return False
+    code = args[args.index("-c") + 1] if "-c" in args[:-1] else ""
+    return code.startswith(_MP_HELPERS)
 
 
 class RolloutEngine:
@@ -118,6 +131,9 @@ class RolloutEngine:
         if self.on_cpu:
             # SGLang's CPU platform: torch-native attention, no CUDA graphs; the memory saver needs libcuda.
             kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+            # The packed weight sync's loader (a string: rollout does not import sync): `direct`'s copy,
+            # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`).
+            kw["custom_weight_loader"] = ["megagrpo.sync.weights.load_packed"]
         else:
             kw["enable_memory_saver"] = True  # release/resume really frees device memory
             kw["base_gpu_id"] = cfg.base_gpu_id
@@ -157,6 +173,15 @@ class RolloutEngine:
         self.topk = int(getattr(hf, "num_experts_per_tok", 0) or 0)
         self.context_len = int(self._engine.tokenizer_manager.context_len)
         self.vocab_size = int(hf.vocab_size)
+        experts = next(
+            (
+                getattr(hf, k)
+                for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                if getattr(hf, k, None)
+            ),
+            0,
+        )
+        self.num_experts = int(experts) if self.topk else None
         self.tokenizer = self._engine.tokenizer_manager.tokenizer
         self._keep_sigterm()
         return self
@@ -382,6 +407,65 @@ class RolloutEngine:
                 ]
             )
         return groups
+
+    @property
+    def loop(self) -> Any:
+        """The engine's event loop: every request of this engine is awaited on it (`run_until_complete`)."""
+        return self.engine.loop
+
+    @property
+    def routes_num_experts(self) -> int | None:
+        """The expert count of the routes this engine returns; None when it returns none (dense model, or
+        `rollout.return_routes` off)."""
+        return self.num_experts if self.engine.server_args.enable_return_routed_experts else None
+
+    async def generate_turn(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingConfig,
+        *,
+        seed: int | None,
+        routed_experts_start_len: int = 0,
+        max_new_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """One request, awaited on `self.loop`: SGLang's raw result for `input_ids` (output ids, sampler
+        logprobs, finish reason and, when the engine returns routes, the route rows of sequence positions
+        `[routed_experts_start_len, len(input_ids) + new tokens - 1)`; `rollout.trajectory` decodes them).
+
+        One turn of a multi-turn trajectory: each trajectory sends its own requests, because SGLang takes one
+        `routed_experts_start_len` per call. `max_new_tokens` overrides `sampling.max_new_tokens` (the
+        trajectory's remaining budget). Raises MegagrpoError when the engine sleeps, for an empty request, a
+        start outside `[0, len(input_ids)]`, or a request past the engine's context."""
+        if self.asleep:
+            raise MegagrpoError(
+                f"the rollout engine has released {sorted(self._released)}; call resume() first"
+            )
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise MegagrpoError(
+                "generate_turn() got an empty request; every request needs at least one token"
+            )
+        if not 0 <= routed_experts_start_len <= len(ids):
+            raise MegagrpoError(
+                f"routed_experts_start_len={routed_experts_start_len} is outside [0, {len(ids)}] (the request's "
+                "tokens); it is the number of route rows the trajectory holds"
+            )
+        if max_new_tokens is not None:
+            sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
+        if len(ids) + sampling.max_new_tokens > self.context_len:
+            raise MegagrpoError(
+                f"a request of {len(ids)} tokens with max_new_tokens={sampling.max_new_tokens} exceeds the engine "
+                f"context of {self.context_len} tokens (rollout.max_context_len); lower the trajectory's "
+                "max_tokens or raise the context"
+            )
+        want_routes = self.routes_num_experts is not None
+        return await self.engine.async_generate(
+            input_ids=ids,
+            sampling_params=self._sampling_params(sampling, seed),
+            return_logprob=True,
+            return_routed_experts=want_routes,
+            routed_experts_start_len=routed_experts_start_len if want_routes else 0,
+        )
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Engine log p(token t | tokens < t) for t = 1 .. L-1 of each sequence: float32 `[L - 1]` each.

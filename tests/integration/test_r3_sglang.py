@@ -5,6 +5,11 @@
 2. The sampler's router weights go through an fp8 (e4m3, per-tensor scale) round trip, so the sampler
    routes some tokens differently: the learner's R3 logprobs are at least as close to the sampler's as
    its logprobs without replay.
+3. Across turns: 3-turn trajectories driven by `rollout.multi_turn` (an environment that inserts a tool
+   message after each turn), each turn asking the engine for its new route rows only. With the same weights
+   the R3 forward reproduces the sampler's logprobs on every model token; with the fp8 routers replay brings
+   them closer than no replay; the rows returned at turn 1 are the final table's, and the route bytes are
+   linear in the tokens.
 
 Generation runs here (the session engine); the learner runs in one forked process (tests/dist harness),
 which keeps megatron's CPU patches out of the engine's process.
@@ -28,6 +33,95 @@ def _fp8_round_trip(w: torch.Tensor) -> torch.Tensor:
     return (w / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
 
 
+MT_ROWS = [{"prompt": "What is 12 + 34?"}, {"prompt": "Add 7 and 5, then double it."}]
+MT_TURNS, MT_G = 3, 2
+
+
+class FixedToolEnv:
+    """Answers every model turn with the same tool message; done after MT_TURNS turns (no tools parsed)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    async def step(self, assistant_message):
+        from megagrpo.envs.base import StepResult
+
+        self.turns += 1
+        if self.turns >= MT_TURNS:
+            return StepResult([], True, 0.0)
+        return StepResult([{"role": "tool", "name": "calculator", "content": "46"}], False)
+
+    def tool_schemas(self):
+        return []
+
+
+class RecordingEngine:
+    """The session engine, with each turn's request and SGLang's raw answer kept."""
+
+    def __init__(self, engine) -> None:
+        self.inner, self.requests = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def generate_turn(self, input_ids, sampling, **kw):
+        out = await self.inner.generate_turn(input_ids, sampling, **kw)
+        self.requests.append((list(input_ids), kw["routed_experts_start_len"], out))
+        return out
+
+
+def _multi_turn_batch(engine, tmp: Path, name: str, seed: int) -> tuple[Path, dict]:
+    """3-turn trajectories on the engine -> the learner batch (saved), and the routes facts checked here."""
+    from megagrpo.rollout.config import SamplingConfig
+    from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes, trajectory_batch
+    from megagrpo.rollout.trajectory import route_rows_from_b64
+
+    rec = RecordingEngine(engine)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=seed)
+    groups, stats = rollout_episodes(
+        rec, MT_ROWS, FixedToolEnv, sampling, MultiTurnLimits(max_turns=MT_TURNS), group_size=MT_G
+    )
+    trajs = [e.trajectory for g in groups for e in g]
+    facts = {
+        "turns": [t.turns for t in trajs],
+        "env_tokens": stats.env_tokens,
+        "model_tokens": stats.model_tokens,
+    }
+    facts.update(turn1_rows_exact=[], every_turn_rows_exact=[], rows_on_the_wire=[], tokens=[], bytes=[])
+    for t in trajs:
+        ids = t.ids.tolist()
+        mine = [
+            (i, s, o)
+            for i, s, o in rec.requests
+            if ids[: len(i) + len(o["output_ids"])] == i + o["output_ids"]
+        ]
+        blocks = []
+        for i, s, o in mine:
+            n = len(i) + len(o["output_ids"]) - 1 - s
+            rows = route_rows_from_b64(o["meta_info"]["routed_experts"], n, engine.num_layers, engine.topk)
+            blocks.append((s, rows))
+        table = t.routes.to(torch.int32)
+        facts["turn1_rows_exact"].append(
+            blocks[0][0] == 0 and torch.equal(table[: len(blocks[0][1])], blocks[0][1])
+        )
+        facts["every_turn_rows_exact"].append(all(torch.equal(table[s : s + len(r)], r) for s, r in blocks))
+        facts["rows_on_the_wire"].append(sum(len(r) for _, r in blocks))
+        facts["tokens"].append(t.num_tokens)
+        facts["bytes"].append(t.route_bytes_received)
+    facts["layers_topk_itemsize"] = [
+        engine.num_layers,
+        engine.topk,
+        torch.empty(0, dtype=t.route_dtype).element_size(),
+    ]
+    batch = trajectory_batch([[e.trajectory for e in g] for g in groups], torch.zeros(len(trajs)), pad_id=0)
+    path = tmp / f"{name}.pt"
+    torch.save(batch, path)
+    return path, facts
+
+
 def _batch(engine, tmp: Path, name: str) -> Path:
     from megagrpo.rollout.config import SamplingConfig
     from megagrpo.trainer.batch import rollout_batch
@@ -46,19 +140,23 @@ def measured(sglang_engine, sglang_model_dir, hf_reference, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("r3")
     same = _batch(sglang_engine, tmp, "same")
+    mt_same, mt_same_facts = _multi_turn_batch(sglang_engine, tmp, "mt_same", seed=1)
     sd = hf_reference.state_dict()
     routers = [(n, t.detach().clone()) for n, t in sd.items() if n.endswith("mlp.gate.weight")]
     assert routers, "no router weights found in the HF model"
     try:
         sync_weights(sglang_engine, bucketize([(n, _fp8_round_trip(t)) for n, t in routers]), partial=True)
         noisy = _batch(sglang_engine, tmp, "noisy")
+        mt_noisy, mt_noisy_facts = _multi_turn_batch(sglang_engine, tmp, "mt_noisy", seed=2)
     finally:
         sync_weights(sglang_engine, bucketize(routers), partial=True)
     launch(
         "tests.integration.test_r3_sglang:worker", 1, tmp, timeout=900,
-        model_dir=str(sglang_model_dir), batches={"same": str(same), "noisy": str(noisy)},
+        model_dir=str(sglang_model_dir),
+        batches={"same": str(same), "noisy": str(noisy), "mt_same": str(mt_same), "mt_noisy": str(mt_noisy)},
     )  # fmt: skip
     res = json.loads((tmp / "rank0.json").read_text())
+    res["mt_same"]["engine"], res["mt_noisy"]["engine"] = mt_same_facts, mt_noisy_facts
     print("R3 end to end (learner vs engine):", json.dumps(res, indent=1))  # the figures, with pytest -s
     return res
 
@@ -77,6 +175,35 @@ def test_r3_logprobs_are_at_least_as_close_to_the_sampler(measured):
     m = measured["noisy"]
     assert m["agreement_rollout_old"] < 1.0, "the fp8 round trip changed no route; the case is vacuous"
     assert m["r3_vs_sampler_mean"] <= m["free_vs_sampler_mean"] + 1e-7
+    assert m["replay_unconsumed"] == 0 and m["replay_fallback_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_multi_turn_r3_reproduces_the_sampler_on_every_model_token(measured):
+    m, e = measured["mt_same"], measured["mt_same"]["engine"]
+    assert e["turns"] == [MT_TURNS] * len(MT_ROWS) * MT_G and e["env_tokens"] > 0
+    assert m["tokens"] == e["model_tokens"]  # the loss mask holds the model tokens, and only them
+    assert m["agreement_rollout_old"] == 1.0  # every token's route (environment tokens too) is the engine's
+    assert m["r3_vs_sampler_max"] < 1e-3  # the same-weights tolerance, on every model token (max, not mean)
+    assert m["replay_unconsumed"] == 0 and m["replay_fallback_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_multi_turn_routes_keep_turn_one_rows_and_the_payload_is_linear(measured):
+    for case in ("mt_same", "mt_noisy"):
+        e = measured[case]["engine"]
+        assert all(e["turn1_rows_exact"]) and all(e["every_turn_rows_exact"]), case
+        layers, topk, itemsize = e["layers_topk_itemsize"]
+        assert e["rows_on_the_wire"] == [n - 1 for n in e["tokens"]], case  # new rows only, each turn
+        assert e["bytes"] == [(n - 1) * layers * topk * itemsize for n in e["tokens"]], case
+
+
+@pytest.mark.slow
+def test_multi_turn_without_replay_the_noisy_sampler_is_not_reproduced(measured):
+    m = measured["mt_noisy"]
+    assert m["agreement_rollout_old"] < 1.0, "the fp8 round trip changed no route; the case is vacuous"
+    assert m["r3_vs_sampler_mean"] < m["free_vs_sampler_mean"]
+    assert m["r3_vs_sampler_max"] < m["free_vs_sampler_max"]
     assert m["replay_unconsumed"] == 0 and m["replay_fallback_tokens"] == 0
 
 

@@ -37,3 +37,43 @@ def test_deterministic_maps_to_sglang_on_gpu_only(model_dir, deterministic):
 def test_default_is_off():
     assert RolloutConfig("m").deterministic is False
     assert config_from_dict({"model": {"hf_path": "m"}}).rollout.deterministic is False
+
+
+class _Proc:
+    def __init__(self, cmdline):
+        self._cmdline = cmdline
+
+    def cmdline(self):
+        return self._cmdline
+
+
+WARN = "-Wignore:resource_tracker:UserWarning:multiprocessing.resource_tracker"  # console.py's child filter
+
+
+@pytest.mark.parametrize(
+    "cmdline,helper",
+    [
+        # a scheduler or detokenizer not yet retitled by SGLang: its -W option names the resource tracker
+        (
+            [
+                "python",
+                "-B",
+                WARN,
+                "-c",
+                "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)",
+                "--multiprocessing-fork",
+            ],
+            False,
+        ),  # fmt: skip
+        (["sglang::detokenizer", "", ""], False),
+        (["python", WARN, "-c", "from multiprocessing.resource_tracker import main;main(7)"], True),
+        (["python", "-c", "from multiprocessing.forkserver import main; main(3, 4, None)"], True),
+        (["python", "-c"], False),
+    ],
+)
+def test_only_multiprocessing_helpers_are_left_out_of_the_engines_processes(cmdline, helper):
+    """An engine's processes are recorded at start and killed by shutdown; a child misread as the shared
+    resource tracker was never killed and hung the trainer's exit (multiprocessing joins live children)."""
+    from megagrpo.rollout.engine import _is_mp_helper
+
+    assert _is_mp_helper(_Proc(cmdline)) is helper

@@ -1,0 +1,399 @@
+"""The turn driver of multi-turn rollouts: one coroutine per trajectory against one engine, tools in between.
+
+`rollout_episodes(engine, rows, make_env, sampling, limits, ...)` runs G trajectories per data row, each its
+own coroutine, all gathered on the engine's own loop (`engine.loop.run_until_complete`), so that while one
+trajectory waits on a tool (`envs.tools` runs tools on threads, off the loop) the others decode. Per
+trajectory:
+
+  env.reset(row) -> messages -> ChatDeltas.prompt (the model's chat template, tools= the env's) -> prompt ids
+  per turn k = 0, 1, ...:
+    engine.generate_turn(ids so far + the environment's ids, routed_experts_start_len = the rows held)
+      -> Trajectory.add_engine_output: the model segment (ids as generated, sampler logprobs, the policy
+         version, the new route rows only; `rollout.trajectory` module doc)
+    ChatDeltas.close_model_turn -> the template's glue; ToolCallParser (SGLang's) -> the assistant message
+    env.step(assistant message) -> done / reward, or messages -> ChatDeltas.append -> the next environment ids
+  until the environment says done, `max_turns` model turns, or `max_tokens`.
+
+The recorder (`Trajectory`) knows nothing of this loop: anything that can say "these ids were inserted, then
+the engine returned this" can build one (an OpenAI-compatible session endpoint later).
+
+Limits (`MultiTurnLimits`). `max_tokens` bounds a trajectory's tokens after its prompt (model and environment
+tokens: the learner row's response length); each turn asks for at most `min(sampling.max_new_tokens, what is
+left)`. A trajectory is truncated, and counted, when its `max_turns`-th turn leaves the environment not done
+(the environment has seen that turn: its tool calls ran, their results are dropped), when the budget runs out
+inside a model turn (the cut turn is not sent to the environment, whose reward stays None), or when the
+environment's next messages would not leave one token for the model (they are not appended). A model turn cut
+by `sampling.max_new_tokens` alone is not a truncation: the environment answers it, like any other.
+
+Seeds. Turn k of the trajectory with global index i (`index_offset + row * G + sample`, as in
+`RolloutEngine.generate`) samples with `turn_seed(sampling.seed, i, k)`; `sampling.seed` is the step's base
+(the trainer's `request_seed_base(seed, step, call)`), so the number of engines changes no trajectory.
+
+Failure policy. What the model writes (bad calls, unknown tools, failing tools) is answered by the
+environment and counted, never raised. A chat template that is not append-only, an environment that breaks
+its protocol and an engine error are raised; the other trajectories of the batch finish first, so that no
+request is left running on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from megagrpo.envs.base import Environment
+from megagrpo.envs.tools import ToolCounters
+from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.chat_delta import ChatDeltas
+from megagrpo.rollout.completion import NO_ROUTE
+from megagrpo.rollout.config import SamplingConfig
+from megagrpo.rollout.tool_calls import ParsedTurn, ToolCallParser, check_parser_name
+from megagrpo.rollout.trajectory import Trajectory
+
+Version = int | Callable[[], int]
+
+
+class TurnEngine(Protocol):
+    """What the driver needs of an engine (`RolloutEngine`, or a test's fake)."""
+
+    tokenizer: Any
+    num_layers: int
+    topk: int
+    context_len: int
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def routes_num_experts(self) -> int | None: ...
+
+    async def generate_turn(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingConfig,
+        *,
+        seed: int | None,
+        routed_experts_start_len: int = 0,
+        max_new_tokens: int | None = None,
+    ) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class MultiTurnLimits:
+    """Per-trajectory limits (module doc): model turns, and tokens after the prompt."""
+
+    max_turns: int = 4
+    max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise MegagrpoError(f"rollout.multi_turn.max_turns={self.max_turns} must be >= 1")
+        if self.max_tokens < 1:
+            raise MegagrpoError(f"rollout.multi_turn.max_tokens={self.max_tokens} must be >= 1")
+
+
+@dataclass
+class Episode:
+    """One driven trajectory and what the environment said about it.
+
+    `reward`: the environment's (None leaves scoring to the reward functions); `done`: the environment ended
+    the episode; `truncation`: "max_turns" or "max_tokens" when a limit ended it instead; `tools`: its tool
+    outcomes; `info`: the last step's info."""
+
+    trajectory: Trajectory
+    reward: float | None = None
+    done: bool = False
+    truncation: str | None = None
+    tools: ToolCounters = field(default_factory=ToolCounters)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def truncated(self) -> bool:
+        return self.truncation is not None
+
+    @property
+    def env_tokens(self) -> int:
+        """Tokens the environment inserted after the prompt (glue, tool results, user turns)."""
+        t = self.trajectory
+        return t.num_tokens - t.prompt_ids.numel() - t.num_model_tokens
+
+
+@dataclass
+class MultiTurnStats:
+    """Counters of a batch of episodes; `metrics()` names them for the step's log."""
+
+    trajectories: int = 0
+    turns: int = 0
+    tools: ToolCounters = field(default_factory=ToolCounters)
+    truncated_max_turns: int = 0
+    truncated_max_tokens: int = 0
+    model_tokens: int = 0
+    env_tokens: int = 0
+    route_bytes_received: int = 0
+    route_rows_received: int = 0
+    route_rows_if_resent: int = 0
+
+    def add(self, e: Episode) -> None:
+        t = e.trajectory
+        self.trajectories += 1
+        self.turns += t.turns
+        self.tools.add(e.tools)
+        self.truncated_max_turns += e.truncation == "max_turns"
+        self.truncated_max_tokens += e.truncation == "max_tokens"
+        self.model_tokens += t.num_model_tokens
+        self.env_tokens += e.env_tokens
+        self.route_bytes_received += t.route_bytes_received
+        self.route_rows_received += t.route_rows_received
+        self.route_rows_if_resent += t.route_rows_if_resent
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.trajectories, 1)
+        tc = self.tools
+        return {
+            "rollout/turns_mean": self.turns / n,
+            "rollout/tool_calls_per_traj": tc.tool_calls / n,
+            "rollout/tool_errors": float(tc.tool_errors),
+            "rollout/tool_timeouts": float(tc.tool_timeouts),
+            "rollout/malformed_calls": float(tc.malformed_calls),
+            "rollout/unknown_tools": float(tc.unknown_tools),
+            "rollout/oversize_results": float(tc.oversize_results),
+            "rollout/truncated_max_turns_frac": self.truncated_max_turns / n,
+            "rollout/truncated_max_tokens_frac": self.truncated_max_tokens / n,
+            "rollout/env_token_frac": self.env_tokens / max(self.env_tokens + self.model_tokens, 1),
+            "rollout/route_bytes_per_traj": self.route_bytes_received / n,
+        }
+
+
+def turn_seed(base: int | None, index: int, turn: int) -> int | None:
+    """The sampling seed of turn `turn` of the trajectory with global index `index`: a hash of the three, so
+    no two (index, turn) pairs of a step share a seed; None when the step has no seed."""
+    if base is None:
+        return None
+    digest = hashlib.blake2b(f"{base}:{index}:{turn}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big")
+
+
+class ParserCache:
+    """One `ToolCallParser` per distinct tool set (environments of a batch usually share theirs)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cache: dict[str, ToolCallParser] = {}
+
+    def get(self, tools: list[dict[str, Any]]) -> ToolCallParser | None:
+        if not tools:
+            return None
+        key = json.dumps(tools, sort_keys=True, default=str)
+        if key not in self._cache:
+            self._cache[key] = ToolCallParser(self.name, tools)
+        return self._cache[key]
+
+
+async def run_episode(
+    engine: TurnEngine,
+    env: Environment,
+    row: dict[str, Any],
+    sampling: SamplingConfig,
+    limits: MultiTurnLimits,
+    parsers: ParserCache,
+    *,
+    index: int,
+    prompt_index: int = 0,
+    sample_index: int = 0,
+    version: Version = 0,
+    template_kwargs: dict[str, Any] | None = None,
+) -> Episode:
+    """Drive one trajectory to its end (module doc); awaited on the engine's loop."""
+    messages = await env.reset(row)
+    tools = list(env.tool_schemas() or [])
+    chat = ChatDeltas(engine.tokenizer, tools=tools, **(template_kwargs or {}))
+    prompt = chat.prompt(messages)
+    experts = engine.routes_num_experts
+    traj = Trajectory(
+        prompt,
+        engine.num_layers if experts is not None else 0,
+        engine.topk if experts is not None else 0,
+        experts,
+        prompt_index,
+        sample_index,
+    )
+    parser = parsers.get(tools)
+    own = ToolCounters()
+    ep = Episode(traj)
+    P, env_ids = len(prompt), []
+    for turn in range(limits.max_turns):
+        held = traj.num_tokens + len(env_ids)
+        budget = min(sampling.max_new_tokens, limits.max_tokens - (held - P), engine.context_len - held)
+        if budget < 1 and turn == 0:
+            raise MegagrpoError(
+                f"data row {prompt_index}: its prompt has {P} tokens, which leaves no room to generate within the "
+                f"engine context of {engine.context_len} tokens (rollout.max_context_len); shorten the prompt"
+            )
+        if budget < 1:
+            ep.truncation = "max_tokens"
+            break
+        out = await engine.generate_turn(
+            traj.next_input_ids(env_ids),
+            sampling,
+            seed=turn_seed(sampling.seed, index, turn),
+            routed_experts_start_len=traj.routed_experts_start_len,
+            max_new_tokens=budget,
+        )
+        traj.add_engine_output(out, env_ids, version=version() if callable(version) else version)
+        env_ids = []
+        cut = traj.finish_reason == "length" and budget < sampling.max_new_tokens
+        if cut:  # the trajectory's budget, not the turn's, ended this turn mid-way
+            ep.truncation = "max_tokens"
+            break
+        glue = chat.close_model_turn(out["output_ids"])
+        content = chat.messages[-1]["content"]
+        parsed = parser.parse(content) if parser is not None else ParsedTurn(content)
+        own.tool_calls += len(parsed.calls)
+        own.malformed_calls += len(parsed.malformed)
+        step = await env.step(parsed.assistant_message(f"call_{turn}"))
+        ep.info = dict(step.info)
+        if step.done:
+            ep.done, ep.reward = True, step.reward
+            break
+        if turn + 1 == limits.max_turns:
+            ep.truncation = "max_turns"
+            break
+        if not step.messages:
+            raise MegagrpoError(
+                f"environment {type(env).__name__} returned no message and done=False at turn {turn}; a step "
+                "either appends messages (tool results, a user turn) or ends the episode"
+            )
+        env_ids = glue + chat.append(step.messages)
+    counted = getattr(env, "counters", None)  # a ToolEnvironment counts every call it answered
+    ep.tools = counted if isinstance(counted, ToolCounters) else own
+    return ep
+
+
+def rollout_episodes(
+    engine: TurnEngine,
+    rows: Sequence[dict[str, Any]],
+    make_env: Callable[[], Environment],
+    sampling: SamplingConfig,
+    limits: MultiTurnLimits,
+    *,
+    tool_parser: str = "qwen25",
+    group_size: int = 1,
+    index_offset: int = 0,
+    version: Version = 0,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[list[Episode]], MultiTurnStats]:
+    """G = `group_size` episodes per data row, as `[n_rows][G]`, all concurrent on the engine's loop, and
+    their counters. `make_env()` builds a fresh environment per trajectory; `version` is the policy version
+    (or a callable read after each turn's request, for async mode). Seeds: module doc.
+
+    Cost, between this process and its engine: each turn sends the trajectory's ids so far (so O(turns x T)
+    ints per trajectory, as any engine without sessions needs) and receives its new tokens and only its new
+    route rows: (T - 1) x L x K int32 on the wire per trajectory of T tokens whatever the turns, stored in
+    `route_dtype(num_experts)`. Nothing crosses ranks here; `rollout.groups` splits rows over engines."""
+    if not rows:
+        raise MegagrpoError("rollout_episodes() got no data rows; pass at least one")
+    if group_size < 1:
+        raise MegagrpoError(f"group_size={group_size} must be >= 1")
+    check_parser_name(tool_parser)
+    parsers = ParserCache(tool_parser)
+
+    async def gather() -> list[Episode | BaseException]:
+        coros = [
+            run_episode(
+                engine,
+                make_env(),
+                dict(row),
+                sampling,
+                limits,
+                parsers,
+                index=index_offset + i * group_size + g,
+                prompt_index=i,
+                sample_index=g,
+                version=version,
+                template_kwargs=template_kwargs,
+            )  # fmt: skip
+            for i, row in enumerate(rows)
+            for g in range(group_size)
+        ]
+        return await asyncio.gather(*coros, return_exceptions=True)
+
+    results = engine.loop.run_until_complete(gather())
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    flat: list[Episode] = results  # type: ignore[assignment]
+    stats = MultiTurnStats()
+    for e in flat:
+        stats.add(e)
+    groups = [flat[i * group_size : (i + 1) * group_size] for i in range(len(rows))]
+    return groups, stats
+
+
+def trajectory_batch(
+    groups: list[list[Trajectory]],
+    advantages: Tensor,
+    *,
+    pad_id: int,
+    rewards: Tensor | None = None,
+    truncated: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Trajectories -> the learner's padded batch: the keys and layout of `trainer.batch.rollout_batch`
+    (one row per trajectory, group-major; column t = the value for token t), which a one-turn trajectory
+    reproduces exactly. Differences, all of them per-token facts a completion does not have:
+      loss_mask     True on model tokens only (environment tokens between turns take no loss)
+      response_len  the tokens after the prompt, environment tokens included
+      truncated     `truncated` when given (`Episode.truncated`), else the last turn stopped at its length
+      routes        `[B, T, L, K]` in the trajectories' stored dtype (`route_dtype(num_experts)`, which
+                    `moe.routes.validate_sampler_routes` accepts as it accepts int32); -1 for padding
+      versions      int64 `[B, T]`: the policy version of each model token, -1 elsewhere
+    """
+    trajs = [t for g in groups for t in g]
+    B = len(trajs)
+    if advantages.numel() != B:
+        raise ValueError(f"advantages has {advantages.numel()} entries for {B} trajectories")
+    lens = [t.num_tokens for t in trajs]
+    T = max(lens)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    sampler_logp = torch.zeros(B, T, dtype=torch.float32)
+    versions = torch.full((B, T), -1, dtype=torch.int64)
+    with_routes = all(t.route_dtype is not None for t in trajs)
+    routes = None
+    if with_routes:
+        t0 = trajs[0]
+        routes = torch.full((B, T, t0.num_layers, t0.topk), NO_ROUTE, dtype=t0.route_dtype)
+    for i, t in enumerate(trajs):
+        n = lens[i]
+        input_ids[i, :n] = t.ids
+        loss_mask[i, :n] = t.loss_mask
+        sampler_logp[i, :n] = t.logprobs
+        versions[i, :n] = t.versions
+        if routes is not None:
+            routes[i, :n] = t.routes
+    if truncated is None:
+        truncated = torch.tensor([t.finish_reason == "length" for t in trajs], dtype=torch.bool)
+    batch = {
+        "input_ids": input_ids,
+        "seq_lens": torch.tensor(lens, dtype=torch.int64),
+        "loss_mask": loss_mask,
+        "sampler_logp": sampler_logp,
+        "advantages": advantages.reshape(B).to(torch.float32),
+        "response_len": torch.tensor(
+            [n - t.prompt_ids.numel() for n, t in zip(lens, trajs)], dtype=torch.int64
+        ),
+        "truncated": truncated.reshape(B).to(torch.bool),
+        "versions": versions,
+    }
+    if routes is not None:
+        batch["routes"] = routes
+    if rewards is not None:
+        if rewards.numel() != B:
+            raise ValueError(f"rewards has {rewards.numel()} entries for {B} trajectories")
+        batch["rewards"] = rewards.reshape(B).to(torch.float32)
+    return batch

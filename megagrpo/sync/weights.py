@@ -8,15 +8,16 @@ transport manages that without holding the whole export: the CPU engine stages, 
 
 Transport, CPU engine (TP=1): the parent packs each bucket into SGLang's own parameter layout
 (`sglang_layout`: q/k/v fused, gate/up fused, one `w13_weight [E, 2I, H]` and one `w2_weight [E, H, I]` per
-MoE layer), in the engine's dtype, directly in shared memory, and sends it with `load_format="direct"`: the
-scheduler copies each tensor into its parameter with one `copy_`. Why: the HF-named path costs a constant
+MoE layer), in the engine's dtype, directly in shared memory, and sends it with `load_format="direct"` (or
+`load_packed`, the same load that also keeps the shared memory mapped in the scheduler): the scheduler
+copies each tensor into its parameter with one `copy_`. Why: the HF-named path costs a constant
 per TENSOR on both sides (one fd handshake with the parent's resource sharer per tensor, and in SGLang's MoE
 `load_weights` a narrow + copy per expert shard after a linear scan of the expert map, so O(E^2) string
 tests per layer), and on a loaded CPU every small torch op also pays an OpenMP barrier. Packed, a sync is
 about 10 tensors per layer whatever the number of experts, so its time follows the bytes. The packed
 path is used when the engine holds every packed name (looked up once per engine) and, for `partial`
 syncs, when every fused group is complete; otherwise the HF-named path (`load_weights`) is used. All
-buckets are packed (and checked) before the first is sent, into shared-memory staging buffers kept per
+buckets are packed (and checked) before the first is sent, into one shared-memory staging buffer kept per
 engine (`_Staging`): one extra copy of the model in the engine's dtype, held while the engine lives.
 
 Transport, GPU engine: one `FlattenedTensorBucket` per bucket (`load_format="flattened_bucket"`), so each
@@ -53,7 +54,7 @@ class SyncStats:
     buckets: int  # update_weights_from_tensor calls
     tensors: int  # HF tensors given
     checksum_ok: bool | None  # None when no checksum was asked for
-    packed: bool = False  # True when sent in SGLang's parameter layout (load_format="direct")
+    packed: bool = False  # True when sent in SGLang's parameter layout (load_format "direct" or load_packed)
 
     @property
     def gbps(self) -> float:
@@ -194,40 +195,87 @@ def _flattened_payload(flat: Any, tp_size: int) -> list[Any]:
 
 
 class _Staging:
-    """Shared-memory staging buffers of one engine, one per bucket position, reused from sync to sync.
+    """ONE shared-memory buffer per engine, holding every packed tensor of a sync, reused from sync to sync.
 
-    Each packed bucket is written into ONE flat shared-memory buffer (its tensors are views), so pickling
-    it passes a single fd to the scheduler instead of one per tensor, and a buffer's pages are faulted in
-    and zeroed by the kernel once, not on every sync. Reuse is safe because `update_weights_from_tensor`
-    returns only after the scheduler has copied the bucket into its parameters. Cost: the buffers stay
-    allocated while the engine lives (one copy of the model in the engine's dtype).
+    Each send bucket's tensors are views into it, so pickling a bucket passes the same single fd to the
+    scheduler on every call, and the buffer's pages are faulted in and zeroed by the kernel once, not on
+    every sync. One buffer rather than one per bucket lets the scheduler keep ONE mapping of it from sync
+    to sync (`load_packed`): mapping 205 MB afresh costs the scheduler's copy 18 ms of page faults and
+    unmapping, about one plain copy of the bytes (docs/scaling.md). Reuse is safe because
+    `update_weights_from_tensor` returns only after the scheduler has copied the bucket into its
+    parameters. Cost: the buffer stays allocated while the engine lives (one copy of the model in the
+    engine's dtype), and the scheduler maps the same pages (no second copy).
     """
 
     _ALIGN = 64  # bytes; every view starts aligned like a fresh allocation
 
     def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []  # uint8 [nbytes], shared memory
+        self.buffer = torch.empty(0, dtype=torch.uint8)  # uint8 [nbytes], shared memory
+        self.used = 0
 
-    def views(self, index: int, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-        """Contiguous tensors of the given (shape, dtype), all inside buffer `index`."""
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += -(-n // self._ALIGN) * self._ALIGN
-        while len(self.buffers) <= index:
-            self.buffers.append(torch.empty(0, dtype=torch.uint8))
-        if self.buffers[index].numel() < total:
+    @classmethod
+    def nbytes(cls, specs: Iterable[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        """Bytes that views of these (shape, dtype) take, each aligned."""
+        return sum(-(-math.prod(shape) * dtype.itemsize // cls._ALIGN) * cls._ALIGN for shape, dtype in specs)
+
+    def begin(self, total: int) -> None:
+        """Start a sync that takes at most `total` bytes of views; the buffer grows (a new one) only if needed."""
+        if self.buffer.numel() < total:
             storage = torch.UntypedStorage._new_shared(max(total, 1))
-            self.buffers[index] = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (max(total, 1),))
-        buf = self.buffers[index]
+            self.buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (max(total, 1),))
+        self.used = 0
+
+    def views(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        """Contiguous tensors of the given (shape, dtype), the next ones in the buffer."""
+        if self.used + self.nbytes(specs) > self.buffer.numel():
+            raise AssertionError(
+                f"staging overrun: {self.used} + {self.nbytes(specs)} > {self.buffer.numel()}"
+            )
         out = []
-        for (shape, dtype), off, n in zip(specs, offsets, sizes):
-            out.append(buf[off : off + n].view(dtype).view(shape))
+        for shape, dtype in specs:
+            n = math.prod(shape) * dtype.itemsize
+            out.append(self.buffer[self.used : self.used + n].view(dtype).view(shape))
+            self.used += self.nbytes([(shape, dtype)])
         return out
 
 
 _STAGING: weakref.WeakKeyDictionary[Any, _Staging] = weakref.WeakKeyDictionary()
+
+# The custom weight loader of CPU engines (`rollout.engine` names it in `custom_weight_loader`).
+PACKED_LOADER = f"{__name__}.load_packed"
+_HELD: list[torch.UntypedStorage] = []  # in the scheduler process: the storages of the last packed load
+
+
+def load_packed(model: torch.nn.Module, named_tensors: list[NamedTensor]) -> None:
+    """SGLang custom weight loader for packed syncs; runs in the CPU engine's scheduler process.
+
+    Loads as SGLang's `load_format="direct"` does (one `copy_` per parameter, by SGLang name), then keeps
+    the received tensors' storages (the parent's `_Staging` buffer, mapped here) until the next call.
+    While a storage lives, torch's `rebuild_storage_fd` returns it for the same shared-memory file instead
+    of mapping the file again, so the next sync's copy reads pages that are already mapped: no page faults
+    and no unmap (18 ms of the 205 MB load here, half of it). Holds no memory of its own: the pages are the
+    parent's staging, which lives as long as the engine.
+    """
+    params = dict(model.named_parameters())
+    for name, t in named_tensors:  # SGLang's `default_weight_loader`, without importing its model loader
+        param = params[name]
+        if param.numel() == 1 and t.numel() == 1:
+            param.data.fill_(t.item())
+        else:
+            assert param.size() == t.size(), (
+                f"{name}: sent {tuple(t.size())}, parameter {tuple(param.size())}"
+            )
+            param.data.copy_(t)
+    _HELD[:] = list({id(s): s for s in (t.untyped_storage() for _, t in named_tensors)}.values())
+
+
+def packed_load_format(eng: Any) -> str:
+    """`load_packed` when the engine was started with it (`rollout.engine` does so on CPUs), else "direct"."""
+    return (
+        PACKED_LOADER
+        if PACKED_LOADER in (getattr(eng.server_args, "custom_weight_loader", None) or [])
+        else "direct"
+    )
 
 
 def _staging_for(eng: Any) -> _Staging:
@@ -279,6 +327,8 @@ class _Packer:
 
     def __init__(self, owner: Mapping[str, FusedParam], dtype: torch.dtype, staging: _Staging | None = None):
         self.owner, self.dtype, self.staging = owner, dtype, staging or _Staging()
+        params = {fp.name: fp for fp in owner.values()}  # room for every parameter that `owner` can fill
+        self.staging.begin(_Staging.nbytes((fp.shape, dtype) for fp in params.values()))
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.sends: list[list[NamedTensor]] = []
 
@@ -293,7 +343,7 @@ class _Packer:
                 ready.append((fp, [got[p] for p in fp.parts]))
         if not ready:
             return
-        outs = self.staging.views(len(self.sends), [(fp.shape, self.dtype) for fp, _ in ready])
+        outs = self.staging.views([(fp.shape, self.dtype) for fp, _ in ready])
         for (fp, parts), out in zip(ready, outs):
             fuse_into(out, parts)
             if not all_finite(out):
@@ -450,11 +500,12 @@ def _sync_weights(
     if before_send is not None:
         before_send()
     _check_ok(eng.begin_weight_update(), "begin_weight_update")
+    fmt = packed_load_format(eng)
     try:
         for i, bucket in enumerate(sends):
             last = i == len(sends) - 1
             if owner is not None:
-                result = eng.update_weights_from_tensor(bucket, load_format="direct", flush_cache=last)
+                result = eng.update_weights_from_tensor(bucket, load_format=fmt, flush_cache=last)
             else:
                 result = eng.update_weights_from_tensor(bucket, flush_cache=last)
             _check_ok(result, "update_weights_from_tensor")

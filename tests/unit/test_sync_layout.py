@@ -185,3 +185,60 @@ def test_all_finite_is_exact_when_the_quick_sum_overflows(dtype):
         assert not all_finite(t), bad
     assert all_finite(torch.randn(1000).to(dtype)) and all_finite(torch.empty(0))
     assert all_finite(torch.tensor([1, 2], dtype=torch.int64))
+
+
+def test_pack_stages_every_bucket_of_every_sync_in_one_shared_buffer():
+    """Issue 29: one shared-memory file per engine, the same on every call and every sync, so that the
+    scheduler maps it once (`load_packed`) instead of faulting 205 MB of fresh pages in on every sync."""
+    from megagrpo.sync.weights import _Staging
+
+    hf = _moe_layer()
+    buckets = list(bucketize(hf.items(), bucket_bytes=1024))
+    staging = _Staging()
+    first = _pack(buckets, _owner(hf), torch.float32, staging)
+    assert len(first) > 1
+    second = _pack(buckets, _owner(hf), torch.float32, staging)  # the next sync: same file, same views
+    assert len({t.untyped_storage().data_ptr() for b in first + second for _, t in b}) == 1
+    assert [(n, t.data_ptr()) for b in second for n, t in b] == [
+        (n, t.data_ptr()) for b in first for n, t in b
+    ]
+    ref = sglang_params(hf)
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for b in second for _, t in b)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # no two views overlap
+    for n, t in (x for b in second for x in b):
+        assert torch.equal(t, ref[n])
+
+
+def test_load_packed_loads_like_direct_and_keeps_the_mapping_until_the_next_load():
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from megagrpo.sync import weights
+
+    model = torch.nn.Linear(4, 3)
+    buf = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(64), 0, (64,))
+    w, b = buf[:48].view(torch.float32).view(3, 4), buf[48:60].view(torch.float32)
+    w.copy_(torch.arange(12.0).view(3, 4))
+    b.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    weights.load_packed(model, [("weight", w), ("bias", b)])
+    assert torch.equal(model.weight, torch.arange(12.0).view(3, 4)) and torch.equal(model.bias, b)
+    held = StorageWeakRef(buf.untyped_storage())
+    del buf, w, b
+    assert not held.expired()  # the next sync's unpickling finds this mapping in torch's shared cache
+    weights.load_packed(model, [("bias", torch.zeros(3))])
+    assert held.expired() and torch.equal(model.bias, torch.zeros(3))
+
+
+def test_cpu_engines_are_started_with_the_packed_loader(tmp_path):
+    from types import SimpleNamespace
+
+    from megagrpo.rollout import RolloutConfig, RolloutEngine
+    from megagrpo.sync.weights import PACKED_LOADER, packed_load_format
+
+    (tmp_path / "config.json").write_text("{}")
+    engine = RolloutEngine(RolloutConfig(str(tmp_path), dtype="float32"))
+    engine.on_cpu = True
+    kw = engine.engine_kwargs()
+    assert kw["custom_weight_loader"] == [PACKED_LOADER]
+    assert packed_load_format(SimpleNamespace(server_args=SimpleNamespace(**kw))) == PACKED_LOADER
+    bare = SimpleNamespace(server_args=SimpleNamespace(custom_weight_loader=None))  # a bare sglang.Engine
+    assert packed_load_format(bare) == "direct"

@@ -206,6 +206,12 @@ def run_submit(args: argparse.Namespace) -> int:
     # partition turns out to have none.
     if args.device != "auto":
         check_mesh_fits(cfg, _job_shape(args, args.device), args.stage)
+    if args.stage in ("train", "sft"):
+        from megagrpo.trainer.preflight import check_stage_inputs
+
+        # the job starts the stage with `--resume auto` (job_command): the same checks the CLI makes
+        # before any process, here before any allocation
+        check_stage_inputs(cfg, args.stage, "auto")
     plan = plan_error = verdict = None
     if args.device != "cpu" and args.stage == "train":
         plan, plan_error = _memory_plan(cfg, args)

@@ -187,3 +187,20 @@ def test_sft_with_null_data_trains_on_the_main_data_section(tiny_model, tmp_path
     )
     trainer = SFTTrainer(cfg)
     assert trainer.data_config() is cfg.sft.data and trainer.data_section() == "sft.data"
+
+
+def test_submit_makes_the_same_checks_before_asking_the_cluster(tiny_model, tmp_path, capsys, monkeypatch):
+    """A job starts its stage with `--resume auto`: submit refuses what that stage would refuse on the
+    allocation (replay on a dense model, the newest checkpoint of another model), before any Slurm call."""
+    from megagrpo.submit import slurm
+
+    asked = []
+    monkeypatch.setattr(slurm, "partitions", lambda *a, **k: asked.append(a) or [])
+    dense, moe = tiny_model("qwen3"), tiny_model("qwen3_moe")
+    job = ["--nodes", "1", "--gpus-per-node", "1", "--device", "cpu", "--dry-run"]
+    rc, err, _ = run_cli(["submit", write_config(tmp_path, dense, replay="R3"), *job], capsys)
+    assert rc == 2 and "is a dense model" in err and "set replay=none" in err
+    fake_checkpoint(tmp_path / "ckpt" / "step_00000002", moe)  # the newest checkpoint is the MoE model's
+    rc, err, _ = run_cli(["submit", write_config(tmp_path, dense, replay="none"), *job], capsys)
+    assert rc == 2 and "model.hf_path" in err, err
+    assert asked == []

@@ -26,11 +26,12 @@ ifeq ($(UV_DEFAULT_INDEX)$(UV_INDEX_URL)$(UV_CONFIG),)
 $(VENV)/.installed lock: export UV_DEFAULT_INDEX = $(PIP_INDEX)
 endif
 
-.PHONY: help setup test test-gpu test-fast lint fmt demo demo-clean lock clean-venv
+.PHONY: help setup test test-gpu test-fast lint fmt demo demo-agentic demo-clean lock clean-venv
 
 help:
 	@echo "make test   install (first time) and run the whole test suite"
 	@echo "make demo   install (first time) and run the tiny GRPO demo on this CPU"
+	@echo "make demo-agentic  the same with multi-turn tool use (a calculator), SFT on traces then GRPO"
 	@echo "make lint   ruff check + format check"
 	@echo "make test-gpu  the GPU tier (tests/gpu) on one CUDA device"
 	@echo "make lock   re-resolve requirements/cpu.in into $(LOCK)"
@@ -61,6 +62,11 @@ $(VENV)/.installed: | $(LOCK)
 
 demo: setup
 	$(PY) tools/run_demo.py $(DEMO_ARGS)
+
+# The multi-turn counterpart: the tiny model learns to multiply by calling the calculator tool (README).
+# It resumes like `make demo`; `rm -rf outputs/agentic` starts over.
+demo-agentic: setup
+	$(PY) tools/run_demo.py --config configs/agentic_calculator.yaml $(DEMO_ARGS)
 
 demo-clean:
 	rm -rf outputs/demo

@@ -159,6 +159,56 @@ class PlacementConfig(Section):
         return self
 
 
+class MultiTurnConfig(Section):
+    """Agentic rollouts: each sample is a trajectory of model turns and environment turns (tools, users)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Sample multi-turn trajectories instead of one completion per prompt: the environment "
+        "starts each conversation from a data row, answers every model turn (tool results, user turns), "
+        "and scores it. A trajectory is one learner row whose environment tokens take no loss "
+        "(docs/agentic.md).",
+    )
+    environment: str = Field(
+        default="calculator",
+        description="The environment: a built-in name (calculator) or an import path 'package.module:Class' "
+        "of a class with async reset(row) and step(assistant_message) (megagrpo.envs.base.Environment). "
+        "One instance per trajectory.",
+    )
+    environment_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the environment's constructor, checked against its signature "
+        "before any process starts (e.g. {max_turns: 3, question_key: prompt}).",
+    )
+    tool_parser: str = Field(
+        default="qwen25",
+        description="SGLang's function-call parser for the model family's tool-call format (qwen25: "
+        "Qwen2.5/Qwen3's <tool_call> JSON; others: llama3, mistral, deepseekv3, ...). A call it cannot "
+        "parse is answered to the model as an error and counted (rollout/malformed_calls).",
+    )
+    max_turns: int = Field(
+        default=4,
+        ge=1,
+        description="Model turns per trajectory. A trajectory whose last allowed turn leaves the "
+        "environment not done is truncated (rollout/truncated_max_turns_frac) and treated like an "
+        "overlong response (algo.overlong_filter).",
+    )
+    max_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="Tokens per trajectory after its prompt, model and environment tokens together (the "
+        "learner row's response length). Each turn generates at most min(rollout.max_new_tokens, what is "
+        "left); running out is a truncation (rollout/truncated_max_tokens_frac).",
+    )
+    reward: Literal["environment", "functions"] = Field(
+        default="environment",
+        description="environment: the trajectory's reward is the one the environment's last step returns "
+        "(a trajectory it did not score, e.g. a truncated one, gets 0 and is counted as "
+        "rollout/unscored_frac). functions: rewards.functions score the final assistant message against "
+        "the data row, as a single-turn completion is scored.",
+    )
+
+
 class RolloutConfig(Section):
     engine_tp: int = Field(
         default=1,
@@ -189,7 +239,7 @@ class RolloutConfig(Section):
         description="KV-cache size of the engine in tokens. null: on GPU SGLang sizes it from "
         "mem_fraction_static; on the CPU (where that fraction would be of all RAM, gigabytes for a tiny "
         "model) it defaults to what one step can hold: prompts_per_step * oversample * group_size * "
-        "(data.max_prompt_tokens + max_new_tokens), at least 4096.",
+        "(data.max_prompt_tokens + max_new_tokens, or multi_turn.max_tokens), at least 4096.",
     )
     dtype: DType = Field(
         default="auto",
@@ -277,6 +327,15 @@ class RolloutConfig(Section):
     placement: PlacementConfig = Field(
         default_factory=PlacementConfig, description="Where the samplers run in async mode."
     )
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig, description="Agentic multi-turn trajectories with tools."
+    )
+
+    @property
+    def response_tokens(self) -> int:
+        """The most tokens a learner row holds after its prompt: a completion's `max_new_tokens`, or a
+        trajectory's `multi_turn.max_tokens` (model and environment tokens)."""
+        return self.multi_turn.max_tokens if self.multi_turn.enabled else self.max_new_tokens
 
 
 # ---------------------------------------------------------------------------------------------- algo
@@ -315,7 +374,8 @@ class SoftOverlongConfig(Section):
     max_len: int | None = Field(
         default=None,
         ge=1,
-        description="Length at which the full penalty applies; null = rollout.max_new_tokens.",
+        description="Length at which the full penalty applies; null = rollout.max_new_tokens (multi-turn: "
+        "rollout.multi_turn.max_tokens, a trajectory's tokens after its prompt).",
     )
     cache_len: int = Field(
         default=256,
@@ -452,7 +512,8 @@ class AlgoConfig(Section):
     agg_constant: float | None = Field(
         default=None,
         gt=0.0,
-        description="Fixed denominator for seq-mean-token-sum-norm; null = rollout.max_new_tokens.",
+        description="Fixed denominator for seq-mean-token-sum-norm; null = rollout.max_new_tokens "
+        "(multi-turn: rollout.multi_turn.max_tokens).",
     )
     advantages: AdvantageMethod = Field(
         default="grpo",
@@ -576,12 +637,25 @@ class AlgoConfig(Section):
 
 
 class SyntheticConfig(Section):
-    task: Literal["addition", "countdown"] = Field(
-        description="Synthetic verifiable task: addition (a + b, strict <answer>N</answer>) or countdown "
-        "(reach a target with + - * and given numbers)."
+    task: Literal["addition", "countdown", "tool_arithmetic"] = Field(
+        description="Synthetic verifiable task: addition (a + b, strict <answer>N</answer>), countdown "
+        "(reach a target with + - * and given numbers) or tool_arithmetic (a * b, for the calculator "
+        "environment: each row carries a gold tool-use trace, which the SFT stage trains on when "
+        "rollout.multi_turn is enabled)."
     )
-    min_digits: int = Field(default=2, ge=1, description="addition: fewest digits per operand.")
-    max_digits: int = Field(default=3, ge=1, description="addition: most digits per operand.")
+    min_digits: int = Field(
+        default=2, ge=1, description="addition, tool_arithmetic: fewest digits per operand."
+    )
+    max_digits: int = Field(
+        default=3, ge=1, description="addition, tool_arithmetic: most digits per operand."
+    )
+    tool_fraction: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="tool_arithmetic: share of rows whose gold trace calls the calculator; the others answer "
+        "at once, as in a cold-start set mixed from sources with and without tool use.",
+    )
     reverse_answer: bool = Field(
         default=False,
         description="addition: write the sum least-significant digit first. Each output digit then depends "
@@ -986,15 +1060,18 @@ class Config(Section):
                 "rewards.combine=gdpo and algo.advantages=gdpo",
             )
         if algo.agg == "seq-mean-token-sum-norm" and algo.agg_constant is None:
-            algo.agg_constant = float(rollout.max_new_tokens)
+            algo.agg_constant = float(rollout.response_tokens)
         so = algo.soft_overlong
         if so.max_len is None:
-            so.max_len = rollout.max_new_tokens
-        if so.enabled and so.max_len > rollout.max_new_tokens:
+            so.max_len = rollout.response_tokens
+        if so.enabled and so.max_len > rollout.response_tokens:
+            limit = (
+                f"rollout.multi_turn.max_tokens={rollout.response_tokens}"
+                if rollout.multi_turn.enabled
+                else f"rollout.max_new_tokens={rollout.max_new_tokens}"
+            )
             raise invalid(
-                "algo.soft_overlong.max_len",
-                f"{so.max_len} exceeds rollout.max_new_tokens={rollout.max_new_tokens}; responses never "
-                "get that long",
+                "algo.soft_overlong.max_len", f"{so.max_len} exceeds {limit}; responses never get that long"
             )
         if so.enabled and so.cache_len >= so.max_len:
             raise invalid(
@@ -1013,6 +1090,14 @@ class Config(Section):
                 "rollout with rollout.mode=async; asynchronous samples come from an older policy, and "
                 "the decoupled objective clips against the recomputed learner pass (the proximal "
                 "policy) while TIS/MIS weighs the lag against the sampler: set algo.old_logp=recompute",
+            )
+        mt = rollout.multi_turn
+        if mt.enabled and mt.reward == "environment" and self.rewards.combine == "gdpo":
+            raise invalid(
+                "rollout.multi_turn.reward",
+                "environment with rewards.combine=gdpo; GDPO normalises each reward function's scores, and "
+                "an environment gives one reward: set rollout.multi_turn.reward=functions or use "
+                "rewards.combine=weighted",
             )
         n_seqs = rollout.prompts_per_step * rollout.group_size
         if n_seqs % algo.ppo_mini_batches:

@@ -1,12 +1,15 @@
-"""Seeded synthetic verifiable tasks for the demo: multi-digit addition and countdown.
+"""Seeded synthetic verifiable tasks for the demos: multi-digit addition, countdown, and multiplication
+with a calculator tool.
 
 The same (config, seed) always yields the same problems on any machine (`random.Random` with integer
 seeds), and the held-out problems are never in the training set. Each sample carries the reference
-`answer`, the SFT target `completion` in the strict answer format, and the task's own fields.
+`answer`, the SFT target `completion` in the strict answer format, and the task's own fields; a
+tool_arithmetic sample also carries `trace`, the gold multi-turn conversation after its prompt.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 from megagrpo.config.schema import SyntheticConfig
@@ -34,6 +37,40 @@ def addition_problem(rng: random.Random, min_digits: int, max_digits: int, rever
         "answer": answer,
         "completion": f"<answer>{answer}</answer>",
         "task": "addition",
+        "a": a,
+        "b": b,
+    }
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A tool call as Qwen2.5/Qwen3 write one (SGLang's `qwen25` parser reads it back)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def tool_arithmetic_problem(
+    rng: random.Random, min_digits: int, max_digits: int, tool_fraction: float = 1.0
+) -> dict:
+    """a * b, which a tiny model cannot multiply in its head but can ask the calculator environment for.
+
+    `trace` is the gold episode after the prompt, in the messages of `megagrpo.envs.calculator`. With
+    probability `tool_fraction` the model calls the calculator with the expression, the environment answers
+    with the product (the tool message the environment writes, down to the call id the multi-turn driver
+    gives the first call of the first turn), and the model copies it into the answer; otherwise the model
+    answers at once. `completion` is the direct answer, for training without tools."""
+    a, b = _operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits)
+    uses_tool = rng.random() < tool_fraction  # drawn always: the problems do not depend on the fraction
+    expression, answer = f"{a} * {b}", str(a * b)
+    final = {"role": "assistant", "content": f"<answer>{answer}</answer>"}
+    call = [
+        {"role": "assistant", "content": tool_call_text("calculator", {"expression": expression})},
+        {"role": "tool", "tool_call_id": "call_0_0", "name": "calculator", "content": answer},
+    ]
+    return {
+        "prompt": f"What is {expression}?",
+        "answer": answer,
+        "completion": final["content"],
+        "trace": [*call, final] if uses_tool else [final],
+        "task": "tool_arithmetic",
         "a": a,
         "b": b,
     }
@@ -67,7 +104,7 @@ def countdown_problem(rng: random.Random, num_numbers: int, max_number: int) -> 
 
 
 def _key(sample: dict) -> tuple:
-    if sample["task"] == "addition":
+    if sample["task"] in ("addition", "tool_arithmetic"):
         return (sample["a"], sample["b"])
     return (tuple(sorted(sample["numbers"])), sample["target"])
 
@@ -75,6 +112,8 @@ def _key(sample: dict) -> tuple:
 def _draw(cfg: SyntheticConfig, rng: random.Random) -> dict:
     if cfg.task == "addition":
         return addition_problem(rng, cfg.min_digits, cfg.max_digits, cfg.reverse_answer)
+    if cfg.task == "tool_arithmetic":
+        return tool_arithmetic_problem(rng, cfg.min_digits, cfg.max_digits, cfg.tool_fraction)
     return countdown_problem(rng, cfg.num_numbers, cfg.max_number)
 
 

@@ -1,7 +1,9 @@
-"""Render a sample into the model's prompt: `data.prompt_template`, then the tokenizer's chat template."""
+"""Render a sample into the model's prompt: `data.prompt_template`, then the tokenizer's chat template; and
+an SFT row into ids and loss mask, single-turn or a multi-turn trace."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +71,57 @@ class PromptFormatter:
         """(prompt ids, completion ids + EOS) for SFT; the loss covers the completion ids only."""
         prompt = self(sample).input_ids
         completion = list(self.tok(sample["completion"], add_special_tokens=False)["input_ids"])
+        return prompt, completion + [self.eos_id()]
+
+    def eos_id(self) -> int:
         eos = self.tok.eos_token_id
         if eos is None:
             raise MegagrpoError("model tokenizer has no eos_token; SFT needs one to teach the model to stop")
-        return prompt, completion + [eos]
+        return eos
+
+    def sft_trace_example(
+        self, chat: Any, prompt: Sequence[dict], trace: Sequence[dict]
+    ) -> tuple[list[int], list[int], list[bool]]:
+        """(prompt ids, response ids, response loss mask) of a multi-turn SFT row, built as the multi-turn
+        driver builds a trajectory (`megagrpo.rollout.multi_turn`), so that SFT trains on the ids the engine
+        will later generate and read.
+
+        `chat` is a fresh `ChatDeltas` (`megagrpo.rollout.chat_delta`) holding the environment's tools, and
+        `prompt` the environment's first messages (`env.reset(row)`). `trace` is the conversation after
+        them: assistant turns and, between two of them, the environment's messages (tool results, user
+        turns). Each assistant turn enters as the ids the model would generate, its text's ids then EOS, and
+        only those take the loss; the template's glue after a turn and the environment's messages enter as
+        the template's delta. Nothing follows the last assistant turn, as in a rollout.
+        """
+        if not trace or any(not isinstance(m, dict) for m in trace):
+            raise RowError("trace must be a non-empty list of chat messages")
+        if trace[0].get("role") != "assistant" or trace[-1].get("role") != "assistant":
+            raise RowError(
+                "trace must start and end with an assistant turn (the model's first and last turns)"
+            )
+        prompt_ids = chat.prompt(prompt)
+        ids: list[int] = []
+        mask: list[bool] = []
+        env: list[dict] = []  # the environment's messages since the last assistant turn
+        glue: list[int] = []
+        for i, m in enumerate(trace):
+            if not isinstance(m.get("content"), str):
+                raise RowError(f"trace[{i}] has no string content")
+            if m["role"] != "assistant":
+                env.append(m)
+                continue
+            if i > 0:
+                if not env:
+                    raise RowError(
+                        f"trace[{i}] follows an assistant turn directly; an environment step between two "
+                        "model turns inserts at least one message"
+                    )
+                inserted = glue + chat.append(env)
+                ids += inserted
+                mask += [False] * len(inserted)
+                env = []
+            generated = chat.encode(m["content"]) + [self.eos_id()]
+            ids += generated
+            mask += [True] * len(generated)
+            glue = chat.close_model_turn(generated)
+        return prompt_ids, ids, mask

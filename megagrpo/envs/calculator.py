@@ -17,11 +17,8 @@ from decimal import Decimal, localcontext
 from fractions import Fraction
 from typing import Any
 
-from megagrpo.envs.base import StepResult, ToolEnvironment
-from megagrpo.envs.tools import Message, Tool, ToolCounters, ToolExecutor
-from megagrpo.errors import MegagrpoError
-from megagrpo.rewards.extract import answer_tag
-from megagrpo.rewards.verifiers import exact_match
+from megagrpo.envs.answer import AnswerToolEnv
+from megagrpo.envs.tools import Tool, ToolExecutor
 
 _DECIMAL = re.compile(r"(\d[\d_]*)?(\.\d[\d_]*|\.)?([eE][+-]?\d+)?")
 
@@ -154,14 +151,8 @@ def calculator_tool(max_chars: int = 500, max_digits: int = 1000, timeout_s: flo
     )
 
 
-class CalculatorEnv(ToolEnvironment):
-    """Arithmetic with the calculator tool: the reward is 1 when `<answer>...</answer>` matches the row's answer.
-
-    reset: a system prompt and the row's question (`row[question_key]`). Each step: an assistant message
-    with an answer tag ends the episode and is scored (exact match after whitespace normalisation), even if
-    it also calls tools; one with tool calls is answered with their results, unless it is the
-    `max_turns`-th turn, which ends the episode unscored (reward 0); one with neither ends it with reward 0.
-    """
+class CalculatorEnv(AnswerToolEnv):
+    """Arithmetic with the calculator tool (`AnswerToolEnv`'s rules); `timeout_s` bounds each call."""
 
     def __init__(
         self,
@@ -173,40 +164,10 @@ class CalculatorEnv(ToolEnvironment):
         max_result_chars: int = 2000,
         executor: ToolExecutor | None = None,
     ) -> None:
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        super().__init__(executor or ToolExecutor([calculator_tool()], timeout_s, max_result_chars))
-        self.max_turns = max_turns
-        self.question_key, self.answer_key = question_key, answer_key
-        self.system_prompt = system_prompt
-        self._score = exact_match(extract="answer_tag", answer_key=answer_key)
-        self.row: dict[str, Any] = {}
-        self.turns = 0
-
-    async def reset(self, row: dict[str, Any]) -> list[Message]:
-        for key in (self.question_key, self.answer_key):
-            if key not in row:
-                raise MegagrpoError(
-                    f"calculator environment: the data row has no {key!r} field (it has {sorted(row)}); "
-                    "set question_key/answer_key in the environment's options under rollout.multi_turn"
-                )
-        self.row, self.turns = row, 0
-        self.counters = ToolCounters()
-        self.results = []
-        messages: list[Message] = [{"role": "user", "content": str(row[self.question_key])}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return messages
-
-    async def step(self, assistant_message: Message) -> StepResult:
-        self.turns += 1
-        content = assistant_message.get("content") or ""
-        info: dict[str, Any] = {"turns": self.turns}
-        if answer_tag(content) is not None:
-            reward = self._score("", content, self.row)
-            return StepResult([], True, reward, {**info, "finish": "answer"})
-        if not assistant_message.get("tool_calls"):
-            return StepResult([], True, 0.0, {**info, "finish": "no_answer"})
-        if self.turns >= self.max_turns:
-            return StepResult([], True, 0.0, {**info, "finish": "max_turns"})
-        return StepResult(await self.run_tools(assistant_message), False, None, {**info, "finish": None})
+        super().__init__(
+            executor or ToolExecutor([calculator_tool()], timeout_s, max_result_chars),
+            max_turns=max_turns,
+            question_key=question_key,
+            answer_key=answer_key,
+            system_prompt=system_prompt,
+        )

@@ -11,8 +11,9 @@ import signal
 from typing import Any
 
 from megagrpo.envs import sandbox
+from megagrpo.envs.answer import AnswerToolEnv
 from megagrpo.envs.sandbox import SandboxConfig, SandboxResult
-from megagrpo.envs.tools import Tool
+from megagrpo.envs.tools import Tool, ToolExecutor
 
 NAME = "python"
 DESCRIPTION = (
@@ -93,3 +94,40 @@ def python_tool(cfg: SandboxConfig | None = None) -> Tool:
         fn=lambda code: run_python(code, cfg),
         timeout_s=cfg.wall_seconds + 5.0,
     )
+
+
+PYTHON_SYSTEM_PROMPT = (
+    "Solve the problem. You can run Python programs with the python tool; print what you need. Give the "
+    "final answer as <answer>ANSWER</answer>."
+)
+
+
+class PythonEnv(AnswerToolEnv):
+    """Questions worked out with the sandboxed python tool (`AnswerToolEnv`'s rules); the sandbox limits
+    are `SandboxConfig`'s fields (docs/sandbox.md says what they isolate)."""
+
+    def __init__(
+        self,
+        max_turns: int = 4,
+        question_key: str = "prompt",
+        answer_key: str = "answer",
+        system_prompt: str = PYTHON_SYSTEM_PROMPT,
+        max_result_chars: int = 4000,
+        cpu_seconds: int = 5,
+        wall_seconds: float = 10.0,
+        memory_mb: int = 512,
+        max_processes: int = 16,
+    ) -> None:
+        cfg = SandboxConfig(
+            cpu_seconds=cpu_seconds,
+            wall_seconds=wall_seconds,
+            memory_mb=memory_mb,
+            max_processes=max_processes,
+        )
+        super().__init__(
+            ToolExecutor([python_tool(cfg)], cfg.wall_seconds + 5.0, max_result_chars),
+            max_turns=max_turns,
+            question_key=question_key,
+            answer_key=answer_key,
+            system_prompt=system_prompt,
+        )

@@ -15,6 +15,7 @@ FIELD = "rollout.multi_turn.environment"
 # Built-ins by import path, so that a name costs nothing until it is used.
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "calculator": "megagrpo.envs.calculator:CalculatorEnv",
+    "python": "megagrpo.envs.python_tool:PythonEnv",
 }
 
 

@@ -158,6 +158,7 @@ class _Pass:
         self.fallback = torch.zeros(Bp, T, dtype=torch.uint8, device=dev)
         self.unconsumed = self.reused = 0
         self.agree = torch.zeros(2, L, **f64)  # per layer: summed top-k overlap, token count
+        self.agree_turns = torch.zeros(2, step.num_turns, **f64)  # per turn: overlap over (token, layer)
         if kind == "old":
             self.store: _TokenStore | None = _TokenStore(step.K, rt.route_dtype(step.E))
             self.n_layers = torch.zeros(Bp, T, dtype=torch.uint8, device=dev)  # layers routed, per token
@@ -313,8 +314,14 @@ class _Pass:
                 )
                 m = c.pred[v] & (sr[:, 0] != rt.NO_ROUTE)
                 self._note(sr)
-                self.agree[0, layer] += stats.topk_overlap(sr[m], ov[m]).sum()
+                overlap = stats.topk_overlap(sr[m], ov[m])
+                self.agree[0, layer] += overlap.sum()
                 self.agree[1, layer] += m.sum()
+                if s.turns_pred is not None:
+                    turn = s.turns_pred[c.grow_h[c.valid_h], c.pos_h[c.valid_h]].to(s.device)[m]
+                    t = turn >= 0
+                    self.agree_turns[0].index_add_(0, turn[t], overlap[t])
+                    self.agree_turns[1].index_add_(0, turn[t], torch.ones_like(overlap[t]))
             return
         if s.old is None:
             return
@@ -383,6 +390,8 @@ class StepReplay:
         merge_group: Any = None,
         reducer: Any = None,
         route_layers: list[int] | None = None,
+        turns: Tensor | None = None,
+        num_turns: int = 0,
     ) -> None:
         if mode not in MODES:
             raise MegagrpoError(f"replay={mode!r}; use one of {MODES}")
@@ -415,6 +424,12 @@ class StepReplay:
         pred = torch.zeros_like(lm)
         pred[:, :-1] = lm[:, 1:]
         self.real, self.pred_mask_h = real.to(device), pred
+        # multi-turn rows: the model turn (0 .. num_turns - 1, else -1) of the token each position predicts,
+        # so the rollout-vs-old agreement is also reported per turn (`moe/agreement_rollout_old/turn_<k>`)
+        self.num_turns, self.turns_pred = num_turns, None
+        if turns is not None and num_turns:
+            self.turns_pred = torch.full(turns.shape, -1, dtype=torch.int64)
+            self.turns_pred[:, :-1] = turns.cpu()[:, 1:].clamp(max=num_turns - 1)
         c = taps.config
         self.score = "probs" if c.moe_router_score_function == "sigmoid" else "logits"
         self.recompute_routers = c.recompute_granularity == "full" or (
@@ -469,6 +484,8 @@ class StepReplay:
         router_shift: bool = False,
         sharded: bool = False,
         route_layers: list[int] | None = None,
+        turns: Tensor | None = None,
+        num_turns: int = 0,
     ) -> StepReplay:
         """The step's replay: mode "R2", "R3" or "none" (statistics and RSPO weights only, no replay; works
         on a model built without routing replay). `batch` is the global batch (every rank the same) or,
@@ -477,7 +494,8 @@ class StepReplay:
         pipeline stage). Bad routes raise MegagrpoError here, before any pass. `router_shift` (RSPO)
         announces that the loss will call `token_weights`: under pipeline parallelism each mini-batch then
         gets a forward-only pre-pass that measures gamma over all stages (its layers live on other ranks
-        than the loss)."""
+        than the loss). `turns` `[B, T]` (the model turn of each token of multi-turn rows, -1 elsewhere:
+        `trainer.grpo.turn_index`) with `num_turns` adds the rollout-vs-old agreement per turn."""
         from megatron.core import parallel_state
 
         taps = router_taps(learner)
@@ -502,6 +520,8 @@ class StepReplay:
             merge_group=merge_group,
             reducer=reducer,
             route_layers=route_layers,
+            turns=turns,
+            num_turns=num_turns,
         )
 
     # -- reductions over the ranks that share this batch ------------------------------------------------
@@ -675,6 +695,13 @@ class StepReplay:
         if self.sampler_routes is not None:
             agree = self._sum_all(p.agree)
             out.update(stats.agreement_from_sums(agree[0], agree[1]).metrics("rollout_old"))
+            if self.num_turns:
+                by_turn = self._sum_all(p.agree_turns)
+                for k in range(self.num_turns):
+                    n = float(by_turn[1, k])
+                    out[f"{stats.PREFIX}agreement_rollout_old/turn_{k}"] = (
+                        float(by_turn[0, k]) / n if n else 1.0
+                    )
         load = stats.load_distribution(self._sum_all(p.load))
         out.update(stats.load_metrics(load))
         tracker = self.taps.state.setdefault("drift", stats.LoadDriftTracker())

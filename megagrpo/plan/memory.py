@@ -420,7 +420,7 @@ def workload_from_config(cfg: Any, world_size: int) -> Workload:
     auto = "bfloat16"  # the plan is for GPUs, where dtype auto means bfloat16
     return Workload(
         mesh=mesh,
-        seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        seq_len=cfg.data.max_prompt_tokens + cfg.rollout.response_tokens,  # a trajectory's whole row
         micro_batch_size=cfg.schedule.micro_batch_size,
         micro_batches=max(1, -(-per_rank // cfg.schedule.micro_batch_size)),
         param_dtype=auto if cfg.model.dtype == "auto" else cfg.model.dtype,

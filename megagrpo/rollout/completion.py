@@ -30,7 +30,7 @@ NO_ROUTE = -1
 
 @dataclass
 class Completion:
-    """One completion of one prompt. Tensors are on the CPU."""
+    """One completion of one prompt, or one multi-turn trajectory (`output_mask`). Tensors are on the CPU."""
 
     prompt_index: int  # index of the prompt in the request batch
     sample_index: int  # 0 .. G-1 within the prompt's group
@@ -39,7 +39,18 @@ class Completion:
     logprobs: torch.Tensor  # float32 [O]: sampler log p(output_ids[j]) at temperature T (greedy: T=1)
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_new_tokens reached)
     text: str  # decoded output
-    routes: torch.Tensor | None = None  # int32 [P + O, layers, topk]; last row NO_ROUTE (see module doc)
+    routes: torch.Tensor | None = None  # int [P + O, layers, topk]; last row NO_ROUTE (see module doc)
+    # A multi-turn trajectory as one row (`Trajectory.to_completion`): the output is everything after the
+    # prompt, the environment's tokens between model turns included, and these say which tokens are whose.
+    output_mask: torch.Tensor | None = None  # bool [O]: True on tokens the model generated; None: all
+    output_versions: torch.Tensor | None = None  # int64 [O]: policy version per model token, -1 elsewhere
+
+    @property
+    def model_mask(self) -> torch.Tensor:
+        """bool `[O]`: the output tokens that take the loss (all of a single-turn completion's)."""
+        if self.output_mask is not None:
+            return self.output_mask
+        return torch.ones(self.output_ids.numel(), dtype=torch.bool)
 
     @property
     def output_routes(self) -> torch.Tensor | None:

@@ -44,14 +44,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-from torch import Tensor
-
 from megagrpo.envs.base import Environment
 from megagrpo.envs.tools import ToolCounters
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.chat_delta import ChatDeltas
-from megagrpo.rollout.completion import NO_ROUTE
 from megagrpo.rollout.config import SamplingConfig
 from megagrpo.rollout.tool_calls import ParsedTurn, ToolCallParser, check_parser_name
 from megagrpo.rollout.trajectory import Trajectory
@@ -112,6 +108,7 @@ class Episode:
     truncation: str | None = None
     tools: ToolCounters = field(default_factory=ToolCounters)
     info: dict[str, Any] = field(default_factory=dict)
+    final_text: str = ""  # the last model turn's text (what `rewards.functions` score)
 
     @property
     def truncated(self) -> bool:
@@ -122,6 +119,9 @@ class Episode:
         """Tokens the environment inserted after the prompt (glue, tool results, user turns)."""
         t = self.trajectory
         return t.num_tokens - t.prompt_ids.numel() - t.num_model_tokens
+
+
+COUNT_PREFIX = "multi_turn/"
 
 
 @dataclass
@@ -138,10 +138,12 @@ class MultiTurnStats:
     route_bytes_received: int = 0
     route_rows_received: int = 0
     route_rows_if_resent: int = 0
+    unscored: int = 0  # episodes whose environment gave no reward
 
     def add(self, e: Episode) -> None:
         t = e.trajectory
         self.trajectories += 1
+        self.unscored += e.reward is None
         self.turns += t.turns
         self.tools.add(e.tools)
         self.truncated_max_turns += e.truncation == "max_turns"
@@ -151,6 +153,20 @@ class MultiTurnStats:
         self.route_bytes_received += t.route_bytes_received
         self.route_rows_received += t.route_rows_received
         self.route_rows_if_resent += t.route_rows_if_resent
+
+    def counts(self) -> dict[str, float]:
+        """The counters as `multi_turn/<name>` floats: they add up over engines and rounds
+        (`EngineGroups.sum_counts`), and `from_counts` reads the sums back."""
+        flat = {k: v for k, v in vars(self).items() if k != "tools"}
+        flat.update(vars(self.tools))
+        return {f"{COUNT_PREFIX}{k}": float(v) for k, v in flat.items()}
+
+    @classmethod
+    def from_counts(cls, counts: dict[str, float]) -> MultiTurnStats:
+        """The stats whose `counts()` are the `multi_turn/` entries of `counts` (other keys ignored)."""
+        got = {k[len(COUNT_PREFIX) :]: int(v) for k, v in counts.items() if k.startswith(COUNT_PREFIX)}
+        tools = ToolCounters(**{k: got.pop(k) for k in list(got) if k in vars(ToolCounters())})
+        return cls(tools=tools, **got)
 
     def metrics(self) -> dict[str, float]:
         n = max(self.trajectories, 1)
@@ -167,6 +183,7 @@ class MultiTurnStats:
             "rollout/truncated_max_tokens_frac": self.truncated_max_tokens / n,
             "rollout/env_token_frac": self.env_tokens / max(self.env_tokens + self.model_tokens, 1),
             "rollout/route_bytes_per_traj": self.route_bytes_received / n,
+            "rollout/unscored_frac": self.unscored / n,
         }
 
 
@@ -250,9 +267,10 @@ async def run_episode(
         cut = traj.finish_reason == "length" and budget < sampling.max_new_tokens
         if cut:  # the trajectory's budget, not the turn's, ended this turn mid-way
             ep.truncation = "max_tokens"
+            ep.final_text = engine.tokenizer.decode(out["output_ids"])
             break
         glue = chat.close_model_turn(out["output_ids"])
-        content = chat.messages[-1]["content"]
+        content = ep.final_text = chat.messages[-1]["content"]
         parsed = parser.parse(content) if parser is not None else ParsedTurn(content)
         own.tool_calls += len(parsed.calls)
         own.malformed_calls += len(parsed.malformed)
@@ -333,67 +351,3 @@ def rollout_episodes(
         stats.add(e)
     groups = [flat[i * group_size : (i + 1) * group_size] for i in range(len(rows))]
     return groups, stats
-
-
-def trajectory_batch(
-    groups: list[list[Trajectory]],
-    advantages: Tensor,
-    *,
-    pad_id: int,
-    rewards: Tensor | None = None,
-    truncated: Tensor | None = None,
-) -> dict[str, Tensor]:
-    """Trajectories -> the learner's padded batch: the keys and layout of `trainer.batch.rollout_batch`
-    (one row per trajectory, group-major; column t = the value for token t), which a one-turn trajectory
-    reproduces exactly. Differences, all of them per-token facts a completion does not have:
-      loss_mask     True on model tokens only (environment tokens between turns take no loss)
-      response_len  the tokens after the prompt, environment tokens included
-      truncated     `truncated` when given (`Episode.truncated`), else the last turn stopped at its length
-      routes        `[B, T, L, K]` in the trajectories' stored dtype (`route_dtype(num_experts)`, which
-                    `moe.routes.validate_sampler_routes` accepts as it accepts int32); -1 for padding
-      versions      int64 `[B, T]`: the policy version of each model token, -1 elsewhere
-    """
-    trajs = [t for g in groups for t in g]
-    B = len(trajs)
-    if advantages.numel() != B:
-        raise ValueError(f"advantages has {advantages.numel()} entries for {B} trajectories")
-    lens = [t.num_tokens for t in trajs]
-    T = max(lens)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
-    loss_mask = torch.zeros(B, T, dtype=torch.bool)
-    sampler_logp = torch.zeros(B, T, dtype=torch.float32)
-    versions = torch.full((B, T), -1, dtype=torch.int64)
-    with_routes = all(t.route_dtype is not None for t in trajs)
-    routes = None
-    if with_routes:
-        t0 = trajs[0]
-        routes = torch.full((B, T, t0.num_layers, t0.topk), NO_ROUTE, dtype=t0.route_dtype)
-    for i, t in enumerate(trajs):
-        n = lens[i]
-        input_ids[i, :n] = t.ids
-        loss_mask[i, :n] = t.loss_mask
-        sampler_logp[i, :n] = t.logprobs
-        versions[i, :n] = t.versions
-        if routes is not None:
-            routes[i, :n] = t.routes
-    if truncated is None:
-        truncated = torch.tensor([t.finish_reason == "length" for t in trajs], dtype=torch.bool)
-    batch = {
-        "input_ids": input_ids,
-        "seq_lens": torch.tensor(lens, dtype=torch.int64),
-        "loss_mask": loss_mask,
-        "sampler_logp": sampler_logp,
-        "advantages": advantages.reshape(B).to(torch.float32),
-        "response_len": torch.tensor(
-            [n - t.prompt_ids.numel() for n, t in zip(lens, trajs)], dtype=torch.int64
-        ),
-        "truncated": truncated.reshape(B).to(torch.bool),
-        "versions": versions,
-    }
-    if routes is not None:
-        batch["routes"] = routes
-    if rewards is not None:
-        if rewards.numel() != B:
-            raise ValueError(f"rewards has {rewards.numel()} entries for {B} trajectories")
-        batch["rewards"] = rewards.reshape(B).to(torch.float32)
-    return batch

@@ -7,10 +7,14 @@ where the completions are, and its position in the learner batch when dynamic sa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from megagrpo.rollout.completion import Completion
+
+if TYPE_CHECKING:
+    from megagrpo.rollout.multi_turn import MultiTurnStats
 
 
 @dataclass
@@ -22,6 +26,9 @@ class PromptGroup:
     rewards: torch.Tensor | None = None  # float32 [G], combined over reward functions
     per_reward: torch.Tensor | None = None  # float32 [G, R], one column per reward function
     position: int = -1  # row group in the step's batch (rows position*G .. position*G + G - 1)
+    # multi-turn (`trainer.episodes`): each trajectory's environment reward (None: unscored), and counters
+    env_rewards: list[float | None] | None = None
+    turn_stats: MultiTurnStats | None = None
 
     @property
     def lengths(self) -> torch.Tensor:

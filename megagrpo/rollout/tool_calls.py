@@ -22,11 +22,14 @@ What SGLang's parsers do on their own, and what is added here:
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 import os
 import re
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from megagrpo.errors import MegagrpoError
@@ -75,10 +78,22 @@ class ParsedTurn:
         return msg
 
 
+@functools.cache
+def parser_names() -> tuple[str, ...]:
+    """SGLang's tool-call parser names, read from its dependency-free `parser_names.py` by path: importing
+    it as `sglang.srt...` would first run the `sglang` package's `__init__` (seconds: transformers, torch
+    distributed), which the CLI's checks before any process starts should not pay."""
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    path = Path(spec.submodule_search_locations[0]) / "srt" / "function_call" / "parser_names.py"
+    module_spec = importlib.util.spec_from_file_location("_megagrpo_sglang_parser_names", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return tuple(module.TOOL_CALL_PARSER_NAMES)
+
+
 def check_parser_name(parser: str, where: str = "rollout.multi_turn.tool_parser") -> None:
     """Raise a `MegagrpoError` naming `where` and the choices when SGLang has no parser of that name."""
-    from sglang.srt.function_call.parser_names import TOOL_CALL_PARSER_NAMES  # cheap: no heavy imports
-
+    TOOL_CALL_PARSER_NAMES = parser_names()
     if parser not in TOOL_CALL_PARSER_NAMES:
         raise MegagrpoError(
             f"{where}: {parser!r} is not an SGLang tool-call parser; choose one of "

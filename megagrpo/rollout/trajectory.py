@@ -239,6 +239,24 @@ class Trajectory:
         t.add_turn((), c.output_ids, c.logprobs, version, rows, c.finish_reason)
         return t
 
+    def to_completion(self, text: str = "", finish_reason: str | None = None) -> Completion:
+        """The trajectory as one learner row: output = every token after the prompt, `output_mask` its model
+        tokens, `output_versions` their policy versions, `logprobs` 0 on environment tokens, routes in the
+        stored dtype. `finish_reason` defaults to the last turn's ("length" marks a truncated trajectory)."""
+        P = self.prompt_ids.numel()
+        return Completion(
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            prompt_ids=self.prompt_ids,
+            output_ids=self.ids[P:],
+            logprobs=self.logprobs[P:],
+            finish_reason=finish_reason or self.finish_reason,
+            text=text,
+            routes=self.routes,
+            output_mask=self.loss_mask[P:],
+            output_versions=self.versions[P:],
+        )
+
     # ---------------------------------------------------------------- per-token views
 
     @property

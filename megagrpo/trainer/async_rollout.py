@@ -117,7 +117,7 @@ class AsyncRollout:
 
             def work(mine=mine, sampling=sampling, offset=share.start * G):
                 counts: dict[str, float] = {}
-                groups = s.generate_with(mine, sampling, G, offset)
+                groups = s.generate_with(mine, sampling, G, offset, version=version)
                 rewards = s.score(mine, groups, counts=counts) if mine else torch.empty(0, G)
                 return groups, rewards, counts
 

@@ -90,7 +90,7 @@ def kv_cache_tokens(cfg: Config) -> int | None:
     r = cfg.rollout
     if r.max_total_tokens is not None or torch.cuda.is_available():
         return r.max_total_tokens
-    per_seq = cfg.data.max_prompt_tokens + r.max_new_tokens
+    per_seq = cfg.data.max_prompt_tokens + r.response_tokens
     return max(4096, int(r.prompts_per_step * r.oversample * r.group_size * per_seq))
 
 

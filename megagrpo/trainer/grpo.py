@@ -31,9 +31,11 @@ from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
 from megagrpo.diagnostics.mismatch import mismatch_metrics, token_ratio_quantiles
 from megagrpo.diagnostics.reduce import DistReducer, LocalReducer
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
+from megagrpo.rollout.multi_turn import COUNT_PREFIX
 from megagrpo.trainer import checkpointing
 from megagrpo.trainer.async_rollout import StepLag, lag_metrics
-from megagrpo.trainer.batch import response_mask, rollout_batch, select_rows
+from megagrpo.trainer.batch import response_mask, rollout_batch, select_rows, turn_index
+from megagrpo.trainer.episodes import multi_turn_metrics
 from megagrpo.trainer.rows import StepRows, distribute_rows
 from megagrpo.trainer.session import Session
 
@@ -93,7 +95,26 @@ def mismatch_measurements(
     return {}, token_ratio_quantiles(sampler_logp, learner_logp, loss_mask, qs, reducer=reducer)
 
 
-# the mismatch/ metrics reported per policy lag in async mode
+def token_lags(batch: dict[str, torch.Tensor], step: int, row_lags: torch.Tensor) -> torch.Tensor:
+    """int64 `[b, T]`: how many versions before `step` each token's policy was: a multi-turn row's model
+    tokens from their own versions (`batch["versions"]`), every other token its row's lag (`row_lags [b]`)."""
+    lags = row_lags.to(torch.int64)[:, None].expand(batch["input_ids"].shape).clone()
+    if "versions" in batch:
+        own = batch["versions"] >= 0
+        lags[own] = step - batch["versions"][own]
+    return lags
+
+
+def mask_stale_tokens(batch: dict[str, torch.Tensor], lags: torch.Tensor, max_lag: int) -> int:
+    """Clear `loss_mask` where a token's policy is more than `max_lag` versions old (`lags [b, T]`); returns
+    how many trained tokens that removed. Masked, not regenerated: the trajectory's other tokens, its
+    reward and its group stay valid, and regenerating would change the batch after dynamic sampling."""
+    stale = batch["loss_mask"] & (lags > max_lag)
+    batch["loss_mask"] &= ~stale
+    return int(stale.sum())
+
+
+# the mismatch/ metrics reported per policy lag in async mode, and per turn in multi-turn rollouts
 LAG_MISMATCH_KEYS = ("n_tokens", "abs_dp_mean", "kl_sampler_learner_k3", "chi2")
 
 
@@ -203,14 +224,17 @@ class GRPOTrainer(Session):
             else:
                 adv = group_advantages(rewards, a.advantages, a.adv_eps)
         local = rows.local
-        self._row_lags = lags[local]  # policy lag of each of this rank's rows (mismatch by lag)
         m.update(lag_metrics(lags, self.max_lag, lag))
         batch = rollout_batch(
             [rows.completions], adv.reshape(-1)[local], pad_id=self.pad_id, rewards=rewards.reshape(-1)[local]
         )
+        # policy lag of each of this rank's tokens (mismatch by lag): a trajectory's tokens carry their own
+        self._token_lags = token_lags(batch, self.step, lags[local])
         if a.overlong_filter:
             keep = overlong_mask([c.finish_reason for c in rows.completions])
             batch["loss_mask"] &= keep[:, None]
+        if cfg.rollout.multi_turn.enabled:
+            m.update(self._mask_stale_tokens(batch))
         lengths = rows.response_len
         m.update(
             {
@@ -231,6 +255,13 @@ class GRPOTrainer(Session):
                 m[f"reward/{f.label or f.name}/mean"] = float(rows.per_reward[..., j].mean())
         return rows, batch, m
 
+    def _mask_stale_tokens(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clear the loss of model tokens more than `max_lag` versions old (a trajectory spanning a weight
+        update can hold some, docs/agentic.md), and count them over DP: `rollout/stale_tokens_masked`."""
+        stale = mask_stale_tokens(batch, self._token_lags, self.max_lag)
+        n = torch.tensor([float(stale)], dtype=torch.float64, device=self.learner.mesh.device)
+        return {"rollout/stale_tokens_masked": float(self._dp_reducer().sum(n))}
+
     def _max_over_world(self, x: float) -> float:
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return x
@@ -247,9 +278,10 @@ class GRPOTrainer(Session):
         """This step's reward error/timeout counts over every engine and round (collective), and the
         run-long totals (means come from the kept batch)."""
         counts = self.engines.sum_counts(self.reward_counts)
+        turns = {k: counts.pop(k) for k in list(counts) if k.startswith(COUNT_PREFIX)}
         self.reward_totals["reward/errors_total"] += counts.get("reward/errors", 0.0)
         self.reward_totals["reward/timeouts_total"] += counts.get("reward/timeouts", 0.0)
-        return {**counts, **(self.reward_totals if counts else {})}
+        return {**counts, **(self.reward_totals if counts else {}), **multi_turn_metrics(turns)}
 
     def _importance(self, old_logp, batch, metrics) -> torch.Tensor | None:
         """TIS and/or MIS weights from learner-old vs sampler; with both on, one ratio times the other
@@ -325,6 +357,8 @@ class GRPOTrainer(Session):
         metrics.update(logged)
         if self.async_rollout is not None and cfg.diagnostics.mismatch:
             metrics.update(self._mismatch_by_lag(batch, old_logp))
+        if cfg.rollout.multi_turn.enabled and cfg.diagnostics.mismatch:
+            metrics.update(self._mismatch_by_turn(batch, old_logp))
         iw = self._importance(old_logp, batch, metrics)
         for cap in caps:  # after the weights: a step's cap never depends on its own measurement
             cap.update(measured)
@@ -379,16 +413,25 @@ class GRPOTrainer(Session):
     def _mismatch_by_lag(self, batch: dict[str, torch.Tensor], old_logp: torch.Tensor) -> dict[str, float]:
         """`mismatch/lag_<d>/...` over the tokens of completions generated d versions ago (d = 0..k), so
         the lag's share of the sampler/learner gap is told apart from numerics (lag 0)."""
+        lags = self._token_lags.to(old_logp.device)
+        return self._mismatch_by(batch, old_logp, "lag", [lags == d for d in range(self.max_lag + 1)])
+
+    def _mismatch_by_turn(self, batch: dict[str, torch.Tensor], old_logp: torch.Tensor) -> dict[str, float]:
+        """`mismatch/turn_<k>/...` over the model tokens of each trajectory's k-th turn (k = 0 ..
+        max_turns - 1): whether the gap grows as the context fills with environment tokens."""
+        turn = turn_index(batch["model_mask"]).to(old_logp.device)
+        n = self.cfg.rollout.multi_turn.max_turns
+        return self._mismatch_by(batch, old_logp, "turn", [turn == k for k in range(n)])
+
+    def _mismatch_by(self, batch, old_logp, name: str, selections: list[torch.Tensor]) -> dict[str, float]:
+        """`mismatch/<name>_<i>/<key>` for each token selection i (LAG_MISMATCH_KEYS; a DP reduction each)."""
         dev = old_logp.device
         sampler_logp, loss_mask = batch["sampler_logp"].to(dev), batch["loss_mask"].to(dev)
-        lags = self._row_lags.to(dev)
         out: dict[str, float] = {}
-        for d in range(self.max_lag + 1):
-            m = mismatch_metrics(
-                sampler_logp, old_logp, loss_mask & (lags == d)[:, None], reducer=self._dp_reducer()
-            ).metrics
+        for i, sel in enumerate(selections):
+            m = mismatch_metrics(sampler_logp, old_logp, loss_mask & sel, reducer=self._dp_reducer()).metrics
             for key in LAG_MISMATCH_KEYS:
-                out[f"mismatch/lag_{d}/{key}"] = m[f"mismatch/{key}"]
+                out[f"mismatch/{name}_{i}/{key}"] = m[f"mismatch/{key}"]
         return out
 
     def _kl_in_reward(self, batch: dict[str, torch.Tensor], rows: StepRows) -> dict[str, float]:

@@ -41,7 +41,8 @@ def resume_request(cfg: Config, stage: str, resume: str | None) -> str | None:
 
 def check_stage_inputs(cfg: Config, stage: str, resume: str | None) -> None:
     """Raise MegagrpoError for what the stage would otherwise refuse only after it has started:
-    routing replay on a dense model, a `--resume` that is no checkpoint, or one of another model or stage."""
+    routing replay on a dense model, a multi-turn environment or tool parser that does not exist, a
+    `--resume` that is no checkpoint, or one of another model or stage."""
     from megagrpo.bridge.hf_config import arch_from_hf
 
     field, model = model_field(cfg, stage)
@@ -52,6 +53,10 @@ def check_stage_inputs(cfg: Config, stage: str, resume: str | None) -> None:
             "in its config.json), so there is nothing to replay; set replay=none, or point "
             f"{field} at a MoE model"
         )
+    if stage != "sft":
+        from megagrpo.trainer.episodes import check_multi_turn
+
+        check_multi_turn(cfg.rollout.multi_turn)  # imports the user's environment module, builds one
     request = resume_request(cfg, stage, resume)
     if request in NO_RESUME:
         return

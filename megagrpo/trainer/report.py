@@ -21,6 +21,24 @@ PANELS = (
         ("moe/router_shift_gamma_mean", "moe/router_shift_gamma_p1"),
     ),
     (
+        "multi-turn: turns and tool calls per trajectory",
+        ("rollout/turns_mean", "rollout/tool_calls_per_traj"),
+    ),
+    (
+        "multi-turn: tool outcomes per step",
+        (
+            "rollout/tool_errors",
+            "rollout/tool_timeouts",
+            "rollout/malformed_calls",
+            "rollout/unknown_tools",
+            "rollout/oversize_results",
+        ),
+    ),
+    (
+        "multi-turn: truncation and environment tokens",
+        ("rollout/truncated_max_turns_frac", "rollout/truncated_max_tokens_frac", "rollout/env_token_frac"),
+    ),
+    (
         "TIS: token ratio quantiles and cap",
         ("mismatch/token_ratio_p001", "mismatch/token_ratio_p999", "mismatch/tis_cap"),
     ),

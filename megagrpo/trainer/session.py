@@ -25,6 +25,7 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.groups import EngineGroups, node_name
 from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.trainer import checkpointing
+from megagrpo.trainer.batch import turn_index
 from megagrpo.trainer.components import learner_config, optimizer_factory, rollout_config, sampling_config
 from megagrpo.trainer.health import HealthConfig, health_warnings
 from megagrpo.trainer.metrics import MetricsLogger, console_line
@@ -109,6 +110,11 @@ class Session:
             from megagrpo.rewards.runner import RewardRunner
 
             self.rewards = RewardRunner(cfg)
+        self.episodes = None  # rollout.multi_turn: trajectories instead of completions, on engine owners
+        if self.rewards is not None and cfg.rollout.multi_turn.enabled:
+            from megagrpo.trainer.episodes import EpisodeSampler
+
+            self.episodes = EpisodeSampler(cfg.rollout.multi_turn)
         self.start_engine()
         self.sampling = sampling_config(cfg)
         # rollout.mode=async: future steps' first rounds, generated while the learner trains
@@ -279,6 +285,8 @@ class Session:
                 router_shift=a.router_shift,
                 sharded=True,  # the batch is this DP rank's rows (trainer.rows)
                 route_layers=route_layers,  # and its routes, this stage's MoE layers
+                turns=turn_index(batch["model_mask"]) if "model_mask" in batch else None,
+                num_turns=self.cfg.rollout.multi_turn.max_turns if self.cfg.rollout.multi_turn.enabled else 0,
             )
 
     # -- prompts and generation ---------------------------------------------------------------------
@@ -311,10 +319,21 @@ class Session:
     def request_seed(self, step: int, call: int) -> int:
         return request_seed_base(self.cfg.schedule.seed, step, call)
 
-    def generate_with(self, prompts: list[PromptGroup], sampling, group_size: int, index_offset: int) -> list:
-        """This engine's completions of `prompts` with `sampling` as it is (its seed included)."""
+    def generate_with(
+        self,
+        prompts: list[PromptGroup],
+        sampling,
+        group_size: int,
+        index_offset: int,
+        version: int | None = None,
+    ) -> list:
+        """This engine's completions of `prompts` with `sampling` as it is (its seed included); multi-turn,
+        its trajectories, each token recording `version` (default: the current step) as its policy's."""
         if not prompts:
             return []
+        if self.episodes is not None:
+            v = self.step if version is None else version
+            return self.episodes.generate(self.engine, prompts, sampling, group_size, index_offset, v)
         groups = self.engine.generate(
             [p.input_ids for p in prompts], sampling, group_size, index_offset=index_offset
         )
@@ -330,6 +349,15 @@ class Session:
         counts = self.reward_counts if counts is None else counts
         comps = [c for g in groups for c in g]
         G = len(groups[0])
+        mt = self.cfg.rollout.multi_turn
+        if self.episodes is not None:
+            for k, v in self.episodes.counts(prompts).items():
+                counts[k] = counts.get(k, 0.0) + v
+            if mt.reward == "environment":  # one reward, not a reward function's column
+                rewards = self.episodes.environment_rewards(prompts)
+                for i, p in enumerate(prompts):
+                    p.rewards, p.per_reward = rewards[i].clone(), None
+                return rewards
         rb = self.rewards.score(
             [p.text for p in prompts for _ in range(G)],
             [self.response_text(c) for c in comps],
@@ -401,7 +429,9 @@ class Session:
         index in the held-out set.
 
         `eval/accuracy` is the fraction of prompts whose FIRST reward function scores >= 1 (the task's
-        verifier by convention); `eval/reward_mean` the mean combined reward.
+        verifier by convention), or, multi-turn with `reward: environment`, whose trajectory the
+        environment rewards >= 1; `eval/reward_mean` the mean combined reward. Multi-turn, each held-out
+        row is one trajectory, and `eval/response_len_mean` counts its tokens after the prompt.
         """
         samples = self.sets.heldout
         if not samples:
@@ -415,18 +445,28 @@ class Session:
                 sampling_config(self.cfg, eval=True),
                 seed=request_seed_base(self.cfg.schedule.seed, self.step, -1),
             )
-            groups = self.engine.generate(
-                [p.input_ids for p in prompts], sampling, 1, index_offset=share.start
-            )
-            comps = [g[0] for g in groups]
-            rb = self.rewards.score(
-                [p.text for p in prompts], [self.response_text(c) for c in comps], mine, 1
-            )
-            first = rb.per_reward.view(len(comps), -1)[:, 0]
+            if self.episodes is not None:
+                groups = [
+                    PromptGroup(input_ids=p.input_ids, text=p.text, sample=s) for p, s in zip(prompts, mine)
+                ]
+                comps = [g[0] for g in self.generate_with(groups, sampling, 1, share.start)]
+                combined = self.score(groups, [[c] for c in comps], counts={}).view(-1)
+                first = torch.stack(
+                    [g.per_reward.view(-1)[0] if g.per_reward is not None else g.rewards[0] for g in groups]
+                )
+            else:
+                groups = self.engine.generate(
+                    [p.input_ids for p in prompts], sampling, 1, index_offset=share.start
+                )
+                comps = [g[0] for g in groups]
+                rb = self.rewards.score(
+                    [p.text for p in prompts], [self.response_text(c) for c in comps], mine, 1
+                )
+                first, combined = rb.per_reward.view(len(comps), -1)[:, 0], rb.rewards
             sums += torch.tensor(
                 [
                     float((first >= 1.0 - 1e-6).sum()),
-                    float(rb.rewards.double().sum()),
+                    float(combined.double().sum()),
                     float(sum(c.output_ids.numel() for c in comps)),
                     float(len(comps)),
                 ],

@@ -3,10 +3,18 @@
 The loss is the token-mean negative log-likelihood of the completion tokens, computed through the
 algorithm core as REINFORCE with advantage 1 (identical to NLL, and so it shares the distributed
 normalisation of every RL loss).
+
+Multi-turn traces. When `rollout.multi_turn` is enabled and the SFT rows carry a `trace` (the gold
+conversation after the prompt, e.g. synthetic `tool_arithmetic`), each row is rendered as the RL stage's
+rollouts will render it (`TraceExamples`): the environment starts the conversation, the chat template's
+deltas join the turns, and the loss covers the model's turns only (each with its EOS).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,6 +22,8 @@ import torch
 from megagrpo.algo.aggregation import loss_normaliser
 from megagrpo.algo.losses import policy_loss
 from megagrpo.config.schema import Config, DataConfig
+from megagrpo.data.sources import RowError
+from megagrpo.data.template import PromptFormatter
 from megagrpo.errors import MegagrpoError
 from megagrpo.trainer.batch import sft_batch
 from megagrpo.trainer.components import optimizer_factory
@@ -41,6 +51,60 @@ def sft_data(cfg: Config) -> tuple[str, DataConfig]:
     return "sft.data", cfg.sft.data
 
 
+class TraceExamples:
+    """SFT examples of rows carrying a `trace`, tokenised exactly as the multi-turn driver will build their
+    trajectories: the environment of `rollout.multi_turn` gives the first messages and the tools, a fresh
+    `ChatDeltas` renders them, `PromptFormatter.sft_trace_example` the turns after them. A trace that the
+    rollout limits would cut (a turn above `rollout.max_new_tokens`, more than `max_turns` turns, more than
+    `max_tokens` tokens after the prompt) is an error: SFT would teach what sampling can never produce."""
+
+    def __init__(self, cfg: Config, formatter: PromptFormatter, section: str) -> None:
+        from megagrpo.envs.registry import build_environment, resolve_environment
+
+        self.mt, self.formatter, self.section = cfg.rollout.multi_turn, formatter, section
+        self.max_new_tokens = cfg.rollout.max_new_tokens
+        where = "rollout.multi_turn.environment"
+        build_environment(self.mt.environment, self.mt.environment_options, where=where)  # checks the options
+        self.env_cls = resolve_environment(self.mt.environment, where=where)
+
+    def __call__(self, samples: Sequence[dict]) -> tuple[list[tuple[list[int], list[int]]], list[list[bool]]]:
+        """(prompt ids, response ids) per sample and each response's loss mask, for `sft_batch`."""
+        from megagrpo.rollout.chat_delta import ChatDeltas
+
+        envs = [self.env_cls(**self.mt.environment_options) for _ in samples]
+
+        async def starts() -> list:
+            return await asyncio.gather(*(e.reset(dict(s)) for e, s in zip(envs, samples, strict=True)))
+
+        examples, masks = [], []
+        for s, env, first in zip(samples, envs, asyncio.run(starts()), strict=True):
+            where = f"{self.section}: {s.get('_source', 'a row')}"
+            if "trace" not in s:
+                raise MegagrpoError(f"{where} has no 'trace'; multi-turn SFT needs one in every row")
+            chat = ChatDeltas(self.formatter.tok, tools=list(env.tool_schemas() or []))
+            try:
+                prompt, response, mask = self.formatter.sft_trace_example(chat, first, s["trace"])
+            except RowError as e:
+                raise MegagrpoError(f"{where}: {e}") from None
+            self._check_limits(where, mask)
+            examples.append((prompt, response))
+            masks.append(mask)
+        return examples, masks
+
+    def _check_limits(self, where: str, mask: list[bool]) -> None:
+        turns = [len(list(run)) for model, run in itertools.groupby(mask) if model]  # tokens per turn
+        for n, limit, what in (
+            (len(turns), self.mt.max_turns, "model turns, above rollout.multi_turn.max_turns"),
+            (len(mask), self.mt.max_tokens, "tokens after its prompt, above rollout.multi_turn.max_tokens"),
+            (max(turns), self.max_new_tokens, "tokens in one model turn, above rollout.max_new_tokens"),
+        ):
+            if n > limit:
+                raise MegagrpoError(
+                    f"{where}: its trace has {n} {what}={limit}, so a rollout could never produce it; raise "
+                    "the limit or shorten the trace"
+                )
+
+
 class SFTTrainer(Session):
     stage = "sft"
     needs_engine = False
@@ -49,6 +113,9 @@ class SFTTrainer(Session):
         if cfg.sft.steps < 1:
             raise MegagrpoError(f"sft.steps={cfg.sft.steps}: set sft.steps >= 1 to run the SFT stage")
         super().__init__(cfg, resume=resume)
+        self.traces = None  # multi-turn traces (module doc), or single-turn completions
+        if cfg.rollout.multi_turn.enabled and "trace" in self.sets.train[0]:
+            self.traces = TraceExamples(cfg, self.formatter, self.data_section())
         self.restore()
 
     def initial_model_path(self) -> str:
@@ -78,8 +145,12 @@ class SFTTrainer(Session):
         return optimizer_factory(self.cfg, lr=s.lr, total_steps=s.steps, warmup_steps=s.warmup_steps)
 
     def sft_step(self) -> dict[str, float]:
-        examples = [self.formatter.sft_example(s) for s in self.prompts.take(self.cfg.sft.batch_size)]
-        batch = sft_batch(examples, pad_id=self.pad_id)
+        samples = self.prompts.take(self.cfg.sft.batch_size)
+        if self.traces is not None:
+            examples, masks = self.traces(samples)
+        else:
+            examples, masks = [self.formatter.sft_example(s) for s in samples], None
+        batch = sft_batch(examples, pad_id=self.pad_id, completion_masks=masks)
         norm = loss_normaliser(batch["loss_mask"], "token-mean")
 
         def loss_fn(logp, entropy, data):

@@ -1,6 +1,6 @@
 """Issue 14, data-parallel rollout: the number of engines changes neither the batch nor the decisions of
 dynamic sampling, and each round's prompts are sampled exactly once, split over the engines (one
-4-process launch, no SGLang: tests/integration/test_engine_count.py runs real engines)."""
+4-process launch, no SGLang: tests/integration/test_slurm.py runs real engines)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """`rollout.mode: async` end to end: real SGLang engine on its own core, real megatron learner, tiny
-Qwen3-MoE. The four runs share one process and one SGLang engine (`pooled_runs.py`):
+Qwen3-MoE. The five runs share one process and one SGLang engine (`pooled_runs.py`):
 
 - colocated and async with max_staleness 0, both with the engine pinned to core 1: the same completions
   and every non-timing metric within fp32 round-off (relative 1e-6);
 - async with max_staleness 2 for 4 steps: no trained completion is older than 2 versions and the lag
   reaches 2; the lag's own mismatch metrics are reported;
 - the same run resumed from its step-2 checkpoint: the queued rounds are drawn again (the same prompts),
-  regenerated and counted in `rollout/regenerated`.
+  regenerated and counted in `rollout/regenerated`;
+- multi-turn trajectories (3 turns, a user's environment) with max_staleness 1: every model token records
+  the version that generated it, the lag reaches 1 per token, and no trained token is older than 1.
 
 The schedule's corner cases (k = 1, 2, 3, refills, a stale round) run on a fake engine in
 tests/unit/trainer/test_async_rollout.py.
@@ -49,11 +51,23 @@ def async_runs(tmp_path_factory):
         "checkpoint__keep_last": 10,
         "algo__tis": {"enabled": True, "cap": 2.0},
         "replay": "R3",
+        "rollout__max_total_tokens": 16384,  # one KV size for every run, so the multi-turn run pools too
     }
     runs = {
         "colocated": {"rollout__placement": {"engine_cores": [1]}, "schedule__steps": 3},
         "k0": {"rollout__mode": "async", "rollout__max_staleness": 0, "schedule__steps": 3},
         "k2": {"rollout__mode": "async", "rollout__max_staleness": 2, "schedule__steps": STEPS},
+        "k1_turns": {
+            "rollout__mode": "async",
+            "rollout__max_staleness": 1,
+            "schedule__steps": 3,
+            "rollout__multi_turn": {
+                "enabled": True,
+                "environment": "tests.integration.agentic_env:ThreeToolTurns",
+                "max_turns": 3,
+                "max_tokens": 64,
+            },
+        },
     }
     paths = {name: write_config(tmp / name, model, **common, **over) for name, over in runs.items()}
     # the k2 run again from its step-2 checkpoint, logging elsewhere
@@ -64,6 +78,7 @@ def async_runs(tmp_path_factory):
     paths["k2_resumed"].write_text(yaml.safe_dump(resumed))
     ckpt2 = tmp / "k2" / "ckpt" / "step_00000002"
     args = [str(paths[n]) for n in ("colocated", "k0", "k2")] + [f"{paths['k2_resumed']}:{ckpt2}"]
+    args.append(str(paths["k1_turns"]))
     res = run_pooled(*args)
     assert res.returncode == 0, res.stderr[-4000:]
     return {name: p.parent for name, p in paths.items()}
@@ -133,3 +148,15 @@ def test_resume_regenerates_the_queued_rounds_and_counts_them(async_runs):
     after = {p for p, _ in samples(async_runs["k2_resumed"])}
     assert after <= before
     assert whole[2]["step"] == 3
+
+
+def test_multi_turn_trajectories_carry_per_token_versions_within_the_bound(async_runs):
+    recs = records(async_runs["k1_turns"] / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    for r in recs:
+        assert r["rollout/turns_mean"] == 3.0 and r["rollout/staleness_max"] <= 1
+        # per token: every trained model token is at lag 0 or 1, and none was masked as older
+        assert r["rollout/stale_tokens_masked"] == 0
+        assert r["mismatch/lag_0/n_tokens"] + r["mismatch/lag_1/n_tokens"] == r["mismatch/n_tokens"]
+        assert sum(r[f"mismatch/turn_{k}/n_tokens"] for k in range(3)) == r["mismatch/n_tokens"]
+    assert recs[0]["mismatch/lag_1/n_tokens"] == 0 and recs[2]["mismatch/lag_1/n_tokens"] > 0

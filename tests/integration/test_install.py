@@ -3,6 +3,10 @@ fresh venv, and every command that used to reach into the repository by path run
 outside the clone: `megagrpo convert` both ways, `megagrpo probe`, `megagrpo submit --dry-run` and
 `megagrpo train --nproc 2` for one step.
 
+The probe run here is also the mismatch probe's end-to-end test (formerly test_mismatch_probe.py's own
+run of the same `megagrpo.probe.main` through tools/mismatch_probe.py): one SGLang engine start and one
+learner per layout serve both files' assertions.
+
 The fresh venv reuses .venv's third-party packages through a plain path line in a .pth file (nothing is
 downloaded). A path line adds the directory only: the .pth files inside it, the editable install's
 finder among them, are not run, so the clone is not importable there; the test checks that too.
@@ -10,14 +14,18 @@ finder among them, are not run, so the clone is not importable there; the test c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -135,20 +143,105 @@ def test_submit_dry_run_renders_a_job_that_needs_no_checkout(installed, tiny_mod
     assert f"MEGAGRPO_VENV={bin_dir.parent}" in script
 
 
-def test_probe_from_outside_the_clone(installed, tiny_model):
+def _session_procs(sid: int, grace_s: float = 15.0) -> list[int]:
+    """Live processes of session `sid`, after up to `grace_s` for helpers (multiprocessing's resource
+    tracker) that exit on their own once their parent is gone."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+# The mismatch probe's end-to-end run (formerly its own in test_mismatch_probe.py, run there through
+# tools/mismatch_probe.py, which is `megagrpo.probe.main` as the installed `megagrpo probe` is): its own
+# SGLang engine sampling clean and with an fp8 round trip of the sampler's weights, the learner on layouts
+# 1, tp2 and ep2 (one torchrun each), the table (md + json) and the dlogp plot.
+PROBE_PROMPTS = [[5, 17, 33, 2, 90, 14], [1, 307, 260, 202], [44, 45, 46, 47, 48, 49, 50, 51]]
+PROBE_LAYOUTS = ["1", "tp2", "ep2"]
+
+
+@pytest.fixture(scope="module")
+def probe(installed, sglang_model_dir):
+    """`megagrpo probe` from the installed package, run from outside the clone; (out dir, the JSON table)."""
     bin_dir, work, env = installed
-    out = work / "probe"
-    # an SGLang start takes minutes on a loaded CPU, hence the long limit
-    _run(
-        [bin_dir / "megagrpo", "probe", tiny_model("qwen3_moe"), "--prompts", "2", "--layouts", "1",
-         "--max-new-tokens", "4", "--out", out, "--no-progress"],
-        work, env, 2400,
-    )  # fmt: skip
-    res = json.loads((out / "mismatch_table.json").read_text())["injections"]["none"]
-    assert res["n_tokens"] > 0
-    (pair,) = res["pairs"]  # sampler vs the learner on layout 1, both fp32: the same distribution
-    assert (pair["a"], pair["b"]) == ("sampler", "1") and pair["abs_dlogp_max"] < 1e-3
-    assert (out / "learner" / "1" / "none.pt").is_file()  # written by the torchrun run of `-m megagrpo.probe`
+    prompts, out, log = work / "prompts.jsonl", work / "probe", work / "probe.log"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROBE_PROMPTS))
+    cmd = [
+        bin_dir / "megagrpo", "probe", sglang_model_dir, "--prompts", prompts, "--group-size", "2",
+        "--layouts", ",".join(PROBE_LAYOUTS), "--inject", "none,fp8", "--out", out, "--no-progress",
+    ]  # fmt: skip
+    with open(log, "w") as sink:
+        # own session: the engine's and torchrun's processes are findable (and killable) by session id
+        proc = subprocess.Popen(
+            [str(c) for c in cmd], cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            rc = proc.wait(timeout=2400)  # an SGLang start takes minutes on a loaded CPU
+        finally:
+            leftover = _session_procs(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-6000:]
+    assert not leftover, f"the probe left processes behind: {leftover}"
+    print(text[text.find("### inject") :])  # the table, with pytest -s
+    return out, json.loads((out / "mismatch_table.json").read_text())
+
+
+@pytest.mark.slow
+def test_probe_from_outside_the_clone_writes_table_and_plot(probe):
+    """Replaces test_install's probe check and test_mismatch_probe's test_cli_writes_table_and_plot."""
+    out, res = probe
+    assert res["injections"].keys() == {"none", "fp8"}
+    names = ["sampler", *PROBE_LAYOUTS]
+    for inject, r in res["injections"].items():
+        assert r["n_tokens"] == len(PROBE_PROMPTS) * 2 * 16
+        assert [(p["a"], p["b"]) for p in r["pairs"]] == [
+            (a, b) for i, a in enumerate(names) for b in names[i + 1 :]
+        ], inject
+        assert r["attribution"].keys() == set(PROBE_LAYOUTS)
+        for layout in PROBE_LAYOUTS:  # written by the torchrun runs of `-m megagrpo.probe`
+            assert (out / "learner" / layout / f"{inject}.pt").is_file(), (layout, inject)
+    md = (out / "mismatch_table.md").read_text()
+    assert "### inject = fp8" in md and "| sampler | tp2 |" in md and "| tp2 | ep2 |" in md
+    assert "routing_share" in md
+    png = (out / "dlogp.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert (out / "rollouts" / "none.pt").is_file() and (out / "rollouts" / "fp8.pt").is_file()
+
+
+@pytest.mark.slow
+def test_probe_learner_layouts_agree_to_fp32_tolerance(probe):
+    """Formerly test_mismatch_probe's test_learner_layouts_agree_to_fp32_tolerance."""
+    _, res = probe
+    for inject, r in res["injections"].items():
+        for p in r["pairs"]:
+            if p["a"] == "sampler":
+                continue
+            # the learner's weights are clean under every injection: layouts differ by fp32 reduction order
+            assert p["abs_dlogp_max"] < 1e-4, (inject, p)
+            assert p["kl_sampler_learner_k3"] < 1e-9 and p["kl_learner_sampler_k3"] < 1e-9, (inject, p)
+            assert abs(p["ess_ratio"] - 1.0) < 1e-6, (inject, p)
+
+
+@pytest.mark.slow
+def test_probe_fp8_sampler_is_further_from_every_layout(probe):
+    """Formerly test_mismatch_probe's test_fp8_sampler_is_further_from_every_layout; its clean half is
+    test_install's former probe check (sampler vs learner, both fp32: the same distribution)."""
+    _, res = probe
+    clean = {p["b"]: p for p in res["injections"]["none"]["pairs"] if p["a"] == "sampler"}
+    fp8 = {p["b"]: p for p in res["injections"]["fp8"]["pairs"] if p["a"] == "sampler"}
+    for layout in PROBE_LAYOUTS:
+        assert clean[layout]["abs_dlogp_max"] < 1e-3, clean[layout]  # CPU SGLang fp32 vs megatron fp32
+        assert fp8[layout]["kl_sampler_learner_k3"] > 100 * max(clean[layout]["kl_sampler_learner_k3"], 1e-12)
 
 
 def test_train_two_processes_expert_parallel_async_with_a_users_reward_module(installed, tmp_path):

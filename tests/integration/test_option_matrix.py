@@ -60,6 +60,15 @@ CASES = (
     Case("config_grpo_math_dense", "grpo_math_dense.yaml", "qwen3"),
     Case("config_countdown_gdpo", "countdown_qwen3_moe_gdpo.yaml", "qwen3_moe"),
     Case("config_demo", "demo_qwen3_moe.yaml", "qwen3_moe"),  # RL stage, from the SFT case's model
+    # Multi-turn with the sandboxed python tool; scored by the final message (a random model never earns the
+    # environment's reward, so no group would be kept): the environment, parser and limits are as shipped.
+    Case(
+        "config_agentic_python",
+        "agentic_python_qwen3_moe.yaml",
+        "qwen3_moe",
+        # a random model never calls a tool, so no trajectory is truncated for the shipped filter to drop
+        ("rollout.multi_turn.reward=functions", "algo.overlong_filter=false"),
+    ),
     # One case per remaining policy variant, each carrying other options.
     Case(
         "gspo_token",
@@ -388,6 +397,9 @@ def run_problems(cfg: Config, recs: list[dict]) -> list[str]:
         if cfg.replay == "R3" and a.old_logp == "recompute":  # the agreement is measured in the old pass
             agr = get("moe/agreement_rollout_old")
             need(_finite(agr) and agr > 0.9, f"R3: moe/agreement_rollout_old={agr}", s)
+        if cfg.rollout.multi_turn.enabled:
+            turns, unscored = get("rollout/turns_mean"), get("rollout/unscored_frac")
+            need(_finite(turns) and turns >= 1 and _finite(unscored), f"multi-turn: turns_mean={turns}", s)
         if a.router_shift:
             g = get("moe/router_shift_gamma_mean")
             need(_finite(g) and 0 < g <= 1, f"router_shift: moe/router_shift_gamma_mean={g}", s)

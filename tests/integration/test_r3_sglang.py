@@ -76,8 +76,9 @@ class RecordingEngine:
 def _multi_turn_batch(engine, tmp: Path, name: str, seed: int) -> tuple[Path, dict]:
     """3-turn trajectories on the engine -> the learner batch (saved), and the routes facts checked here."""
     from megagrpo.rollout.config import SamplingConfig
-    from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes, trajectory_batch
+    from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes
     from megagrpo.rollout.trajectory import route_rows_from_b64
+    from megagrpo.trainer.batch import trajectory_batch
 
     rec = RecordingEngine(engine)
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=seed)

@@ -9,7 +9,12 @@ started and stopped (by PID) by the module fixture; see tests/integration/slurm_
 * a real `megagrpo train` job on 2 nodes x 2 tasks (DP2 x TP2, one SGLang engine per node, issue 14)
   completes and writes metrics, and a second one, preempted with `scancel --batch --signal=USR1` (what
   `#SBATCH --signal=B:USR1@120` does), checkpoints, requeues itself, resumes, and ends with the same
-  metrics as the uninterrupted job;
+  metrics and samples as the uninterrupted job;
+* the number of engines changes no completion (issue 14; formerly tests/integration/test_engine_count.py):
+  a local one-engine run of the same config on 4 processes samples the same completions as the
+  uninterrupted two-engine job and logs the same metrics to 1e-6. The jobs above are its two-engine runs,
+  and the preempted one its two-engine resume check, so one set of 4-process launches serves both files'
+  assertions;
 * the mesh check under `srun --mpi=pmix -n 2` with mpi4py bootstrap.
 
 Only the requeue hold is shortened: Slurm keeps a requeued job pending for ~120 s (Reason=BeginTime);
@@ -19,7 +24,10 @@ the test sets its StartTime to now once the old instance's credential revocation
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -30,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from megagrpo.cli import main as cli_main
-from tests.integration.run_metrics import last_record_per_step, step_differences
+from tests.integration.run_metrics import deterministic, last_record_per_step, step_differences
 from tests.integration.slurm_cluster import (
     NODES,
     PARTITION,
@@ -38,6 +46,7 @@ from tests.integration.slurm_cluster import (
     ensure_mpi4py,
     ensure_packages,
 )
+from tests.integration.test_trainer_e2e import FULL_RUN, cli, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "demo_qwen3_moe.yaml")
@@ -97,16 +106,16 @@ def overrides(model: Path, out: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in kv.items()]
 
 
-def submit(capsys, *args: str) -> tuple[int, str]:
+def submit(*args: str) -> tuple[int, str]:
     """Run `megagrpo submit ...` in this process; returns (exit code, stdout + stderr)."""
-    capsys.readouterr()
-    code = cli_main(["submit", *map(str, args)])
-    cap = capsys.readouterr()
-    return code, cap.out + cap.err
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = cli_main(["submit", *map(str, args)])
+    return code, out.getvalue()
 
 
-def submitted(capsys, *args: str) -> tuple[int, Path]:
-    code, out = submit(capsys, *args)
+def submitted(*args: str) -> tuple[int, Path]:
+    code, out = submit(*args)
     assert code == 0, out
     job = int(re.search(r"submitted job (\d+)", out).group(1))
     log = Path(re.search(r"log:\s+(\S+)", out).group(1))
@@ -125,10 +134,9 @@ def tail(path: Path, n: int = 60) -> str:
 
 
 @pytest.mark.parametrize("layout,nodes,procs", [("single", 1, 2), ("torchrun", 2, 2), ("srun", 2, 2)])
-def test_dry_run_renders_a_script_sbatch_accepts(cluster, model_dir, tmp_path, capsys, layout, nodes, procs):
+def test_dry_run_renders_a_script_sbatch_accepts(cluster, model_dir, tmp_path, layout, nodes, procs):
     before = cluster.job_ids()
     code, out = submit(
-        capsys,
         CONFIG,
         *overrides(model_dir, tmp_path, **{"mesh.ep": 2, "rollout.prompts_per_step": 16}),
         "--nodes",
@@ -185,14 +193,14 @@ def test_dry_run_renders_a_script_sbatch_accepts(cluster, model_dir, tmp_path, c
         ("log dir", ["--nodes", "1", "--gpus-per-node", "1", "--log-dir", "FILE/logs"], "--log-dir"),
     ],
 )
-def test_bad_input_fails_before_submission(cluster, model_dir, tmp_path, capsys, case, args, message):
+def test_bad_input_fails_before_submission(cluster, model_dir, tmp_path, case, args, message):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     args = [a.replace("FILE", str(blocker)) for a in args]
     mesh_over = [a for a in args if "=" in a and not a.startswith("-")]
     flags = [a for a in args if a not in mesh_over]
     before = cluster.job_ids()
-    code, out = submit(capsys, CONFIG, *overrides(model_dir, tmp_path), *mesh_over, *flags)
+    code, out = submit(CONFIG, *overrides(model_dir, tmp_path), *mesh_over, *flags)
     assert code == 2, out
     assert message in out, out
     assert "Traceback" not in out
@@ -203,13 +211,12 @@ def test_bad_input_fails_before_submission(cluster, model_dir, tmp_path, capsys,
 
 
 @pytest.mark.slow
-def test_two_node_jobs_agree_with_the_single_process_reference(cluster, model_dir, tmp_path, capsys):
+def test_two_node_jobs_agree_with_the_single_process_reference(cluster, model_dir, tmp_path):
     """Both multi-node layouts, submitted together: TP2 across n1 and n2, logprobs vs transformers."""
     jobs = {}
     for layout in ("srun", "torchrun"):
         out = tmp_path / layout
         jobs[layout] = submitted(
-            capsys,
             CONFIG,
             *overrides(model_dir, out, **{"mesh.tp": 2, "mesh.sequence_parallel": "true"}),
             "--nodes",
@@ -236,20 +243,75 @@ def test_two_node_jobs_agree_with_the_single_process_reference(cluster, model_di
         assert "MASTER_ADDR=127.0.0.1" in log.read_text()  # n1's NodeAddr, from scontrol
 
 
-@pytest.mark.slow
-def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(cluster, model_dir, tmp_path, capsys):
-    """Two `megagrpo train` jobs from the same config, each on both nodes (2 tasks per node, DP2 x TP2, one
-    engine per node), so Slurm runs them one after the other: A runs through; B gets USR1 after its first
-    step, checkpoints, requeues itself and resumes. Both must end with the same metrics."""
-    common = ["--nodes", 2, "--gpus-per-node", 2, "--layout", "torchrun"]
-    layout = {"mesh.tp": 2, "mesh.sequence_parallel": "true", "rollout.num_engines": 2}
-    job_a, log_a = submitted(
-        capsys, CONFIG, *overrides(model_dir, tmp_path / "a", **layout), *common, "--job-name", "mg-a"
-    )
-    job_b, log_b = submitted(
-        capsys, CONFIG, *overrides(model_dir, tmp_path / "b", **layout), *common, "--job-name", "mg-b"
-    )
-    metrics_b = tmp_path / "b" / "run" / "metrics.jsonl"
+# The train jobs: the seeded 3-step run of test_trainer_e2e (R3, TIS `auto`, evaluation at steps 0 and 3)
+# on DP2 x TP2, scored by a reward that records every (prompt, completion) it scores.
+TRAIN_RUN = {
+    **FULL_RUN,
+    "rewards__functions": [{"name": "tests.integration.trainer_rewards:recorded_parity", "weight": 1.0}],
+}
+DP2_TP2 = ("mesh.tp=2", "mesh.sequence_parallel=true")
+# One engine against two, compared at 1e-6 and not bit-equal, and why: each engine batches its own half of
+# the requests, so the CPU engine's fp32 logprobs differ from the one-engine run's in their last bits
+# (measured: |dlogp| ~ 1e-8). The mismatch metrics measure exactly those bits (values 1e-14 .. 1e-6 here:
+# the fp32 sampler and learner agree to round-off), and the policy loss of these near-on-policy steps is ~0
+# plus TIS weights of 1 +- 1e-7, so both are compared at fp32 logprob round-off instead: absolute 1e-6.
+# Every other metric: relative 1e-6.
+REL = 1e-6
+SAMPLER_LOGP_ROUNDOFF = ("mismatch/", "loss/policy", "loss/total")
+ABS_LOGP = 1e-6
+
+
+def sampled(record_dir: Path) -> set[tuple[str, str]]:
+    pairs = set()
+    for f in record_dir.glob("*.jsonl"):
+        pairs |= {tuple(json.loads(line)) for line in f.read_text().splitlines() if line}
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def engine_runs(cluster, model_dir, tmp_path_factory):
+    """Three runs of TRAIN_RUN on 4 processes (DP2 x TP2), each with its own record of what it sampled:
+
+    * "one": one engine (rank 0), a local `megagrpo train --nproc 4`;
+    * "a": a Slurm job on both nodes (2 tasks per node, `rollout.num_engines=2`: one engine per node, owned
+      by ranks 0 and 2, each sampling and scoring half of every round and of the held-out set), uninterrupted;
+    * "b": the same job again, which Slurm runs after A (both take every CPU of both nodes), preempted with
+      `scancel --batch --signal=USR1` (what `#SBATCH --signal=B:USR1@120` does) after its first step: it
+      checkpoints, requeues itself and resumes.
+
+    Returns ({name: run directory}, {name: (job id, log)} for the two Slurm jobs)."""
+    tmp = tmp_path_factory.mktemp("engines")
+    dirs = {name: tmp / name for name in ("one", "a", "b")}
+    cfg = {name: write_config(d, model_dir, **TRAIN_RUN) for name, d in dirs.items()}
+    for d in dirs.values():
+        (d / "sampled").mkdir()
+
+    res = cli(
+        "train", str(cfg["one"]), *DP2_TP2, "--nproc", "4",
+        env={"MEGAGRPO_TEST_RECORD_DIR": str(dirs["one"] / "sampled")},
+    )  # fmt: skip
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+
+    jobs = {
+        name: submitted(
+            cfg[name],
+            *DP2_TP2,
+            "rollout.num_engines=2",
+            "--nodes",
+            2,
+            "--gpus-per-node",
+            2,
+            "--layout",
+            "torchrun",
+            "--job-name",
+            f"mg-{name}",
+            "--env",
+            f"MEGAGRPO_TEST_RECORD_DIR={dirs[name] / 'sampled'}",
+        )  # fmt: skip
+        for name in ("a", "b")
+    }
+    (job_a, log_a), (job_b, log_b) = jobs["a"], jobs["b"]
+    metrics_b = dirs["b"] / "run" / "metrics.jsonl"
 
     deadline = time.monotonic() + 2 * JOB_TIMEOUT  # B starts when A is done
     while not (metrics_b.exists() and '"step": 1' in metrics_b.read_text()):
@@ -267,12 +329,25 @@ def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(cluster, mod
 
     info_a = cluster.wait_job(job_a, JOB_TIMEOUT)
     info_b = cluster.wait_job(job_b, JOB_TIMEOUT)
-    text_b = log_b.read_text()
     assert info_a.state == "COMPLETED" and info_a.exit_code == "0:0", tail(log_a)
     assert info_b.state == "COMPLETED" and info_b.exit_code == "0:0", (
         f"{tail(log_b)}\n{cluster.ctld_log_tail()}"
     )
     assert info_a.restarts == 0 and info_b.restarts == 1
+    return dirs, jobs
+
+
+@pytest.mark.slow
+def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(engine_runs):
+    """Formerly this file's test of the same name, on the run of test_trainer_e2e plus recorded rewards:
+    two `megagrpo train` jobs from the same config, each on both nodes (2 tasks per node, DP2 x TP2, one
+    engine per node), so Slurm runs them one after the other: A runs through; B gets USR1 after its first
+    step, checkpoints, requeues itself and resumes. Both must end with the same metrics and samples. This
+    is also the two-engine resume check of the former test_engine_count.py (which SIGKILLed its local
+    two-engine run after its step-1 checkpoint and resumed it)."""
+    dirs, jobs = engine_runs
+    (_, log_a), (_, log_b) = jobs["a"], jobs["b"]
+    text_b = log_b.read_text()
     # one engine per node: owners are ranks 0 and 2, the first task of n1 and of n2
     engines = sorted(set(re.findall(r"engine (\d) of 2: rank (\d) on (\S+),", log_a.read_text())))
     assert engines == [("0", "0", NODES[0]), ("1", "2", NODES[1])], tail(log_a)
@@ -282,17 +357,54 @@ def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(cluster, mod
     saved = re.search(r"SIGUSR1: saved (\S+) at step (\d+)", text_b)
     assert saved, tail(log_b)
     stopped_at = int(saved.group(2))
-    assert 1 <= stopped_at < 3
+    assert 1 <= stopped_at < 3, "B was not stopped before its last step: nothing was resumed"
     assert "scontrol requeue" in text_b and "restart 1:" in text_b
     assert re.search(rf"resumed from \S+ at step {stopped_at}", text_b), tail(log_b)
 
     # A wrote metrics for every step, in every group a GRPO step logs
-    ma, mb = last_record_per_step(tmp_path / "a" / "run"), last_record_per_step(tmp_path / "b" / "run")
-    assert sorted(ma) == [1, 2, 3] and sorted(mb) == [1, 2, 3]
+    ma, mb = last_record_per_step(dirs["a"] / "run"), last_record_per_step(dirs["b"] / "run")
+    assert sorted(ma) == [0, 1, 2, 3] and sorted(mb) == [0, 1, 2, 3]
     groups = {k.split("/")[0] for k in ma[3]}
     assert {"rollout", "reward", "loss", "perf"} <= groups, sorted(groups)
-    assert any(ma[s]["loss/grad_norm"] > 0 for s in ma), "no step moved the policy: the comparison is vacuous"
-    assert step_differences(ma, mb, (1, 2, 3)) == {}
+    assert any(ma[s]["loss/grad_norm"] > 0 for s in ma if s), (
+        "no step moved the policy: the comparison is vacuous"
+    )
+    assert step_differences(ma, mb, (0, 1, 2, 3)) == {}
+    assert sampled(dirs["b"] / "sampled") == sampled(dirs["a"] / "sampled")
+
+
+@pytest.mark.slow
+def test_two_engines_sample_the_same_completions_as_one(engine_runs):
+    """Formerly test_engine_count.py's test_two_engines_sample_the_same_completions (issue 14): the number of
+    engines changes no completion; the two-engine run is Slurm job A."""
+    dirs, _ = engine_runs
+    one, two = sampled(dirs["one"] / "sampled"), sampled(dirs["a"] / "sampled")
+    assert len(one) > 50
+    assert one == two, f"{len(one ^ two)} (prompt, completion) pairs differ, e.g. {sorted(one ^ two)[:2]}"
+    # both engines sampled: the two-engine run's reward calls ran in two processes
+    assert len(list((dirs["a"] / "sampled").glob("*.jsonl"))) >= 2
+
+
+@pytest.mark.slow
+def test_two_engines_log_the_same_metrics_as_one(engine_runs):
+    """Formerly test_engine_count.py's test_two_engines_log_the_same_metrics, with R3, TIS `auto` and
+    evaluation on; the two-engine run is Slurm job A."""
+    dirs, _ = engine_runs
+    m1, m2 = last_record_per_step(dirs["one"] / "run"), last_record_per_step(dirs["a"] / "run")
+    assert sorted(m1) == sorted(m2) == [0, 1, 2, 3]
+    assert any(m1[s]["loss/grad_norm"] > 0 for s in (1, 2, 3)), "no step moved the policy"
+    assert "eval/accuracy" in m2[0] and "eval/accuracy" in m2[3] and "mismatch/tis_cap" in m2[3]
+    bad = {}
+    for step in m1:
+        d1, d2 = deterministic(m1[step]), deterministic(m2[step])
+        assert d1.keys() == d2.keys(), f"step {step}: {sorted(d1.keys() ^ d2.keys())}"
+        for k in d1:
+            abs_tol = ABS_LOGP if k.startswith(SAMPLER_LOGP_ROUNDOFF) else 0.0
+            if not math.isclose(d1[k], d2[k], rel_tol=REL, abs_tol=abs_tol):
+                bad[f"{step}:{k}"] = (d1[k], d2[k])
+    assert bad == {}
+    # the comparison is not vacuous: grad norms, rewards and evaluation are real numbers, equal to 1e-6
+    assert m1[3]["loss/grad_norm"] > 0 and 0 < m1[1]["reward/mean"] < 1
 
 
 @pytest.mark.slow

@@ -85,7 +85,8 @@ def kill_after_first_checkpoint(
     *args: str, ckpt_dir: Path, timeout: float = 900, env: dict | None = None
 ) -> None:
     """Start `megagrpo <args>` and SIGKILL it, with its engines' processes, once its step-1 checkpoint is
-    complete (meta.json is written last)."""
+    complete (meta.json is written last). Single-process runs only: torchrun starts each rank in a session
+    of its own, which this kill does not reach (a `--nproc` run's ranks would run on)."""
     proc = start_cli(
         *args,
         env=env,

@@ -204,3 +204,39 @@ def test_submit_makes_the_same_checks_before_asking_the_cluster(tiny_model, tmp_
     rc, err, _ = run_cli(["submit", write_config(tmp_path, dense, replay="none"), *job], capsys)
     assert rc == 2 and "model.hf_path" in err, err
     assert asked == []
+
+
+# -- issue 26: a multi-turn environment or tool parser that cannot work is refused before any process --
+
+
+@pytest.mark.parametrize(
+    ("multi_turn", "message"),
+    [
+        ({"environment": "no_such_env"}, "rollout.multi_turn.environment: 'no_such_env' is not a built-in"),
+        (
+            {"environment": "no_pkg.envs:Env"},
+            "rollout.multi_turn.environment: cannot import 'no_pkg.envs:Env'",
+        ),
+        ({"environment_options": {"colour": 1}}, "options {'colour': 1} do not fit 'calculator'"),
+        ({"environment_options": {"max_turns": 0}}, "are not valid for 'calculator': max_turns must be >= 1"),
+        (
+            {"tool_parser": "qwen9"},
+            "rollout.multi_turn.tool_parser: 'qwen9' is not an SGLang tool-call parser",
+        ),
+    ],
+)
+def test_a_multi_turn_section_that_cannot_run_is_refused(
+    tiny_model, tmp_path, capsys, started, multi_turn, message
+):
+    cfg = write_config(tmp_path, tiny_model("qwen3"), rollout={"multi_turn": {"enabled": True, **multi_turn}})
+    rc, err, _ = run_cli(["train", cfg], capsys)
+    assert rc == 2 and not started, err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_python_environment_reaches_the_stage(tiny_model, tmp_path, capsys, started):
+    mt = {"enabled": True, "environment": "python", "environment_options": {"memory_mb": 256}}
+    rc, err, _ = run_cli(
+        ["train", write_config(tmp_path, tiny_model("qwen3"), rollout={"multi_turn": mt})], capsys
+    )
+    assert rc == 0 and started, err

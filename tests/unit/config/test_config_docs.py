@@ -30,9 +30,14 @@ def test_reference_config_is_the_defaults():
 
 
 def test_shipped_configs_validate():
-    for name in ("demo_qwen3_moe", "grpo_math_dense", "countdown_qwen3_moe_gdpo"):
+    shipped = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "reference")
+    for name in shipped:
         cfg = load_config(REPO / "configs" / f"{name}.yaml", check_paths=False)
         assert cfg.model.hf_path
+    agentic = load_config(REPO / "configs" / "agentic_python_qwen3_moe.yaml", check_paths=False)
+    mt = agentic.rollout.multi_turn
+    assert mt.enabled and mt.environment == "python" and agentic.replay == "R3"
+    assert agentic.rollout.response_tokens == mt.max_tokens  # the row, the plan and the KV size use it
     demo = load_config(REPO / "configs" / "demo_qwen3_moe.yaml", check_paths=False)
     assert demo.algo.variant == "gspo" and demo.replay == "R3" and demo.algo.tis.cap == "auto"
     sft, rl = demo.sft.data.synthetic, demo.data.synthetic  # RL on harder problems than SFT taught

@@ -38,6 +38,8 @@ SHIPPED = {
     "countdown_qwen3_moe_gdpo.yaml": ((2, 8, 80.0), "Qwen3-30B-A3B", True),
     "grpo_math_dense.yaml": ((1, 8, 80.0), "Qwen3-8B", True),
     "demo_qwen3_moe.yaml": ((1, 1, 16.0), "demo-tiny-qwen3-moe", True),
+    "agentic_python_qwen3_moe.yaml": ((2, 8, 80.0), "Qwen3-30B-A3B", True),
+    "agentic_calculator.yaml": ((1, 1, 16.0), "demo-tiny-qwen3-moe", True),
 }
 
 
@@ -53,7 +55,7 @@ def test_shipped_config_verdict_on_its_hardware(name):
     plan = plan_memory(cfg, arch_from_hf(MODELS / model), nodes=nodes, gpus_per_node=gpus, gpu_mem_gib=mem)
     assert plan.fits == fits, plan.table()
     assert plan.max_micro_batch >= cfg.schedule.micro_batch_size
-    assert plan.kv_tokens >= cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    assert plan.kv_tokens >= cfg.data.max_prompt_tokens + cfg.rollout.response_tokens
 
 
 def test_countdown_fits_with_margin_where_its_old_mesh_did_not():

@@ -20,14 +20,9 @@ from megagrpo.envs.tools import Tool, ToolExecutor
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import NO_ROUTE, completion_from_output
 from megagrpo.rollout.config import SamplingConfig
-from megagrpo.rollout.multi_turn import (
-    MultiTurnLimits,
-    rollout_episodes,
-    trajectory_batch,
-    turn_seed,
-)
+from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes, turn_seed
 from megagrpo.rollout.trajectory import EnvSegment, ModelSegment, Trajectory
-from megagrpo.trainer.batch import rollout_batch
+from megagrpo.trainer.batch import rollout_batch, trajectory_batch
 
 L, K, E = 3, 2, 8
 SAMPLING = SamplingConfig(max_new_tokens=256, seed=11)
@@ -265,7 +260,7 @@ def test_trajectory_batch_of_one_turn_trajectories_is_rollout_batch(tok):
     got = trajectory_batch(
         [[Trajectory.from_completion(c, num_experts=E, version=2)] for c in comps], adv, pad_id=0, rewards=rew
     )
-    assert set(got) == set(want) | {"versions"}
+    assert set(got) == set(want) | {"versions", "model_mask"}
     for k, v in want.items():
         assert got[k].dtype == v.dtype or k == "routes", k
         assert torch.equal(got[k].to(v.dtype), v), k

@@ -57,7 +57,7 @@ class FakeSession:
     def request_seed(self, step: int, call: int) -> int:
         return step * 100 + call
 
-    def generate_with(self, prompts, sampling, group_size, index_offset):
+    def generate_with(self, prompts, sampling, group_size, index_offset, version=None):
         self.generating.set()
         try:
             time.sleep(self.gen_seconds)

@@ -1,0 +1,110 @@
+"""Multi-turn sampling in the trainer (`rollout.multi_turn`): an engine's share of prompt groups ->
+trajectories, each as one learner row (`Trajectory.to_completion`), their rewards and their counters.
+
+Everything downstream of sampling (dynamic sampling, the data plane, packing, PP route slices, TIS/MIS,
+GSPO, replay) sees a trajectory as a completion whose output is every token after the prompt, with
+`output_mask` on the model's tokens: "sequence level" means its model tokens because the loss mask says so.
+
+Rewards. `rollout.multi_turn.reward: environment` takes the environment's last reward (an episode it did not
+score, e.g. a truncated one, gets 0 and is counted as unscored); `functions` scores the final assistant
+message with `rewards.functions`, like a single-turn completion.
+
+Counters (`MultiTurnStats.counts`) ride with the reward error counts: they are summed over engines and rounds
+each step (`Session._reward_counts`), over every generated trajectory, kept by dynamic sampling or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megagrpo.config.schema import MultiTurnConfig
+from megagrpo.envs.registry import build_environment, resolve_environment
+from megagrpo.rollout.completion import Completion
+from megagrpo.rollout.multi_turn import Episode, MultiTurnLimits, MultiTurnStats, Version, rollout_episodes
+from megagrpo.rollout.prompt_group import PromptGroup
+from megagrpo.rollout.tool_calls import check_parser_name
+
+FIELD = "rollout.multi_turn"
+
+
+def check_multi_turn(mt: MultiTurnConfig) -> None:
+    """MegagrpoError naming the field for an environment that cannot be imported or built with its options,
+    or a tool parser SGLang lacks: run by the CLI before any process starts."""
+    if not mt.enabled:
+        return
+    build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
+    check_parser_name(mt.tool_parser, where=f"{FIELD}.tool_parser")
+
+
+def episode_completion(e: Episode) -> Completion:
+    """One episode as a learner row; "length" marks a truncated one (`algo.overlong_filter` drops it)."""
+    return e.trajectory.to_completion(text=e.final_text, finish_reason="length" if e.truncated else "stop")
+
+
+class EpisodeSampler:
+    """The multi-turn replacement of `RolloutEngine.generate` for one engine owner."""
+
+    def __init__(self, mt: MultiTurnConfig) -> None:
+        self.cfg = mt
+        self.env_cls = resolve_environment(mt.environment, where=f"{FIELD}.environment")
+        check_multi_turn(mt)
+        self.limits = MultiTurnLimits(max_turns=mt.max_turns, max_tokens=mt.max_tokens)
+
+    def make_env(self):
+        return self.env_cls(**self.cfg.environment_options)
+
+    def generate(
+        self,
+        engine,
+        prompts: Sequence[PromptGroup],
+        sampling,
+        group_size: int,
+        index_offset: int,
+        version: Version,
+    ) -> list[list[Completion]]:
+        """G trajectories per prompt group, started by the environment from the group's data row; sets each
+        group's completions, environment rewards and counters."""
+        episodes, _ = rollout_episodes(
+            engine,
+            [p.sample for p in prompts],
+            self.make_env,
+            sampling,
+            self.limits,
+            tool_parser=self.cfg.tool_parser,
+            group_size=group_size,
+            index_offset=index_offset,
+            version=version,
+        )
+        out = []
+        for p, eps in zip(prompts, episodes, strict=True):
+            p.completions = [episode_completion(e) for e in eps]
+            p.env_rewards = [e.reward for e in eps]
+            stats = MultiTurnStats()
+            for e in eps:
+                stats.add(e)
+            p.turn_stats = stats
+            out.append(p.completions)
+        return out
+
+    def environment_rewards(self, prompts: Sequence[PromptGroup]) -> torch.Tensor:
+        """float32 `[n, G]`: each trajectory's environment reward, 0 where it gave none."""
+        return torch.tensor(
+            [[0.0 if r is None else float(r) for r in p.env_rewards] for p in prompts], dtype=torch.float32
+        )
+
+    @staticmethod
+    def counts(prompts: Sequence[PromptGroup]) -> dict[str, float]:
+        """The groups' counters summed, as `MultiTurnStats.counts` entries."""
+        total: dict[str, float] = {}
+        for p in prompts:
+            for k, v in (p.turn_stats.counts() if p.turn_stats is not None else {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+
+def multi_turn_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """The step's `rollout/` multi-turn metrics from counts summed over engines (empty without any)."""
+    stats = MultiTurnStats.from_counts(counts)
+    return stats.metrics() if stats.trajectories else {}

@@ -1,0 +1,110 @@
+"""`megagrpo train` with `rollout.multi_turn` end to end (issue 26): 3-turn trajectories from a user's
+environment (imported by path), R3 on the tiny Qwen3-MoE, on 2 processes with one engine and with two.
+
+* Engine-count invariance holds for trajectories: both runs sample the same trajectories and log the same
+  metrics (the tolerances of tests/integration/test_engine_count.py, for the same reasons).
+* R3 is exact across turns in the trainer: the learner's replayed pass reproduces the sampler's logprobs on
+  the model tokens of every turn (mismatch/turn_<k>/ at fp32 round-off), and the learner's own routing
+  agrees with the sampler's per turn (moe/agreement_rollout_old/turn_<k>).
+* The multi-turn metrics reach metrics.jsonl and report.png's data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.integration.run_metrics import deterministic, last_record_per_step
+from tests.integration.test_trainer_e2e import cli, write_config
+
+OVER = {
+    "schedule__steps": 2,
+    "schedule__eval_every": 2,
+    "schedule__save_every": 0,
+    "replay": "R3",
+    "rollout__max_new_tokens": 6,
+    "rollout__multi_turn": {
+        "enabled": True,
+        "environment": "tests.integration.agentic_env:ThreeToolTurns",
+        "max_turns": 3,
+        "max_tokens": 96,
+    },
+}
+NPROC = ("--nproc", "2")
+REL, ABS_LOGP = 1e-6, 1e-6
+SAMPLER_LOGP_ROUNDOFF = ("mismatch/", "loss/policy", "loss/total")
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from megagrpo.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "m", "qwen3_moe", seed=1)
+
+
+def _sampled(record_dir: Path) -> list:
+    return sorted(
+        json.dumps(json.loads(line))
+        for f in record_dir.glob("*.jsonl")
+        for line in f.read_text().splitlines()
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, moe_model):
+    tmp = tmp_path_factory.mktemp("agentic")
+    out = {}
+    for name, engines in (("one", "1"), ("two", "2")):
+        rec = tmp / name / "sampled"
+        rec.mkdir(parents=True)
+        cfg = write_config(tmp / name, moe_model, **OVER)
+        res = cli(
+            "train",
+            str(cfg),
+            f"rollout.num_engines={engines}",
+            *NPROC,
+            env={"MEGAGRPO_TEST_RECORD_DIR": str(rec)},
+        )
+        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+        out[name] = (last_record_per_step(tmp / name / "run"), _sampled(rec), tmp / name)
+    return out
+
+
+def test_multi_turn_metrics_and_r3_exact_on_every_turn(runs):
+    m, sampled, _ = runs["one"]
+    assert sorted(m) == [0, 1, 2]
+    for step in (1, 2):
+        r = m[step]
+        assert r["rollout/turns_mean"] == 3.0 and r["rollout/truncated_max_turns_frac"] == 0.0
+        assert 0 < r["rollout/env_token_frac"] < 1 and r["rollout/stale_tokens_masked"] == 0.0
+        # 1 byte per route entry (int8 holds the tiny model's experts): rows = tokens - 1 per trajectory
+        assert r["rollout/route_bytes_per_traj"] > 0
+        for k in range(3):
+            assert r[f"mismatch/turn_{k}/n_tokens"] > 0
+            assert r[f"mismatch/turn_{k}/abs_dp_mean"] < 1e-5, (k, r[f"mismatch/turn_{k}/abs_dp_mean"])
+            # the learner's own routing agrees with the sampler's on every turn (same weights, fp32)
+            assert r[f"moe/agreement_rollout_old/turn_{k}"] > 0.9, (
+                k,
+                r[f"moe/agreement_rollout_old/turn_{k}"],
+            )
+        assert r["loss/grad_norm"] > 0
+    assert "eval/accuracy" in m[2]
+    assert len(sampled) >= 2 * 16, "every trajectory of both steps (and the evaluation) is recorded"
+
+
+def test_one_and_two_engines_sample_the_same_trajectories_and_log_the_same_metrics(runs):
+    (ma, sa, _), (mb, sb, dir_b) = runs["one"], runs["two"]
+    assert sa == sb, f"{len(set(sa) ^ set(sb))} trajectories differ"
+    assert len(list((dir_b / "sampled").glob("*.jsonl"))) == 2, "both engines ran trajectories"
+    bad = {}
+    for step in ma:
+        da, db = deterministic(ma[step]), deterministic(mb[step])
+        assert da.keys() == db.keys(), f"step {step}: {sorted(da.keys() ^ db.keys())}"
+        for k in da:
+            abs_tol = ABS_LOGP if k.startswith(SAMPLER_LOGP_ROUNDOFF) else 0.0
+            if not math.isclose(da[k], db[k], rel_tol=REL, abs_tol=abs_tol):
+                bad[f"{step}:{k}"] = (da[k], db[k])
+    assert bad == {}

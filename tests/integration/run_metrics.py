@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -35,3 +36,28 @@ def step_differences(a: dict[int, dict], b: dict[int, dict], steps) -> dict[int,
         if only or changed:
             diffs[step] = {"only_in_one_run": only, "changed": changed}
     return diffs
+
+
+# Engine-count comparisons (one engine against several). Not bit-equal, and why: each engine batches its own
+# share of the requests, so the CPU engine's fp32 logprobs differ from the one-engine run's in their last
+# bits (measured: |dlogp| ~ 1e-8). The mismatch metrics measure exactly those bits (values 1e-14 .. 1e-6
+# when sampler and learner agree to round-off), and the policy loss of near-on-policy steps is ~0 plus TIS
+# weights of 1 +- 1e-7, so those are compared at fp32 logprob round-off (absolute 1e-6); every other
+# metric at relative 1e-6.
+ENGINE_COUNT_REL = 1e-6
+SAMPLER_LOGP_ROUNDOFF = ("mismatch/", "loss/policy", "loss/total")
+ABS_LOGP = 1e-6
+
+
+def engine_count_differences(a: dict[int, dict], b: dict[int, dict]) -> dict[str, tuple]:
+    """{"step:key": (a, b)} for every non-timing metric of two runs outside the engine-count tolerances
+    above; asserts both runs logged the same keys at every step of `a`."""
+    bad: dict[str, tuple] = {}
+    for step in a:
+        da, db = deterministic(a[step]), deterministic(b[step])
+        assert da.keys() == db.keys(), f"step {step}: {sorted(da.keys() ^ db.keys())}"
+        for k in da:
+            abs_tol = ABS_LOGP if k.startswith(SAMPLER_LOGP_ROUNDOFF) else 0.0
+            if not math.isclose(da[k], db[k], rel_tol=ENGINE_COUNT_REL, abs_tol=abs_tol):
+                bad[f"{step}:{k}"] = (da[k], db[k])
+    return bad

@@ -2,7 +2,7 @@
 environment (imported by path), R3 on the tiny Qwen3-MoE, on 2 processes with one engine and with two.
 
 * Engine-count invariance holds for trajectories: both runs sample the same trajectories and log the same
-  metrics (the tolerances of tests/integration/test_engine_count.py, for the same reasons).
+  metrics (`run_metrics.engine_count_differences`' tolerances, for the reasons given there).
 * R3 is exact across turns in the trainer: the learner's replayed pass reproduces the sampler's logprobs on
   the model tokens of every turn (mismatch/turn_<k>/ at fp32 round-off), and the learner's own routing
   agrees with the sampler's per turn (moe/agreement_rollout_old/turn_<k>).
@@ -12,12 +12,11 @@ environment (imported by path), R3 on the tiny Qwen3-MoE, on 2 processes with on
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
-from tests.integration.run_metrics import deterministic, last_record_per_step
+from tests.integration.run_metrics import engine_count_differences, last_record_per_step
 from tests.integration.test_trainer_e2e import cli, write_config
 
 OVER = {
@@ -34,8 +33,6 @@ OVER = {
     },
 }
 NPROC = ("--nproc", "2")
-REL, ABS_LOGP = 1e-6, 1e-6
-SAMPLER_LOGP_ROUNDOFF = ("mismatch/", "loss/policy", "loss/total")
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +96,4 @@ def test_one_and_two_engines_sample_the_same_trajectories_and_log_the_same_metri
     (ma, sa, _), (mb, sb, dir_b) = runs["one"], runs["two"]
     assert sa == sb, f"{len(set(sa) ^ set(sb))} trajectories differ"
     assert len(list((dir_b / "sampled").glob("*.jsonl"))) == 2, "both engines ran trajectories"
-    bad = {}
-    for step in ma:
-        da, db = deterministic(ma[step]), deterministic(mb[step])
-        assert da.keys() == db.keys(), f"step {step}: {sorted(da.keys() ^ db.keys())}"
-        for k in da:
-            abs_tol = ABS_LOGP if k.startswith(SAMPLER_LOGP_ROUNDOFF) else 0.0
-            if not math.isclose(da[k], db[k], rel_tol=REL, abs_tol=abs_tol):
-                bad[f"{step}:{k}"] = (da[k], db[k])
-    assert bad == {}
+    assert engine_count_differences(ma, mb) == {}

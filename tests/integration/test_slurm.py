@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import os
 import re
 import subprocess
@@ -38,7 +37,11 @@ from pathlib import Path
 import pytest
 
 from megagrpo.cli import main as cli_main
-from tests.integration.run_metrics import deterministic, last_record_per_step, step_differences
+from tests.integration.run_metrics import (
+    engine_count_differences,
+    last_record_per_step,
+    step_differences,
+)
 from tests.integration.slurm_cluster import (
     NODES,
     PARTITION,
@@ -250,15 +253,7 @@ TRAIN_RUN = {
     "rewards__functions": [{"name": "tests.integration.trainer_rewards:recorded_parity", "weight": 1.0}],
 }
 DP2_TP2 = ("mesh.tp=2", "mesh.sequence_parallel=true")
-# One engine against two, compared at 1e-6 and not bit-equal, and why: each engine batches its own half of
-# the requests, so the CPU engine's fp32 logprobs differ from the one-engine run's in their last bits
-# (measured: |dlogp| ~ 1e-8). The mismatch metrics measure exactly those bits (values 1e-14 .. 1e-6 here:
-# the fp32 sampler and learner agree to round-off), and the policy loss of these near-on-policy steps is ~0
-# plus TIS weights of 1 +- 1e-7, so both are compared at fp32 logprob round-off instead: absolute 1e-6.
-# Every other metric: relative 1e-6.
-REL = 1e-6
-SAMPLER_LOGP_ROUNDOFF = ("mismatch/", "loss/policy", "loss/total")
-ABS_LOGP = 1e-6
+# One engine against two: compared with `run_metrics.engine_count_differences` (its tolerances, and why).
 
 
 def sampled(record_dir: Path) -> set[tuple[str, str]]:
@@ -394,15 +389,7 @@ def test_two_engines_log_the_same_metrics_as_one(engine_runs):
     assert sorted(m1) == sorted(m2) == [0, 1, 2, 3]
     assert any(m1[s]["loss/grad_norm"] > 0 for s in (1, 2, 3)), "no step moved the policy"
     assert "eval/accuracy" in m2[0] and "eval/accuracy" in m2[3] and "mismatch/tis_cap" in m2[3]
-    bad = {}
-    for step in m1:
-        d1, d2 = deterministic(m1[step]), deterministic(m2[step])
-        assert d1.keys() == d2.keys(), f"step {step}: {sorted(d1.keys() ^ d2.keys())}"
-        for k in d1:
-            abs_tol = ABS_LOGP if k.startswith(SAMPLER_LOGP_ROUNDOFF) else 0.0
-            if not math.isclose(d1[k], d2[k], rel_tol=REL, abs_tol=abs_tol):
-                bad[f"{step}:{k}"] = (d1[k], d2[k])
-    assert bad == {}
+    assert engine_count_differences(m1, m2) == {}
     # the comparison is not vacuous: grad norms, rewards and evaluation are real numbers, equal to 1e-6
     assert m1[3]["loss/grad_norm"] > 0 and 0 < m1[1]["reward/mean"] < 1
 

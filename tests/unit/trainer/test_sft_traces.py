@@ -34,13 +34,13 @@ def _traces(tok, cfg):  # noqa: F811
     return TraceExamples(cfg, fmt, "sft.data")
 
 
-def _rows(n=3):
+def _rows(n=3, tool_fraction=1.0):
     rng = random.Random(0)
-    return [tool_arithmetic_problem(rng, 2, 4) for _ in range(n)]
+    return [tool_arithmetic_problem(rng, 2, 4, tool_fraction) for _ in range(n)]
 
 
 def test_trace_tokenises_as_the_rollout_of_its_turns(tok):  # noqa: F811
-    rows = _rows()
+    rows = _rows() + _rows(4, tool_fraction=0.0)[3:]  # three tool-use traces, then a direct answer
     examples, masks = _traces(tok, _cfg())(rows)
     # the rollout: an engine that generates the trace's assistant turns, the real calculator environment
     scripts = {r["prompt"]: [m["content"] for m in r["trace"] if m["role"] == "assistant"] for r in rows}
@@ -54,24 +54,22 @@ def test_trace_tokenises_as_the_rollout_of_its_turns(tok):  # noqa: F811
     eos = tok.eos_token_id
     for row, (prompt, response), mask, [ep] in zip(rows, examples, masks, groups, strict=True):
         t = ep.trajectory
-        assert (ep.done, ep.reward, t.turns) == (True, 1.0, 2), "the gold trace solves the problem"
+        turns = scripts[row["prompt"]]
+        assert (ep.done, ep.reward, t.turns) == (True, 1.0, len(turns)), "the gold trace solves the problem"
         assert t.ids.tolist() == prompt + response
         assert t.loss_mask.tolist() == [False] * len(prompt) + mask
         # and against the template itself: the loss covers the model's turns with their EOS, nothing else
-        call, answer = (m["content"] for m in row["trace"] if m["role"] == "assistant")
-        ids = torch.tensor(response)
-        model = ids[torch.tensor(mask)].tolist()
-        assert model == tok(call, add_special_tokens=False)["input_ids"] + [eos] + tok(
-            answer, add_special_tokens=False
-        )["input_ids"] + [eos]
+        ids, on = torch.tensor(response), torch.tensor(mask)
+        assert ids[on].tolist() == [
+            x for turn in turns for x in [*tok(turn, add_special_tokens=False)["input_ids"], eos]
+        ]
         assert tok.decode(prompt) == (
             f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{row['prompt']}<|im_end|>\n"
             "<|im_start|>assistant\n"
         )
-        assert tok.decode(ids[~torch.tensor(mask)].tolist()) == (
-            f"\n<|im_start|>tool\n{row['answer']}<|im_end|>\n<|im_start|>assistant\n"
-        )
-        assert response[-1] == eos and tok.decode(response).endswith(f"{answer}<|im_end|>")
+        between = f"\n<|im_start|>tool\n{row['answer']}<|im_end|>\n<|im_start|>assistant\n"
+        assert tok.decode(ids[~on].tolist()) == (between if len(turns) == 2 else "")
+        assert response[-1] == eos and tok.decode(response).endswith(f"{turns[-1]}<|im_end|>")
 
 
 def test_sft_batch_takes_the_loss_where_the_masks_say():

@@ -117,3 +117,40 @@ def engine_count(world_size: int, engine_tp: int, num_engines: int | None, *, on
             f"so use at most {world_size}"
         )
     return n
+
+
+@dataclass(frozen=True)
+class Roles:
+    """How a launch's ranks split between the learner and the samplers."""
+
+    learners: int  # the learner's world: the first `learners` ranks
+    engines: int  # SGLang engines
+    engine_ranks: int  # ranks that run engines only (disaggregated); 0 when colocated
+
+    def engine_of(self, rank: int, engine_tp: int) -> int | None:
+        """The engine an engine rank serves (its first rank owns the server), None for a learner rank."""
+        return None if rank < self.learners else (rank - self.learners) // engine_tp
+
+
+def rank_roles(
+    world_size: int, engine_tp: int, num_engines: int | None, *, disaggregated: bool, on_gpu: bool
+) -> Roles:
+    """Learner ranks, engines and engine-only ranks of a launch of `world_size` ranks.
+
+    Colocated: every rank learns and `engine_count` engines share their devices. Disaggregated
+    (`rollout.placement.kind`): the last `num_engines * engine_tp` ranks (default one engine) run SGLang
+    servers only, one rank per GPU on GPUs, so an engine of TP t spans t ranks whose first runs the server.
+    MegagrpoError naming the field when no rank would be left to learn."""
+    if not disaggregated:
+        return Roles(world_size, engine_count(world_size, engine_tp, num_engines, on_gpu=on_gpu), 0)
+    if not on_gpu and engine_tp != 1:
+        raise MegagrpoError(f"rollout.engine_tp={engine_tp}: the CPU engine runs with engine_tp=1 only")
+    n = 1 if num_engines is None else num_engines
+    ranks = n * engine_tp
+    if ranks >= world_size:
+        raise MegagrpoError(
+            f"rollout.placement.kind=disaggregated: {n} engine(s) of engine_tp={engine_tp} take {ranks} of "
+            f"the {world_size} ranks, leaving none to learn; launch more processes (at least {ranks + 1}) or "
+            "lower rollout.num_engines"
+        )
+    return Roles(world_size - ranks, n, ranks)

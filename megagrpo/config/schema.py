@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from megagrpo.config.mesh_rules import engine_count, layout_problems, mesh_sizes
+from megagrpo.config.mesh_rules import Roles, layout_problems, mesh_sizes, rank_roles
 from megagrpo.errors import MegagrpoError
 
 Variant = Literal["grpo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "reinforce"]
@@ -140,14 +140,33 @@ class MeshConfig(Section):
 
 
 class PlacementConfig(Section):
-    """Where the samplers run when they do not share the learner's devices (`rollout.mode: async`)."""
+    """Where the samplers run: on the learner's devices, or on ranks of their own."""
 
+    kind: Literal["colocated", "disaggregated"] = Field(
+        default="colocated",
+        description="colocated: every engine is owned by a learner rank and shares its devices (GPUs: the "
+        "learner and the engine take turns; CPU: the same process, optionally pinned by engine_cores). "
+        "disaggregated: the last rollout.num_engines * rollout.engine_tp ranks of the launch run only "
+        "SGLang servers, on GPUs (a node of their own, or GPUs beside the learner's) or CPU processes "
+        "of their own; the learner is the other ranks, and weights go over a broadcast group (gloo on "
+        "the CPU, NCCL on GPUs) with SGLang's update_weights_from_distributed (docs/disaggregated.md). "
+        "The way to run rollout.mode=async on GPUs.",
+    )
+    engine_timeout_s: float = Field(
+        default=1800.0,
+        gt=0.0,
+        description="disaggregated: the longest wait for one answer of an engine (its start, a request, a "
+        "weight update, a checksum); past it the run stops with an error naming the engine. A dead "
+        "engine is found at once (its connection fails). The default matches dist.timeout_minutes': "
+        "a whole round of long generations may take many minutes.",
+    )
     engine_cores: list[int] | None = Field(
         default=None,
-        description="CPU: the cores each engine's processes are pinned to; the learner keeps the other "
-        "cores this process may use. null = colocated: no pinning; async: the last core for the engine "
-        "and the rest for the learner (two cores at least). Set in colocated mode too, it gives a "
-        "benchmark the same placement in both modes. Ignored on GPUs.",
+        description="CPU, colocated: the cores each engine's processes are pinned to; the learner keeps "
+        "the other cores this process may use. null = colocated: no pinning; async: the last core for "
+        "the engine and the rest for the learner (two cores at least). Set in colocated mode too, it "
+        "gives a benchmark the same placement in both modes. Ignored on GPUs and when disaggregated "
+        "(the engines are processes of their own).",
     )
 
     @model_validator(mode="after")
@@ -157,6 +176,10 @@ class PlacementConfig(Section):
                 "engine_cores", f"{self.engine_cores} must be a non-empty list of core numbers >= 0"
             )
         return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.kind == "disaggregated"
 
 
 class MultiTurnConfig(Section):
@@ -325,7 +348,8 @@ class RolloutConfig(Section):
         "(verl, NeMo-RL); larger only deepens the queue.",
     )
     placement: PlacementConfig = Field(
-        default_factory=PlacementConfig, description="Where the samplers run in async mode."
+        default_factory=PlacementConfig,
+        description="Where the samplers run: colocated with the learner or on ranks of their own.",
     )
     multi_turn: MultiTurnConfig = Field(
         default_factory=MultiTurnConfig, description="Agentic multi-turn trajectories with tools."
@@ -711,7 +735,9 @@ class DataConfig(Section):
         default="answer", description="Row field with the reference answer the verifiers compare against."
     )
     completion_key: str = Field(
-        default="completion", description="Row field with the target response (SFT data only)."
+        default="completion",
+        description="Row field with the target response (SFT data only; a row with a tool-use 'trace' "
+        "needs none when rollout.multi_turn is enabled: docs/agentic.md).",
     )
     prompt_template: str = Field(
         default="{prompt}",
@@ -996,7 +1022,7 @@ class SftConfig(Section):
     warmup_steps: int = Field(default=0, ge=0, description="Linear LR warmup for SFT.")
     data: DataConfig | None = Field(
         default=None,
-        description="SFT data (rows need data.completion_key); null = the main data section. Cold start "
+        description="SFT data (rows need data.completion_key, or a tool-use 'trace' with rollout.multi_turn); null = the main data section. Cold start "
         "uses easier problems than RL so RL has room to improve.",
     )
     output_dir: str = Field(
@@ -1121,6 +1147,8 @@ class MeshSizes:
     expert_dp: int  # expert data-parallel size: world / (ep * etp * pp)
     num_engines: int  # SGLang engines (mesh_rules.engine_count; 0 for sft: no engine)
     seqs_per_rank_per_minibatch: int  # train: one mini-batch's rows per DP rank; sft: one step's
+    learners: int = 0  # the learner's ranks: world_size less the engine-only ranks
+    engine_ranks: int = 0  # rollout.placement.kind=disaggregated: ranks that run engines only
 
 
 STAGES = ("train", "sft", "eval")
@@ -1138,17 +1166,20 @@ def check_mesh(cfg: Config, world_size: int, stage: str = "train", *, on_gpu: bo
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     m = cfg.mesh
-    split = mesh_sizes(world_size, tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, cp=m.cp)
-    dp = split.dp
-    engines = 0
+    r = cfg.rollout
+    roles = Roles(world_size, 0, 0)  # sft: every rank learns, no engine
     if stage != "sft":
-        r = cfg.rollout
-        engines = engine_count(world_size, r.engine_tp, r.num_engines, on_gpu=on_gpu)
-    if stage == "train" and on_gpu and cfg.rollout.mode == "async":
+        roles = rank_roles(
+            world_size, r.engine_tp, r.num_engines, disaggregated=r.placement.disaggregated, on_gpu=on_gpu
+        )
+    split = mesh_sizes(roles.learners, tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, cp=m.cp)
+    dp = split.dp
+    engines = roles.engines
+    if stage == "train" and on_gpu and r.mode == "async" and not r.placement.disaggregated:
         raise MegagrpoError(
-            "rollout.mode=async runs on the CPU placement only in this release: on GPUs the engines need "
-            "devices of their own and a cross-device weight sync, which megagrpo does not have yet "
-            "(docs/async.md); use rollout.mode=colocated on GPUs"
+            "rollout.mode=async on GPUs needs engines on devices of their own: set "
+            "rollout.placement.kind=disaggregated (and rollout.num_engines), or use rollout.mode=colocated "
+            "(docs/disaggregated.md)"
         )
     per_rank = 0
     if stage == "train":
@@ -1164,7 +1195,7 @@ def check_mesh(cfg: Config, world_size: int, stage: str = "train", *, on_gpu: bo
         if dp > per_mb:
             raise MegagrpoError(
                 f"mesh: data parallelism would be {dp} ranks, more than the mesh can use: {what} gives "
-                f"at most {per_mb} ranks a sequence; use fewer processes (at most {per_mb * (world_size // dp)}), "
+                f"at most {per_mb} ranks a sequence; use fewer processes (at most {per_mb * (roles.learners // dp) + roles.engine_ranks}), "
                 "a larger batch, or larger mesh.tp/pp/cp"
             )
         if per_mb % dp:
@@ -1175,5 +1206,7 @@ def check_mesh(cfg: Config, world_size: int, stage: str = "train", *, on_gpu: bo
         dp=dp,
         expert_dp=split.expert_dp,
         num_engines=engines,
+        learners=roles.learners,
+        engine_ranks=roles.engine_ranks,
         seqs_per_rank_per_minibatch=per_rank,
     )

@@ -1,7 +1,7 @@
 """Prompt data: local JSONL/Parquet sets, chat templating, held-out split, synthetic tasks, resumable order.
 
 Samples are dicts with the row's fields plus canonical `prompt` (str or chat messages), `answer`,
-`completion` (SFT) and `_source` ("file:line" or "synthetic:task:split:i").
+`completion` or a tool-use `trace` (SFT) and `_source` ("file:line" or "synthetic:task:split:i").
 """
 
 from megagrpo.data.iterator import PromptIterator, fingerprint

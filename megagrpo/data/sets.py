@@ -27,22 +27,52 @@ class PromptSets:
         return sum(r.malformed for r in self.reports.values())
 
 
+def sft_target(sample: dict, cfg: DataConfig) -> None:
+    """Check an SFT row's target and copy its completion (data.completion_key) to `completion`: RowError
+    unless it has a string completion or a `trace`.
+
+    A `trace` (the tool-use conversation after the prompt, `PromptFormatter.sft_trace_example`) is the
+    target of multi-turn SFT, so such a row needs no completion; one it has anyway is kept for single-turn
+    SFT. The trace's messages are checked when the row is tokenised, against the environment's first turn.
+    """
+    trace = sample.get("trace")
+    if trace is not None and (not isinstance(trace, list) or not trace):
+        raise RowError(
+            "field 'trace' must be a non-empty list of chat messages (the conversation after the prompt)"
+        )
+    completion = sample.get(cfg.completion_key)
+    if completion is None:
+        if trace is None:
+            raise RowError(
+                f"missing field {cfg.completion_key!r} (data.completion_key); an SFT row needs a completion "
+                "or a tool-use 'trace'"
+            )
+        return
+    if not isinstance(completion, str):
+        raise RowError(f"field {cfg.completion_key!r} must be a string")
+    sample["completion"] = completion
+
+
 def build_prompt_sets(
     cfg: DataConfig,
     formatter: PromptFormatter | None = None,
     purpose: str = "rl",
     section: str = "data",
 ) -> PromptSets:
-    """Load or generate the prompts. `purpose` 'rl' needs answers, 'sft' needs completions.
+    """Load or generate the prompts. `purpose` 'rl' needs answers; 'sft' needs a completion, or a tool-use
+    `trace` in its place (`sft_target`).
 
     With a formatter, prompts longer than data.max_prompt_tokens after templating count as malformed
     rows (reported with file:line), and so do rows the prompt template cannot be filled from.
     """
     if purpose not in ("rl", "sft"):
         raise ValueError(f"purpose must be 'rl' or 'sft', got {purpose!r}")
-    required = ("prompt", "answer") if purpose == "rl" else ("prompt", "completion")
+    # An SFT row's target is checked by sft_target, since a trace stands in for the completion.
+    required = ("prompt", "answer") if purpose == "rl" else ("prompt",)
 
     def check(sample: dict) -> None:
+        if purpose == "sft":
+            sft_target(sample, cfg)
         if formatter is not None:
             formatter.check_length(sample)
 

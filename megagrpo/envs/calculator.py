@@ -13,12 +13,19 @@ from __future__ import annotations
 import ast
 import math
 import re
+import threading
+import warnings
 from decimal import Decimal, localcontext
 from fractions import Fraction
 from typing import Any
 
 from megagrpo.envs.answer import AnswerToolEnv
 from megagrpo.envs.tools import Tool, ToolExecutor
+
+# `warnings.catch_warnings` swaps the process-wide filter list and restores it on exit; two tool threads
+# interleaving their enter/exit would leave SyntaxWarning ignored for the whole process. Parsing takes
+# microseconds, so calculator parses take turns.
+_PARSE_LOCK = threading.Lock()
 
 _DECIMAL = re.compile(r"(\d[\d_]*)?(\.\d[\d_]*|\.)?([eE][+-]?\d+)?")
 
@@ -63,7 +70,12 @@ def evaluate(expr: str, max_chars: int = 500, max_digits: int = 1000) -> Fractio
     if len(expr) > max_chars:
         raise ValueError(f"the expression has {len(expr)} characters; the limit is {max_chars}")
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
+        # Model-written text such as `2or 3`, `1if 1 else 2` or `"\d"` makes the tokenizer warn
+        # ("invalid decimal literal", "invalid escape sequence") on the run's console; the model gets its
+        # answer from the error below or the tree walk, so the warning would only be noise.
+        with _PARSE_LOCK, warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expr.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise ValueError(f"not an arithmetic expression ({type(e).__name__})") from None
     src = expr.strip()

@@ -20,24 +20,31 @@ ERROR_DIR_ENV = "MEGAGRPO_USER_ERROR_DIR"
 EXIT_USER_ERROR = 2
 
 
-def leave_user_error(message: str) -> bool:
-    """In a rank started by the CLI's `--nproc`: store `message` for the CLI and return True; else False."""
+def leave_user_error(message: str, *, echo: bool = False) -> bool:
+    """In a rank started by the CLI's `--nproc`: store `message` for the CLI and return True; else False.
+    `echo`: the message only repeats another rank's failure (`trainer.agree.PeerFailed`), so the CLI
+    prints it only when no rank left its own."""
     where, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
     if not where or rank is None or not Path(where).is_dir():
         return False
     tmp = Path(where) / f".rank{rank}.tmp"
     tmp.write_text(message)
-    tmp.rename(Path(where) / f"rank{rank}")  # whole messages only
+    tmp.rename(Path(where) / f"rank{rank}{ECHO if echo else ''}")  # whole messages only
     return True
 
 
+ECHO = ".echo"
+
+
 def first_user_error(where: str | os.PathLike[str]) -> str | None:
-    """The message of the rank that failed first (ties: the lowest rank), or None when none did."""
+    """The message of the rank that failed first (ties: the lowest rank), or None when none did. A rank's
+    own error wins over the echoes of it that the other ranks raise, whichever was written first."""
     found = []
     for f in Path(where).glob("rank*"):
-        if f.name[4:].isdigit():
-            found.append((f.stat().st_mtime_ns, int(f.name[4:]), f))
-    return min(found)[2].read_text() if found else None
+        rank = f.name[4:].removesuffix(ECHO)
+        if rank.isdigit():
+            found.append((f.name.endswith(ECHO), f.stat().st_mtime_ns, int(rank), f))
+    return min(found)[3].read_text() if found else None
 
 
 class _QuietAfterUserError(logging.Filter):

@@ -52,6 +52,11 @@ class MeshConfig:
         return mesh_sizes(world_size, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp).dp
 
 
+# Set by the entry of a disaggregated launch (`trainer.entry`): the learner's world is the launch's first
+# ranks, the rest run engines (`config.mesh_rules.rank_roles`), so a learner's process group spans those.
+LEARNERS_ENV = "MEGAGRPO_LEARNERS"
+
+
 @dataclass(frozen=True)
 class DistEnv:
     rank: int
@@ -91,6 +96,8 @@ class DistEnv:
             node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
         else:
             rank, world, local = 0, 1, 0
+        if LEARNERS_ENV in env:  # a disaggregated launch: the engine ranks follow the learner's
+            world = _int(env, LEARNERS_ENV)
         if not 0 <= rank < world:
             raise MegagrpoError(f"{launcher}: rank {rank} is outside world size {world}; check the launcher")
         addr = env.get("MASTER_ADDR") or _slurm_first_host(env) or ("127.0.0.1" if world == 1 else "")

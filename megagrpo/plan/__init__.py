@@ -11,14 +11,19 @@ from megagrpo.plan.memory import (
     plan_workload,
     workload_from_config,
 )
+from megagrpo.plan.pools import DisaggregatedPlan, EnginePool, LearnerPool, plan_disaggregated
 
 __all__ = [
+    "DisaggregatedPlan",
+    "EnginePool",
+    "LearnerPool",
     "MemoryPlan",
     "PlanMesh",
     "StateBytes",
     "Workload",
     "activation_bytes",
     "learner_state_bytes",
+    "plan_disaggregated",
     "plan_memory",
     "plan_workload",
     "workload_from_config",

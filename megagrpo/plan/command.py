@@ -1,5 +1,9 @@
 """`megagrpo plan CONFIG --nodes N --gpus-per-node G [--gpu-mem-gib M]`: the per-GPU memory table.
 
+A colocated config gets one table (every GPU holds the learner and an engine's share, in turns); a
+disaggregated one (`rollout.placement.kind`) gets two, the learner pool and the engine pool, with a
+verdict each and one overall (`plan/pools.py`). N x G counts every rank of the launch, both pools.
+
 The plan reads only the model's `config.json`, so it works before the weights are downloaded: from
 `--model-config`, else `model.hf_path/config.json`, else the architecture facts shipped in
 `configs/models/<name of model.hf_path>/config.json`.
@@ -30,7 +34,10 @@ def add_gpu_mem_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    help_ = "per-GPU memory plan of CONFIG on N x G GPUs: learner state, activations, engine, verdict"
+    help_ = (
+        "per-GPU memory plan of CONFIG on N x G GPUs: learner state, activations, engine, verdict "
+        "(disaggregated placement: the learner and engine pools separately)"
+    )
     p = sub.add_parser("plan", help=help_, description=help_ + ". See docs/scaling.md.")
     p.add_argument("config", help="YAML config file (see docs/config.md)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.micro_batch_size=2")
@@ -67,7 +74,7 @@ def model_config_path(cfg: Any, explicit: str | None = None) -> Path:
 def plan_for(
     cfg: Any, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float, model_config: str | None = None
 ):
-    """(MemoryPlan, config.json path) of a loaded config."""
+    """(MemoryPlan, or DisaggregatedPlan for a disaggregated config; config.json path) of a loaded config."""
     from megagrpo.bridge.hf_config import arch_from_hf
     from megagrpo.plan.memory import plan_memory
 

@@ -1,4 +1,5 @@
 """The memory plan: bytes per GPU of a colocated megagrpo job, from the model's `config.json` alone.
+(A disaggregated job's two pools of GPUs: `plan/pools.py`, on the same arithmetic.)
 
 Pure arithmetic on a `ModelArch`, the mesh and the config; no torch, no process group, no weights, so a
 user can plan before downloading anything. What it models, and from which code:
@@ -54,11 +55,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megagrpo.config.mesh_rules import mesh_sizes
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
+
+if TYPE_CHECKING:
+    from megagrpo.plan.pools import DisaggregatedPlan
 
 GIB = 1 << 30
 # Vocab padding unit; the same as `megagrpo.learner.model.VOCAB_MULTIPLE` (a unit test holds them equal).
@@ -401,8 +405,9 @@ class Workload:
         return (micro_batch_size or self.micro_batch_size) * self.seq_len
 
 
-def workload_from_config(cfg: Any, world_size: int) -> Workload:
-    """The `Workload` of a megagrpo `Config` on `world_size` GPUs (bf16 learner for dtype auto)."""
+def workload_from_config(cfg: Any, world_size: int, *, engines: int | None = None) -> Workload:
+    """The `Workload` of a megagrpo `Config` on `world_size` learner GPUs (bf16 learner for dtype auto).
+    engines: the SGLang engines the rows come from; None = one per colocation group of engine_tp GPUs."""
     m = cfg.mesh
     mesh = PlanMesh(
         world_size=world_size,
@@ -435,7 +440,7 @@ def workload_from_config(cfg: Any, world_size: int) -> Workload:
         sync_bucket_bytes=cfg.sync.bucket_mb << 20,
         rows_in_flight=rows_wire_bytes(
             world_size,
-            max(1, world_size // cfg.rollout.engine_tp),  # one engine per colocation group on GPUs
+            engines or max(1, world_size // cfg.rollout.engine_tp),  # colocated: one per engine_tp GPUs
             cfg.rollout.prompts_per_step,
             cfg.rollout.group_size,
             max(1, len(cfg.rewards.functions)),
@@ -476,6 +481,13 @@ class MemoryPlan:
     @property
     def margin(self) -> int:
         return self.budget - self.total
+
+    def summary(self) -> str:
+        """One line for `megagrpo submit`."""
+        return (
+            f"peak {self.total / GIB:.1f} GiB per GPU of a {self.budget / GIB:.1f} GiB budget "
+            f"({self.gpu_mem_gib:g} GiB GPUs)"
+        )
 
     def table(self) -> str:
         """The per-GPU table that `megagrpo plan` prints."""
@@ -564,6 +576,18 @@ def reference_bytes(arch: ModelArch, w: Workload, stage: int) -> int:
     return (sum(dense) + sum(expert)) * dtype_bytes(w.param_dtype)
 
 
+def max_micro_batch(arch: ModelArch, w: Workload, ref_resident: int, budget: int, beside: int = 0) -> int:
+    """The largest micro_batch_size (at most 4096; 0: not even 1) whose training peak, plus `beside`
+    bytes held alongside, fits `budget`; a dynamic micro-batch (token cap) either fits as it is or not."""
+    if w.micro_batch_tokens is not None:
+        fits = _worst_stage(arch, w, w.tokens(), ref_resident).train + beside <= budget
+        return w.micro_batch_size if fits else 0
+    n = 0
+    while n < 4096 and _worst_stage(arch, w, w.tokens(n + 1), ref_resident).train + beside <= budget:
+        n += 1
+    return n
+
+
 def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) -> MemoryPlan:
     """The memory plan of workload `w` for `arch` on GPUs of `gpu_mem_gib` GiB."""
     if gpu_mem_gib <= 0:
@@ -612,14 +636,7 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
             f"engine: its weights ({e_weights / GIB:.1f} GiB) leave room for {kv_tokens} KV tokens, less "
             f"than one sequence ({w.seq_len}); raise rollout.engine_tp or rollout.mem_fraction_static"
         )
-    max_mb = 0
-    if w.micro_batch_tokens is None:
-        lo = 0
-        while lo < 4096 and _worst_stage(arch, w, w.tokens(lo + 1), ref_resident).train <= budget:
-            lo += 1
-        max_mb = lo
-    else:
-        max_mb = w.micro_batch_size if train_peak <= budget else 0
+    max_mb = max_micro_batch(arch, w, ref_resident, budget)
     room = budget - resident_rollout - e_weights - w.rows_in_flight
     return MemoryPlan(
         gpu_mem_gib=gpu_mem_gib,
@@ -649,8 +666,15 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
 
 def plan_memory(
     cfg: Any, arch: ModelArch, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float = 80.0
-) -> MemoryPlan:
-    """The memory plan of megagrpo config `cfg` for `arch` on nodes x gpus_per_node GPUs."""
+) -> MemoryPlan | DisaggregatedPlan:
+    """The memory plan of megagrpo config `cfg` for `arch` on nodes x gpus_per_node GPUs: one per-GPU
+    plan when colocated, a learner pool and an engine pool (`plan/pools.py`) when disaggregated."""
     if nodes < 1 or gpus_per_node < 1:
         raise MegagrpoError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be >= 1")
+    if cfg.rollout.placement.disaggregated:
+        from megagrpo.plan.pools import plan_disaggregated
+
+        return plan_disaggregated(
+            cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib
+        )
     return plan_workload(arch, workload_from_config(cfg, nodes * gpus_per_node), gpu_mem_gib=gpu_mem_gib)

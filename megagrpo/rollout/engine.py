@@ -380,13 +380,12 @@ class RolloutEngine:
                 batch_ids.append(p)
                 seed = None if sampling.seed is None else sampling.seed + index_offset + i * group_size + g
                 params.append(self._sampling_params(sampling, seed))
-        want_routes = bool(self.engine.server_args.enable_return_routed_experts)
-        outs = self.engine.loop.run_until_complete(
-            self.engine.async_generate(
+        outs = self.loop.run_until_complete(
+            self._request(
                 input_ids=batch_ids,
                 sampling_params=params,
                 return_logprob=True,
-                return_routed_experts=want_routes,
+                return_routed_experts=self.routes_num_experts is not None,
             )
         )
         if isinstance(outs, dict):
@@ -407,6 +406,11 @@ class RolloutEngine:
                 ]
             )
         return groups
+
+    async def _request(self, **request: Any) -> Any:
+        """One SGLang generate request (GenerateReqInput's fields), batched or single: the transport that
+        `RemoteEngine` replaces with HTTP, so both share every check and the request's layout."""
+        return await self.engine.async_generate(**request)
 
     @property
     def loop(self) -> Any:
@@ -459,7 +463,7 @@ class RolloutEngine:
                 "max_tokens or raise the context"
             )
         want_routes = self.routes_num_experts is not None
-        return await self.engine.async_generate(
+        return await self._request(
             input_ids=ids,
             sampling_params=self._sampling_params(sampling, seed),
             return_logprob=True,
@@ -485,8 +489,8 @@ class RolloutEngine:
                 raise MegagrpoError(
                     f"sequences[{i}] has {len(s)} tokens; score needs 2 .. {self.context_len - 1}"
                 )
-        outs = self.engine.loop.run_until_complete(
-            self.engine.async_generate(
+        outs = self.loop.run_until_complete(
+            self._request(
                 input_ids=ids,
                 sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(ids),
                 return_logprob=True,

@@ -141,6 +141,18 @@ def _program(stage: str, cfg, snapshot: Path, log_dir: Path, job_name: str) -> s
     return f"-m megagrpo.launch.run {stage} {shlex.quote(str(snapshot))} --resume auto"
 
 
+def _roles_comment(sizes, roles: list[str]) -> str:
+    """The script's note of which ranks learn and which serve rollouts (`config.mesh_rules.rank_roles`)."""
+    if not roles:
+        engines = f"{sizes.num_engines} colocated SGLang engine(s)" if sizes.num_engines else "no engine"
+        return f"# Roles: all {sizes.world_size} ranks learn; {engines}."
+    head = (
+        f"# Roles (rollout.placement.kind=disaggregated, by rank index): ranks 0-{sizes.learners - 1} "
+        f"learn, the last {sizes.engine_ranks} run SGLang servers only."
+    )
+    return "\n".join([head, *(f"#   {r}" for r in roles)])
+
+
 def _memory_plan(cfg, args: argparse.Namespace):
     """(MemoryPlan | None, MegagrpoError | None): the plan, or why there is none (raised later, and
     only if the job turns out to run on GPUs). Pure arithmetic on the config and the model's
@@ -156,23 +168,22 @@ def _memory_plan(cfg, args: argparse.Namespace):
 
 
 def _memory_verdict(plan, error: MegagrpoError | None, args: argparse.Namespace) -> str:
-    """The plan's one-line verdict; a MegagrpoError when it does not fit or is missing (unless --force)."""
-    from megagrpo.plan.memory import GIB
-
+    """The plan's one-line verdict; a MegagrpoError when it does not fit or is missing (unless --force).
+    A disaggregated plan (`plan.pools.DisaggregatedPlan`) fits only if both of its pools do, and the
+    error names the pool that does not."""
     if plan is None:
         if not args.force:
             raise MegagrpoError(f"{error}; or pass --force to submit without a memory plan")
         return "memory plan: none (--force)"
-    verdict = (
-        f"memory plan: peak {plan.total / GIB:.1f} GiB per GPU of a {plan.budget / GIB:.1f} GiB budget "
-        f"({args.gpu_mem_gib:g} GiB GPUs)"
-    )
+    verdict = f"memory plan: {plan.summary()}"
     if plan.fits:
         return f"{verdict}: fits"
     if not args.force:
         cpu = ", pass --device cpu for a CPU partition" if args.device == "auto" else ""
+        pools = getattr(plan, "failing", None)
+        which = f" ({' and '.join(pools)})" if pools else ""
         raise MegagrpoError(
-            f"the memory plan does not fit {args.gpu_mem_gib:g} GiB per GPU:\n{plan.table()}\n"
+            f"the memory plan does not fit {args.gpu_mem_gib:g} GiB per GPU{which}:\n{plan.table()}\n"
             "change the config (try `megagrpo plan`), give the real GPU size with --gpu-mem-gib"
             f"{cpu}, or pass --force to submit anyway"
         )
@@ -193,7 +204,7 @@ def _job_shape(args: argparse.Namespace, device: str) -> JobShape:
 
 def run_submit(args: argparse.Namespace) -> int:
     from megagrpo.config import dump_config, load_config
-    from megagrpo.submit.resources import check_mesh_fits, check_partition_fits, mesh_warnings
+    from megagrpo.submit.resources import check_mesh_fits, check_partition_fits, mesh_warnings, role_layout
     from megagrpo.submit.slurm import CLUSTER_CHECKS, NoController, partitions, pick_partition, sbatch
 
     cfg = load_config(args.config, args.overrides, stage="eval" if args.stage == "check" else args.stage)
@@ -206,6 +217,10 @@ def run_submit(args: argparse.Namespace) -> int:
     # partition turns out to have none.
     if args.device != "auto":
         check_mesh_fits(cfg, _job_shape(args, args.device), args.stage)
+    elif cfg.rollout.placement.disaggregated:
+        # A disaggregated layout's rules (whole engines per node, ranks left to learn) are the GPU's, or
+        # stricter on the CPU (engine_tp 1), so they are checked for GPUs before the cluster is asked.
+        check_mesh_fits(cfg, _job_shape(args, "gpu"), args.stage)
     if args.stage in ("train", "sft"):
         from megagrpo.trainer.preflight import check_stage_inputs
 
@@ -267,6 +282,7 @@ def run_submit(args: argparse.Namespace) -> int:
     snapshot = log_dir / f"{job_name}-{stamp}.yaml"
     snapshot.write_text(dump_config(cfg))
     venv = Path(sys.prefix) if sys.prefix != sys.base_prefix else None
+    roles = role_layout(sizes, cfg.rollout.engine_tp, shape) if sizes.engine_ranks else []
     values = dict(
         job_name=job_name,
         nodes=str(shape.nodes),
@@ -283,6 +299,7 @@ def run_submit(args: argparse.Namespace) -> int:
         device=device,
         stage=args.stage,
         program=_program(args.stage, cfg, snapshot, log_dir, job_name),
+        roles=_roles_comment(sizes, roles),
     )
     script = render_layout(layout, values)
     script_path = log_dir / f"{job_name}-{stamp}.sbatch"
@@ -291,6 +308,11 @@ def run_submit(args: argparse.Namespace) -> int:
         f"{layout} layout, {shape.describe()} ({device}), world {sizes.world_size}, DP {sizes.dp}, "
         f"{sizes.num_engines} SGLang engine(s)"
     )
+    if roles:
+        summary += (
+            f", disaggregated: {sizes.learners} learner and {sizes.engine_ranks} rollout ranks\n  "
+            + "\n  ".join(roles)
+        )
     if args.dry_run:
         sys.stdout.write(script)
         print(f"megagrpo submit: dry run, nothing submitted; {summary}", file=sys.stderr)

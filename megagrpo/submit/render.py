@@ -1,4 +1,5 @@
-"""Fill the sbatch templates in `slurm/`: `{{name}}` fields, every one required, none left behind.
+"""Fill the sbatch templates in `slurm/`: `{{name}}` fields, every one required (but `OPTIONAL`'s), none
+left behind.
 
 The templates are plain bash with `{{name}}` fields (so that bash's own `${VAR}` stays untouched);
 `{{lib_sh}}` is replaced by slurm/lib.sh itself, so a rendered script is self-contained: a requeue days
@@ -24,6 +25,9 @@ LAYOUTS = {
     "srun": "multi_node_srun.sbatch",  # one srun task per rank, no torchrun
 }
 LIB = "lib.sh"
+# Fields a caller may leave out, with their value then: `roles` is a comment naming which ranks learn and
+# which serve rollouts (`megagrpo submit` always fills it).
+OPTIONAL = {"roles": ""}
 _FIELD = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
 
@@ -50,5 +54,5 @@ def render_layout(layout: str, values: Mapping[str, str]) -> str:
     """The sbatch script for `layout` ('single', 'torchrun' or 'srun') with slurm/lib.sh inlined."""
     lib = (TEMPLATE_DIR / LIB).read_text().rstrip("\n")
     # Blank template lines left by empty optional fields (no --partition, no --time) are dropped.
-    script = render(template_text(layout), {**values, "lib_sh": lib})
+    script = render(template_text(layout), {**OPTIONAL, **values, "lib_sh": lib})
     return re.sub(r"\n{3,}", "\n\n", script)

@@ -35,20 +35,31 @@ def check_mesh_fits(cfg: Config, shape: JobShape, stage: str = "train") -> MeshS
     dividing), plus the one rule of a job's shape: an engine lives on one node."""
     if shape.nodes < 1 or shape.procs_per_node < 1:
         raise MegagrpoError(f"--nodes and --gpus-per-node must be >= 1 (got {shape.describe()})")
-    m, world = cfg.mesh, shape.world_size
+    m, r, world = cfg.mesh, cfg.rollout, shape.world_size
     dense, expert = m.tp * m.pp * m.cp, m.ep * m.etp * m.pp
-    need = math.lcm(dense, expert, cfg.rollout.engine_tp)
+    disaggregated = stage != "sft" and r.placement.disaggregated
+    if disaggregated:
+        engine_ranks = (r.num_engines or 1) * r.engine_tp
+        need = math.lcm(dense, expert) + engine_ranks
+        engines = (
+            f"; and the engines: rollout.num_engines * engine_tp = {r.num_engines or 1}*{r.engine_tp} = "
+            f"{engine_ranks} ranks of their own (rollout.placement.kind=disaggregated)"
+        )
+    else:
+        need, engines = math.lcm(dense, expert, r.engine_tp), f", rollout.engine_tp = {r.engine_tp}"
     if world < need:
         raise MegagrpoError(
             f"{shape.describe()} is fewer than the mesh needs: at least {need} (mesh.tp*pp*cp = "
-            f"{m.tp}*{m.pp}*{m.cp} = {dense}, mesh.ep*etp*pp = {m.ep}*{m.etp}*{m.pp} = {expert}, "
-            f"rollout.engine_tp = {cfg.rollout.engine_tp}); request more, or shrink the mesh"
+            f"{m.tp}*{m.pp}*{m.cp} = {dense}, mesh.ep*etp*pp = {m.ep}*{m.etp}*{m.pp} = {expert}"
+            f"{engines}); request more, or shrink the mesh"
         )
     try:
         sizes = check_mesh(cfg, world, "eval" if stage == "check" else stage, on_gpu=shape.device == "gpu")
     except MegagrpoError as e:
         raise MegagrpoError(f"{shape.describe()}: {e}") from None
-    if stage != "sft" and (
+    if disaggregated:
+        check_engines_within_nodes(sizes, r.engine_tp, shape)
+    elif stage != "sft" and (
         cfg.rollout.engine_tp > shape.procs_per_node or shape.procs_per_node % cfg.rollout.engine_tp
     ):
         raise MegagrpoError(
@@ -56,6 +67,60 @@ def check_mesh_fits(cfg: Config, shape: JobShape, stage: str = "train") -> MeshS
             f"{shape.procs_per_node}: each colocated SGLang engine lives on one node"
         )
     return sizes
+
+
+def check_engines_within_nodes(sizes: MeshSizes, engine_tp: int, shape: JobShape) -> None:
+    """Disaggregated: every engine's engine_tp ranks on one node. The engines take the ranks after the
+    learner's `sizes.learners` (`config.mesh_rules.rank_roles`), and ranks fill nodes in order, so the
+    learner's share of its last node must leave whole engines there. MegagrpoError naming the engine and
+    the fields to change otherwise."""
+    per_node = shape.procs_per_node
+    for e in range(sizes.num_engines):
+        first = sizes.learners + e * engine_tp
+        last = first + engine_tp - 1
+        if first // per_node == last // per_node:
+            continue
+        # With engine_tp dividing the node, learners = world - num_engines * engine_tp is a multiple of
+        # engine_tp on its last node too, so no engine can cross; only an engine_tp that does not divide does.
+        raise MegagrpoError(
+            f"{shape.describe()}: rollout.engine_tp={engine_tp}: engine {e} of the disaggregated "
+            f"placement would take ranks {first}-{last}, across nodes {first // per_node} and "
+            f"{last // per_node}; an engine's ranks must share one node (its first rank starts the SGLang "
+            f"server on engine_tp GPUs of its node). The learner takes ranks 0-{sizes.learners - 1}, so "
+            f"node {sizes.learners // per_node} has {per_node - sizes.learners % per_node} GPUs left for "
+            f"engines: set rollout.engine_tp to a divisor of --gpus-per-node {per_node} (the learner's "
+            "share of a node then leaves whole engines), or change --gpus-per-node"
+        )
+
+
+def role_layout(sizes: MeshSizes, engine_tp: int, shape: JobShape) -> list[str]:
+    """Per node, which GPUs (processes on the CPU) learn and which serve rollouts, by rank index."""
+    unit = ("GPU", "GPUs") if shape.device == "gpu" else ("process", "processes")
+    per_node, out = shape.procs_per_node, []
+    for node in range(shape.nodes):
+        lo, hi = node * per_node, (node + 1) * per_node
+        parts = []
+        if lo < sizes.learners:
+            end = min(hi, sizes.learners)
+            parts.append(f"learner {_span(unit, 0, end - lo)} ({_span(('rank', 'ranks'), lo, end)})")
+        if hi > sizes.learners:
+            start = max(lo, sizes.learners)
+            engines = _span(
+                ("engine", "engines"),
+                (start - sizes.learners) // engine_tp,
+                (hi - 1 - sizes.learners) // engine_tp + 1,
+            )
+            parts.append(
+                f"rollout {_span(unit, start - lo, per_node)} ({_span(('rank', 'ranks'), start, hi)}: "
+                f"{engines} of engine_tp {engine_tp})"
+            )
+        out.append(f"node {node}: " + ", ".join(parts))
+    return out
+
+
+def _span(noun: tuple[str, str], lo: int, hi: int) -> str:
+    """The half-open range [lo, hi) of a (singular, plural) noun: 'GPU 3', 'GPUs 0-7'."""
+    return f"{noun[0]} {lo}" if hi - lo == 1 else f"{noun[1]} {lo}-{hi - 1}"
 
 
 def mesh_warnings(cfg: Config, shape: JobShape) -> list[str]:

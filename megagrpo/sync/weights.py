@@ -550,10 +550,49 @@ def _prepend(box: list[list[NamedTensor]], rest: Iterator[list[NamedTensor]]) ->
     yield from rest
 
 
+class IpcTransport:
+    """A colocated GPU engine: each flattened bucket passed as CUDA-IPC handles, one per TP rank."""
+
+    def __init__(self, eng: Any, tp_size: int) -> None:
+        self.eng, self.tp_size = eng, tp_size
+        self.name = "the engine"
+
+    def begin(self) -> None:
+        _check_ok(self.eng.begin_weight_update(), "begin_weight_update")
+
+    def send(self, flat: Any, last: bool) -> None:
+        result = self.eng.update_weights_from_tensor(
+            _flattened_payload(flat, self.tp_size), load_format="flattened_bucket", flush_cache=last
+        )
+        _check_ok(result, "update_weights_from_tensor")
+
+    def dropped(self) -> None:
+        _collect_ipc()  # the sent bucket's last reference here is gone: its device memory can go too
+
+    def end(self) -> None:
+        _check_ok(self.eng.end_weight_update(), "end_weight_update")
+
+
 def _sync_streamed(
     eng, buckets, checker: _Checker, tp_size: int, checksum: bool, before_send, t0
 ) -> SyncStats:
-    """GPU: check, flatten and send one bucket at a time (see `sync_weights`).
+    if checksum:
+        raise MegagrpoError("weight sync checksum needs the CPU engine; set sync.checksum=false on GPUs")
+    return stream_buckets(buckets, checker, IpcTransport(eng, tp_size), before_send, t0)
+
+
+def stream_buckets(
+    buckets: Iterable[list[NamedTensor]],
+    checker: _Checker,
+    transport: Any,
+    before_send: Callable[[], None] | None,
+    t0: float,
+    *,
+    cast: torch.dtype | None = None,
+    keep: list[Any] | None = None,
+) -> SyncStats:
+    """Check, flatten and send one bucket at a time (a GPU engine's IPC, or a disaggregated engine's
+    broadcast: `transport.begin()`, `send(flat, last)`, `dropped()` once a sent bucket is let go, `end()`).
 
     Bucket N is sent once N + 1 has passed its checks (the last send flushes the cache, so it must know
     that it is the last; and a one-bucket export is sent only after `finish` found nothing missing). Each
@@ -562,9 +601,9 @@ def _sync_streamed(
     checked; during a send, the flattened N and the checked N + 1; while N + 1 is flattened, N + 1 and
     its flattened copy. That holds when the export keeps no bucket it has yielded (`bridge.export`,
     `_nonempty`); tensors that alias the learner's parameters (no gather, no cast) are the learner's
-    memory, not a bucket's."""
-    if checksum:
-        raise MegagrpoError("weight sync checksum needs the CPU engine; set sync.checksum=false on GPUs")
+    memory, not a bucket's. `cast`: the engine's dtype, applied before flattening (a bf16 engine receives
+    half an fp32 learner's bytes). `keep`: a list that collects every flattened bucket sent (a checksum
+    needs them; it costs a copy of the model)."""
     nbytes = tensors = calls = 0
     pending: Any = None  # the previous bucket, flattened
     begun = False
@@ -574,10 +613,12 @@ def _sync_streamed(
         if not begun:  # the engine's weights are resumed only once a first bucket has passed the checks
             if before_send is not None:
                 before_send()
-            _check_ok(eng.begin_weight_update(), "begin_weight_update")
+            transport.begin()
             begun = True
-        _send_flat(eng, flat, tp_size, last=last)  # the last send flushes the cache
+        transport.send(flat, last)  # the last send flushes the cache
         calls += 1
+        if keep is not None:
+            keep.append(flat)
 
     try:
         it = iter(buckets)
@@ -588,7 +629,9 @@ def _sync_streamed(
             if pending is not None:
                 send(pending, last=False)
                 pending = None  # freed before the next flattened copy is made
-                _collect_ipc()
+                transport.dropped()
+            if cast is not None:
+                bucket = [(n, t.to(cast)) for n, t in bucket]
             pending = _flatten(bucket)
             del bucket  # only its flattened copy is held while the export builds the next bucket
         checker.finish()
@@ -596,22 +639,15 @@ def _sync_streamed(
     except MegagrpoError as e:
         if calls:
             raise MegagrpoError(
-                f"{e} ({calls} bucket(s) were already sent: the engine is partly updated)"
+                f"{e} ({calls} bucket(s) were already sent: {transport.name} is partly updated)"
             ) from e
         raise
     finally:
         if begun:
-            _check_ok(eng.end_weight_update(), "end_weight_update")
+            transport.end()
     return SyncStats(
         bytes=nbytes, seconds=time.perf_counter() - t0, buckets=calls, tensors=tensors, checksum_ok=None
     )
-
-
-def _send_flat(eng: Any, flat: Any, tp_size: int, *, last: bool) -> None:
-    result = eng.update_weights_from_tensor(
-        _flattened_payload(flat, tp_size), load_format="flattened_bucket", flush_cache=last
-    )
-    _check_ok(result, "update_weights_from_tensor")
 
 
 def _collect_ipc() -> None:

@@ -1,6 +1,8 @@
-"""Process-level entry for `megagrpo {train,sft,eval}`: CPU compat, then the stage."""
+"""Process-level entry for `megagrpo {train,sft,eval}`: CPU compat, the rank's role, then the stage."""
 
 from __future__ import annotations
+
+import os
 
 from megagrpo.config.schema import Config
 
@@ -9,6 +11,10 @@ def run(mode: str, cfg: Config, *, resume: str | None = None) -> int:
     from megagrpo.compat import apply_cpu_compat
 
     apply_cpu_compat(megatron=True, sglang=mode != "sft")
+    if mode != "sft" and cfg.rollout.placement.disaggregated:
+        code = serve_if_engine_rank(cfg)
+        if code is not None:
+            return code
     if mode == "sft":
         from megagrpo.trainer.sft import sft
 
@@ -22,3 +28,38 @@ def run(mode: str, cfg: Config, *, resume: str | None = None) -> int:
 
         return evaluate(cfg, resume=resume)
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def serve_if_engine_rank(cfg: Config) -> int | None:
+    """A disaggregated launch: an engine rank serves its engine until the learner stops it (its exit code);
+    a learner rank gets the learner's world size (`learner.mesh.LEARNERS_ENV`) and None."""
+    import torch
+
+    from megagrpo.config.mesh_rules import rank_roles
+    from megagrpo.learner.mesh import LEARNERS_ENV, DistEnv
+
+    env = DistEnv.from_environ()
+    r = cfg.rollout
+    roles = rank_roles(
+        env.world_size, r.engine_tp, r.num_engines, disaggregated=True, on_gpu=torch.cuda.is_available()
+    )
+    engine = roles.engine_of(env.rank, r.engine_tp)
+    if engine is None:
+        os.environ[LEARNERS_ENV] = str(roles.learners)
+        return None
+    from dataclasses import replace
+
+    from megagrpo.rollout.server import serve
+    from megagrpo.trainer.components import rollout_config
+
+    rc = replace(rollout_config(cfg, cfg.model.hf_path), base_gpu_id=env.local_rank)
+    first = (env.rank - roles.learners) % r.engine_tp == 0
+    return serve(
+        rc,
+        engine=engine,
+        rank=env.rank,
+        first=first,
+        addr=env.master_addr,
+        port=env.master_port,
+        timeout_s=r.placement.engine_timeout_s,
+    )

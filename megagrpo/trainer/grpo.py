@@ -314,7 +314,7 @@ class GRPOTrainer(Session):
         if self.async_rollout is not None:
             self.async_rollout.queue.take_busy_seconds()  # the step's sampler time starts now
         rows, batch, metrics = self._sample(timer)
-        if batch is not None and self.engine is not None and not self.asynchronous:
+        if batch is not None and self.engine is not None and not self.own_devices:
             with timer("sleep"):
                 self.engine.release(["kv_cache", "weights"])
         if batch is None:

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -102,6 +103,8 @@ class Session:
         self.sync_wait_seconds = 0.0  # async: the step's wait for the sampler before its weight sync
         self.placement = None  # CPU cores of the engines and the learner (rollout.placement)
         self.engine = None
+        self.engine_store = None  # disaggregated owners: the launch's store, where the engines are found
+        self.weights_transport = None  # disaggregated owners: the engine's weights broadcast group
         self.rewards = None  # the reward functions run where the completions are: on engine owners
         # Run-long reward error/timeout totals over every engine, the same on every rank (checkpointed).
         self.reward_totals = {"reward/errors_total": 0.0, "reward/timeouts_total": 0.0}
@@ -148,8 +151,18 @@ class Session:
 
     @property
     def asynchronous(self) -> bool:
-        """rollout.mode=async: the engines keep their own devices; no phase swaps memory."""
+        """rollout.mode=async: the samplers generate future rounds while the learner trains."""
         return self.needs_engine and self.stage == "train" and self.cfg.rollout.mode == "async"
+
+    @property
+    def disaggregated(self) -> bool:
+        """rollout.placement.kind=disaggregated: the engines run on ranks of their own (`rollout.server`)."""
+        return self.needs_engine and self.cfg.rollout.placement.disaggregated
+
+    @property
+    def own_devices(self) -> bool:
+        """The engines keep devices of their own (async, or disaggregated): no phase swaps memory."""
+        return self.asynchronous or self.disaggregated
 
     def num_engines(self) -> int:
         if not self.needs_engine:
@@ -157,6 +170,8 @@ class Session:
         from megagrpo.config.mesh_rules import engine_count
 
         r = self.cfg.rollout
+        if self.disaggregated:  # self.world is the learner's: the engine ranks are outside it
+            return 1 if r.num_engines is None else r.num_engines
         return engine_count(self.world, r.engine_tp, r.num_engines, on_gpu=torch.cuda.is_available())
 
     def start_engine(self) -> None:
@@ -165,10 +180,12 @@ class Session:
         if not self.needs_engine:
             return
         placement = self.placement = self.core_placement()
-        if not self.asynchronous:
+        if not self.own_devices:
             self.learner.offload()
         barrier()  # every rank's learner is off its device before any engine process sizes itself
-        if self.engines.engine is not None:
+        if self.engines.engine is not None and self.disaggregated:
+            self.engine = self.connect_engine(self.engines.engine)
+        elif self.engines.engine is not None:
             from megagrpo.rollout.engine import RolloutEngine
             from megagrpo.rollout.placement import engine_cores
 
@@ -188,16 +205,47 @@ class Session:
             pin_learner(placement)  # a rank without an engine still keeps off the engines' cores
         barrier()
 
+    def connect_engine(self, index: int):
+        """This owner's disaggregated engine: its URL from the launch's store, once its server is up."""
+        from megagrpo.learner.mesh import DistEnv
+        from megagrpo.rollout import rendezvous
+        from megagrpo.rollout.remote import RemoteEngine
+        from megagrpo.sync.broadcast import BroadcastTransport
+
+        timeout = self.cfg.rollout.placement.engine_timeout_s
+        env = DistEnv.from_environ()
+        self.engine_store = rendezvous.connect(env.master_addr, env.master_port, timeout)
+        url, where = rendezvous.wait_for(self.engine_store, index, timeout)
+        rc = rollout_config(self.cfg, self.model_path)
+        watch = rendezvous.connect(env.master_addr, env.master_port, timeout)  # its own: any thread reads it
+        lock = threading.Lock()
+
+        def reported_failure() -> str | None:
+            with lock:
+                return rendezvous.failure_of(watch, index)
+
+        engine = RemoteEngine(
+            rc, index=index, url=url, where=where, timeout_s=timeout, reported_failure=reported_failure
+        ).start()
+        self.weights_transport = BroadcastTransport(engine, timeout_s=timeout)
+        print(
+            f"engine {index} of {self.engines.num_engines}: {where}, owned by rank {self.engines.rank} on "
+            f"{node_name()}",
+            flush=True,
+        )
+        return engine
+
     def core_placement(self):
-        """The CPU cores of the engines and the learners (`rollout.placement`), or None: on GPUs, and
-        colocated without `engine_cores`. Async on GPUs needs device placement, not built yet."""
+        """The CPU cores of the engines and the learners (`rollout.placement`), or None: on GPUs, when
+        disaggregated (the engines are processes of their own), and colocated without `engine_cores`."""
         r = self.cfg.rollout
+        if self.disaggregated:
+            return None
         if torch.cuda.is_available():
-            if self.asynchronous:
+            if self.asynchronous:  # check_mesh refuses it first; kept for sessions built without it
                 raise MegagrpoError(
-                    "rollout.mode=async runs on the CPU placement only in this release: on GPUs the "
-                    "engines need devices of their own and a cross-device weight sync, which megagrpo does "
-                    "not have yet (issue 17); use rollout.mode=colocated on GPUs"
+                    "rollout.mode=async on GPUs needs engines on devices of their own: set "
+                    "rollout.placement.kind=disaggregated, or use rollout.mode=colocated"
                 )
             return None
         if not self.asynchronous and r.placement.engine_cores is None:
@@ -210,7 +258,7 @@ class Session:
         """Sampler -> learner: the engine releases `release` (its weights only when a weight sync follows:
         a released weights region keeps no copy), then every rank reloads its learner. Async: nothing to
         swap, the engines have devices of their own."""
-        if self.asynchronous:
+        if self.own_devices:
             return
         if self.engine is not None:
             self.engine.release(list(release))
@@ -220,7 +268,7 @@ class Session:
     def sampler_phase(self) -> None:
         """Learner -> sampler: every rank offloads its learner (and returns cached blocks to the driver),
         then the engine resumes whatever it released."""
-        if self.asynchronous:
+        if self.own_devices:
             return
         self.learner.offload()
         barrier()
@@ -407,7 +455,17 @@ class Session:
             buckets = export_buckets(
                 self.learner, self.cfg.sync.bucket_mb << 20, receive=self.engine is not None
             )
-            if self.engine is not None:
+            if self.engine is not None and self.disaggregated:
+                from megagrpo.sync.broadcast import sync_remote
+
+                stats = sync_remote(
+                    self.weights_transport,
+                    buckets,
+                    announced=self.export_shapes,
+                    checksum=self.cfg.sync.checksum,
+                )
+                mine = stats.metrics()
+            elif self.engine is not None:
                 stats = sync_weights(
                     self.engine,
                     buckets,
@@ -638,6 +696,12 @@ class Session:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.weights_transport is not None:
+            self.weights_transport.close()
+        if self.engine_store is not None:
+            from megagrpo.rollout import rendezvous
+
+            rendezvous.request_stop(self.engine_store)  # the engine ranks exit 0: the learners' codes count
         if self.rewards is not None:
             self.rewards.close()
         self.logger.close()

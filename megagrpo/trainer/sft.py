@@ -114,8 +114,23 @@ class SFTTrainer(Session):
             raise MegagrpoError(f"sft.steps={cfg.sft.steps}: set sft.steps >= 1 to run the SFT stage")
         super().__init__(cfg, resume=resume)
         self.traces = None  # multi-turn traces (module doc), or single-turn completions
-        if cfg.rollout.multi_turn.enabled and "trace" in self.sets.train[0]:
+        with_trace = [s for s in self.sets.train if s.get("trace")]
+        if with_trace and cfg.rollout.multi_turn.enabled:
             self.traces = TraceExamples(cfg, self.formatter, self.data_section())
+            bad = next((s for s in self.sets.train if not s.get("trace")), None)
+            if bad is not None:  # found now, not when a later step draws it
+                raise MegagrpoError(
+                    f"{bad.get('_source', self.data_section())}: has no 'trace', while other rows do; multi-turn "
+                    "SFT trains on traces, so give every row one (or split the file)"
+                )
+        else:
+            bad = next((s for s in self.sets.train if "completion" not in s), None)
+            if bad is not None:
+                raise MegagrpoError(
+                    f"{bad.get('_source', self.data_section())}: has a tool-use 'trace' and no 'completion'; "
+                    "traces train only with rollout.multi_turn.enabled=true (and its environment), else give "
+                    "the row a completion"
+                )
         self.restore()
 
     def initial_model_path(self) -> str:

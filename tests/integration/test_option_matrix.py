@@ -69,6 +69,15 @@ CASES = (
         # a random model never calls a tool, so no trajectory is truncated for the shipped filter to drop
         ("rollout.multi_turn.reward=functions", "algo.overlong_filter=false"),
     ),
+    # The calculator demo as a user runs it: its RL stage from its own SFT stage on tool traces. Two SFT
+    # steps teach no arithmetic, so the environment's reward would be 0 for every sample and no group kept:
+    # scored by the final message, like the python case.
+    Case(
+        "config_agentic_calculator",
+        "agentic_calculator.yaml",
+        "qwen3_moe",
+        ("rollout.multi_turn.reward=functions",),
+    ),
     # One case per remaining policy variant, each carrying other options.
     Case(
         "gspo_token",
@@ -146,7 +155,8 @@ CASES = (
         ),
     ),
 )
-SFT_CONFIG = "demo_qwen3_moe.yaml"
+# Shipped configs whose RL stage starts from the model of their own SFT stage (`megagrpo sft` on the file).
+SFT_CONFIGS = ("demo_qwen3_moe.yaml", "agentic_calculator.yaml")
 
 # (option path -> how its values are read). The allowed values come from the schema (`allowed_values`);
 # a value counts for a case only where the option is active (`ACTIVE_WHEN`).
@@ -320,6 +330,16 @@ def _finite(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
 
 
+# Logged by every multi-turn step (docs/metrics.md), whether or not the model called a tool.
+MULTI_TURN_METRICS = (
+    "rollout/tool_calls_per_traj",
+    "rollout/malformed_calls",
+    "rollout/truncated_max_turns_frac",
+    "rollout/truncated_max_tokens_frac",
+    "rollout/env_token_frac",
+)
+
+
 def run_problems(cfg: Config, recs: list[dict]) -> list[str]:
     """What the run's metrics fail to show of its config: every step trained with a finite loss, and each
     active option's signature. Empty when the run did what its config asks."""
@@ -400,6 +420,8 @@ def run_problems(cfg: Config, recs: list[dict]) -> list[str]:
         if cfg.rollout.multi_turn.enabled:
             turns, unscored = get("rollout/turns_mean"), get("rollout/unscored_frac")
             need(_finite(turns) and turns >= 1 and _finite(unscored), f"multi-turn: turns_mean={turns}", s)
+            absent = [k for k in MULTI_TURN_METRICS if not _finite(get(k))]
+            need(not absent, f"multi-turn: missing or non-finite {absent}", s)
         if a.router_shift:
             g = get("moe/router_shift_gamma_mean")
             need(_finite(g) and 0 < g <= 1, f"router_shift: moe/router_shift_gamma_mean={g}", s)
@@ -475,26 +497,35 @@ def models(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, models, pool):
-    """`megagrpo sft` on the demo config (its cold-start stage), from the tiny MoE model."""
-    tmp = tmp_path_factory.mktemp("sft")
-    out = tmp / "sft_model"
-    argv = [
-        "sft",
-        str(CONFIGS / SFT_CONFIG),
-        f"model.hf_path={out}",
-        f"sft.base_path={models['qwen3_moe']}",
-        f"sft.output_dir={out}",
-        f"sft.steps={STEPS}",
-        "sft.batch_size=16",
-        "sft.data.synthetic.num_train=64",
-        "sft.data.synthetic.num_eval=4",
-        f"checkpoint.dir={tmp / 'ckpt'}",
-        f"logging.out_dir={tmp / 'run'}",
-        "logging.tensorboard=false",
-        "logging.console=false",
-    ]
-    return tmp, out, run_cli(pool, *argv)
+def sft_stages(tmp_path_factory, models, pool):
+    """sft_stages(config) -> (tmp, its HF model, rc): `megagrpo sft` on a shipped config (its cold-start
+    stage), from the tiny MoE model, run once per module and only for the cases that need it. The rollout
+    limits stay as shipped, since a multi-turn config's traces are checked against them."""
+    done: dict[str, tuple[Path, Path, int]] = {}
+
+    def stage(config: str) -> tuple[Path, Path, int]:
+        if config not in done:
+            tmp = tmp_path_factory.mktemp(f"sft_{Path(config).stem}")
+            out = tmp / "sft_model"
+            argv = [
+                "sft",
+                str(CONFIGS / config),
+                f"model.hf_path={out}",
+                f"sft.base_path={models['qwen3_moe']}",
+                f"sft.output_dir={out}",
+                f"sft.steps={STEPS}",
+                "sft.batch_size=16",
+                "sft.data.synthetic.num_train=64",
+                "sft.data.synthetic.num_eval=4",
+                f"checkpoint.dir={tmp / 'ckpt'}",
+                f"logging.out_dir={tmp / 'run'}",
+                "logging.tensorboard=false",
+                "logging.console=false",
+            ]
+            done[config] = (tmp, out, run_cli(pool, *argv))
+        return done[config]
+
+    return stage
 
 
 # ------------------------------------------------------------------------------------------ the tests
@@ -523,8 +554,9 @@ def test_cases_cover_every_option_value(tmp_path):
     assert not stale, f"NOT_COVERED rows that are no longer uncovered options: {stale}"
 
 
-def test_sft_stage_of_the_demo_config(sft_run):
-    tmp, out, rc = sft_run
+@pytest.mark.parametrize("config", SFT_CONFIGS)
+def test_sft_stage_of_a_shipped_config(config, sft_stages):
+    tmp, out, rc = sft_stages(config)
     assert rc == 0
     recs = records(tmp / "run" / "sft")
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
@@ -533,10 +565,10 @@ def test_sft_stage_of_the_demo_config(sft_run):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sft_run):
+def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sft_stages):
     model = models[case.family]
-    if case.config == SFT_CONFIG:  # the demo's RL stage starts from its SFT stage's model
-        _, sft_out, sft_rc = sft_run
+    if case.config in SFT_CONFIGS:  # the RL stage starts from its SFT stage's model
+        _, sft_out, sft_rc = sft_stages(case.config)
         assert sft_rc == 0, "the SFT stage this case starts from failed"
         model = sft_out
     overrides = case_overrides(case, tmp_path, model)

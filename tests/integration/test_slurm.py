@@ -15,6 +15,9 @@ started and stopped (by PID) by the module fixture; see tests/integration/slurm_
   uninterrupted two-engine job and logs the same metrics to 1e-6. The jobs above are its two-engine runs,
   and the preempted one its two-engine resume check, so one set of 4-process launches serves both files'
   assertions;
+* disaggregated placement (issue 27): a 2-node job whose n1 learns and n2 runs the two SGLang engines,
+  preempted and resumed, ends with the metrics and samples of the uninterrupted local run of the same
+  layout; and that local run (max_staleness 0) samples and logs what colocated mode with one engine does;
 * the mesh check under `srun --mpi=pmix -n 2` with mpi4py bootstrap.
 
 Only the requeue hold is shortened: Slurm keeps a requeued job pending for ~120 s (Reason=BeginTime);
@@ -392,6 +395,99 @@ def test_two_engines_log_the_same_metrics_as_one(engine_runs):
     assert engine_count_differences(m1, m2) == {}
     # the comparison is not vacuous: grad norms, rewards and evaluation are real numbers, equal to 1e-6
     assert m1[3]["loss/grad_norm"] > 0 and 0 < m1[1]["reward/mean"] < 1
+
+
+# Disaggregated placement (issue 27): 2 learner ranks + 2 engine ranks, asynchronous with max_staleness 0.
+DISAGG = (
+    "rollout.placement.kind=disaggregated",
+    "rollout.num_engines=2",
+    "rollout.mode=async",
+    "rollout.max_staleness=0",
+)
+
+
+def preempt_after_first_step(cluster, job: int, log: Path, metrics: Path) -> None:
+    """USR1 to the batch script once the job has logged step 1 (what `#SBATCH --signal=B:USR1@120` does),
+    then let Slurm start the requeued job at once."""
+    deadline = time.monotonic() + 2 * JOB_TIMEOUT
+    while not (metrics.exists() and '"step": 1' in metrics.read_text()):
+        info = cluster.job(job)
+        assert info.state in ("PENDING", "RUNNING"), f"ended before its first step: {info.state}\n{tail(log)}"
+        assert time.monotonic() < deadline, tail(log)
+        time.sleep(0.5)
+    cluster.run("scancel", "--batch", "--signal=USR1", str(job))
+    cluster.release_requeued(job, deadline - time.monotonic())
+
+
+@pytest.fixture(scope="module")
+def disagg_runs(cluster, model_dir, tmp_path_factory):
+    """TRAIN_RUN three ways, each recording what it sampled:
+
+    * "colocated": one engine beside the learner, `megagrpo train --nproc 2` (DP2);
+    * "local": 2 learner ranks (DP2) + 2 engine ranks, `--nproc 4`;
+    * "slurm": the same as "local" as a 2-node Slurm job, n1 learning and n2 serving, preempted with USR1
+      after its first step: it checkpoints, requeues itself and resumes with new engine processes."""
+    tmp = tmp_path_factory.mktemp("disagg")
+    dirs = {name: tmp / name for name in ("colocated", "local", "slurm")}
+    cfg = {name: write_config(d, model_dir, **TRAIN_RUN) for name, d in dirs.items()}
+    for d in dirs.values():
+        (d / "sampled").mkdir()
+    for name, extra, nproc in (("colocated", (), "2"), ("local", DISAGG, "4")):
+        res = cli(
+            "train", str(cfg[name]), *extra, "--nproc", nproc,
+            env={"MEGAGRPO_TEST_RECORD_DIR": str(dirs[name] / "sampled")},
+        )  # fmt: skip
+        assert res.returncode == 0, (name, (res.stdout + res.stderr)[-4000:])
+    job, log = submitted(
+        cfg["slurm"], *DISAGG,
+        "--nodes", 2, "--gpus-per-node", 2, "--layout", "torchrun", "--job-name", "mg-disagg",
+        "--env", f"MEGAGRPO_TEST_RECORD_DIR={dirs['slurm'] / 'sampled'}",
+    )  # fmt: skip
+    preempt_after_first_step(cluster, job, log, dirs["slurm"] / "run" / "metrics.jsonl")
+    info = cluster.wait_job(job, JOB_TIMEOUT)
+    assert info.state == "COMPLETED" and info.exit_code == "0:0", f"{tail(log)}\n{cluster.ctld_log_tail()}"
+    assert info.restarts == 1
+    return dirs, log
+
+
+@pytest.mark.slow
+def test_disaggregated_job_on_a_rollout_node_resumes_from_preemption_exactly(disagg_runs):
+    """Issue 27: one learner node and one rollout node; the preempted, requeued and resumed job ends with
+    the metrics and samples of the uninterrupted local run of the same layout, bit for bit."""
+    dirs, log = disagg_runs
+    text = log.read_text()
+    # the engines run on n2 (ranks 2 and 3), owned by the learner ranks 0 and 1 on n1
+    engines = sorted(
+        set(re.findall(r"engine (\d) of 2: rank (\d) on (\S+), owned by rank (\d) on (\S+)", text))
+    )
+    assert engines == [("0", "2", NODES[1], "0", NODES[0]), ("1", "3", NODES[1], "1", NODES[0])], tail(log)
+    assert "over gloo, 2 ranks" in text
+    saved = re.search(r"SIGUSR1: saved (\S+) at step (\d+)", text)
+    assert saved and 1 <= int(saved.group(2)) < 3, tail(log)
+    assert re.search(rf"resumed from \S+ at step {saved.group(2)}", text), tail(log)
+    local, slurm = last_record_per_step(dirs["local"] / "run"), last_record_per_step(dirs["slurm"] / "run")
+    assert sorted(local) == sorted(slurm) == [0, 1, 2, 3]
+    assert any(local[s]["loss/grad_norm"] > 0 for s in (1, 2, 3)), "no step moved the policy"
+    assert step_differences(local, slurm, (0, 1, 2, 3)) == {}
+    assert sampled(dirs["slurm"] / "sampled") == sampled(dirs["local"] / "sampled")
+
+
+@pytest.mark.slow
+def test_two_engine_ranks_at_staleness_0_repeat_one_colocated_engine(disagg_runs):
+    """Issue 27's equivalence: max_staleness 0 on 2 engine ranks samples the same completions as colocated
+    mode with one engine on the same learner mesh, and logs the same non-timing metrics to fp32 round-off."""
+    dirs, _ = disagg_runs
+    colo, local = sampled(dirs["colocated"] / "sampled"), sampled(dirs["local"] / "sampled")
+    assert len(colo) > 50 and colo == local
+    a, b = last_record_per_step(dirs["colocated"] / "run"), last_record_per_step(dirs["local"] / "run")
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3]
+    # async adds the mismatch by lag (all lag 0) and its queue's figures; colocated its memory swap
+    assert all(set(a[s]) - set(b[s]) <= {"perf/sleep_seconds"} for s in a), [set(a[s]) - set(b[s]) for s in a]
+    shared_a = {s: {k: v for k, v in a[s].items() if k in b[s]} for s in a}
+    shared_b = {s: {k: v for k, v in b[s].items() if k in a[s]} for s in b}
+    assert engine_count_differences(shared_a, shared_b) == {}
+    assert all(b[s]["mismatch/lag_0/n_tokens"] == a[s]["mismatch/n_tokens"] for s in (1, 2, 3))
+    assert "eval/accuracy" in b[0] and "eval/accuracy" in b[3]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,7 @@ def test_sft_with_null_data_trains_on_the_main_data_section(tiny_model, tmp_path
 
     def bare_session(self, cfg, *, resume=None):  # the learner and the data are not needed here
         self.cfg = cfg
+        self.sets = types.SimpleNamespace(train=[])
 
     monkeypatch.setattr(Session, "__init__", bare_session)
     monkeypatch.setattr(SFTTrainer, "restore", lambda self: None)

@@ -104,6 +104,51 @@ def test_heldout_split_is_fixed_and_disjoint(tmp_path):
     assert len(d.train) == 1 and d.malformed == 1
 
 
+TRACE = [
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>',
+    },
+    {"role": "tool", "tool_call_id": "call_0_0", "name": "calculator", "content": "6"},
+    {"role": "assistant", "content": "<answer>6</answer>"},
+]
+
+
+def test_an_sft_row_with_a_trace_needs_no_completion(tmp_path):
+    rows = [
+        {"prompt": "q1", "trace": TRACE},  # 1: the trace is the target
+        {"prompt": "q2", "answer": "6", "out": "<answer>6</answer>", "trace": TRACE},  # 2: both are kept
+        {"prompt": "q3", "out": "<answer>1</answer>"},  # 3: a single-turn row
+        {"prompt": "q4", "answer": "6"},  # 4: neither
+        {"prompt": "q5", "trace": "6"},  # 5: not a list of messages
+        {"prompt": "q6", "trace": None},  # 6: a null trace is no trace
+    ]
+    p = write_jsonl(tmp_path / "s.jsonl", rows)
+    d = build_prompt_sets(cfg(p, completion_key="out", heldout_fraction=0.0), purpose="sft")
+    assert [r["_source"] for r in d.train] == [f"{p}:1", f"{p}:2", f"{p}:3"]
+    assert "completion" not in d.train[0] and d.train[0]["trace"] == TRACE
+    assert (
+        d.train[1]["completion"] == "<answer>6</answer>" and d.train[2]["completion"] == "<answer>1</answer>"
+    )
+    examples = d.reports[str(p)].examples
+    assert (
+        examples[0]
+        == f"{p}:4: missing field 'out' (data.completion_key); an SFT row needs a completion or a tool-use 'trace'"
+    )
+    assert examples[1].startswith(f"{p}:5: field 'trace' must be a non-empty list")
+    assert examples[2].startswith(f"{p}:6: missing field 'out'")
+    with pytest.raises(
+        MegagrpoError,
+        match=r"s.jsonl:4: malformed row: missing field 'out' .*completion or a tool-use 'trace'",
+    ):
+        build_prompt_sets(cfg(p, completion_key="out", malformed="fatal"), purpose="sft")
+    # RL rows still need their answer, with or without a trace
+    assert [r["_source"] for r in build_prompt_sets(cfg(p, heldout_fraction=0.0)).train] == [
+        f"{p}:2",
+        f"{p}:4",
+    ]
+
+
 def _with_latin1_row(path):
     # line 2 holds one latin-1 byte (0xe9, "é"), which is not valid UTF-8
     path.write_bytes(

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -275,6 +276,19 @@ def test_calculator_tool_answers_errors_to_the_model():
     )
     assert ok.content == str(12345678901 * 98765432109)
     assert bad.status == "error" and "more than 1000 digits" in bad.content
+
+
+@pytest.mark.parametrize("expr", ["12a", "2or 3", "1if 1 else 2", "5in 3", '"\\d"', "0x1for 2"])
+def test_calculator_parse_warns_nothing_and_answers_an_error(expr):
+    """Model-written text that makes Python's tokenizer warn (a SyntaxWarning on the run's console) is
+    answered with an error and warns nothing, even with every warning shown."""
+    ex = ToolExecutor([calculator_tool()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (res,) = asyncio.run(ex.call_all([_call("calculator", {"expression": expr})]))
+    assert [str(w.message) for w in caught] == []
+    assert res.status == "error" and res.content
+    assert not any(f[2] is SyntaxWarning for f in warnings.filters)  # the suppression did not leak out
 
 
 # ------------------------------------------------------------------------------- calculator environment

@@ -40,6 +40,8 @@ SHIPPED = {
     "demo_qwen3_moe.yaml": ((1, 1, 16.0), "demo-tiny-qwen3-moe", True),
     "agentic_python_qwen3_moe.yaml": ((2, 8, 80.0), "Qwen3-30B-A3B", True),
     "agentic_calculator.yaml": ((1, 1, 16.0), "demo-tiny-qwen3-moe", True),
+    # 2 learner nodes + 1 rollout node; the plan's nodes count both pools
+    "disaggregated_qwen3_moe.yaml": ((3, 8, 80.0), "Qwen3-30B-A3B", True),
 }
 
 

@@ -70,10 +70,14 @@ def test_async_on_gpus_is_refused_with_the_reason(monkeypatch):
     from megagrpo.trainer.session import Session
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    fake = SimpleNamespace(cfg=Config.model_validate({"model": {"hf_path": "m"}}), asynchronous=True)
-    with pytest.raises(MegagrpoError, match="rollout.mode=async runs on the CPU placement only"):
+    fake = SimpleNamespace(
+        cfg=Config.model_validate({"model": {"hf_path": "m"}}), asynchronous=True, disaggregated=False
+    )
+    with pytest.raises(MegagrpoError, match="async on GPUs needs engines on devices of their own"):
         Session.core_placement(fake)
-    fake.asynchronous = False
+    fake.disaggregated = True
+    assert Session.core_placement(fake) is None  # the engines are ranks of their own: no pinning
+    fake.asynchronous = fake.disaggregated = False
     assert Session.core_placement(fake) is None  # colocated on GPUs: no pinning
 
 
@@ -82,7 +86,12 @@ def test_async_on_gpus_is_refused_before_anything_starts():
     from megagrpo.config.schema import check_mesh
 
     cfg = Config.model_validate({"model": {"hf_path": "m"}, "rollout": {"mode": "async"}, "schedule": {}})
-    with pytest.raises(MegagrpoError, match="rollout.mode=async runs on the CPU placement only"):
+    with pytest.raises(MegagrpoError, match="rollout.placement.kind=disaggregated"):
         check_mesh(cfg, 8, "train", on_gpu=True)
+    disagg = cfg.model_copy(deep=True)
+    disagg.rollout.placement.kind = "disaggregated"
+    disagg.rollout.num_engines, disagg.rollout.engine_tp = 2, 2
+    sizes = check_mesh(disagg, 8, "train", on_gpu=True)  # async on GPUs, engines on ranks 4..7
+    assert (sizes.learners, sizes.engine_ranks, sizes.num_engines, sizes.dp) == (4, 4, 2, 4)
     assert check_mesh(cfg, 1, "train", on_gpu=False).num_engines == 1
     assert check_mesh(cfg, 8, "eval", on_gpu=True).num_engines == 8  # eval samples colocated anyway

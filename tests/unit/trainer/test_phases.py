@@ -71,7 +71,9 @@ def session(log, monkeypatch) -> Session:
         sync=SimpleNamespace(bucket_mb=1, checksum=False, pack=True),
         checkpoint=SimpleNamespace(keep_last=2),
         model=SimpleNamespace(hf_path="hf"),
-        rollout=SimpleNamespace(mode="colocated", placement=SimpleNamespace(engine_cores=None)),
+        rollout=SimpleNamespace(
+            mode="colocated", placement=SimpleNamespace(engine_cores=None, disaggregated=False)
+        ),
     )
     s.async_rollout, s.placement, s.sync_wait_seconds = None, None, 0.0
     s.learner, s.engine, s.rank0, s.model_path = FakeLearner(log), None, True, "hf"

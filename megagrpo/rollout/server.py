@@ -1,0 +1,157 @@
+"""An engine rank of a disaggregated launch: SGLang's HTTP server, serving until the learner says stop.
+
+`rollout.placement.kind: disaggregated` gives the last `num_engines * engine_tp` ranks of a launch to the
+samplers (`config.mesh_rules.rank_roles`). The first rank of each engine runs SGLang's own HTTP server
+(`sglang.srt.entrypoints.http_server.launch_server`, the server slime and miles drive) on its devices,
+with the same engine arguments a colocated engine gets (`RolloutEngine.engine_kwargs`), and publishes its
+URL in the launch's store (`rollout.rendezvous`) once it is ready; the other ranks of a TP group only
+wait (their GPUs are the server's). The learner rank that owns the engine talks to it over HTTP
+(`rollout.remote.RemoteEngine`) and sends weights over a broadcast group (`sync.broadcast`).
+
+Signals. The server runs on a worker thread, so neither uvicorn nor SGLang installs its SIGTERM handler
+(both do so on the main thread only): a preemption's SIGTERM reaches every rank of the job, and the engine
+must keep serving while the learners finish their step and checkpoint; the learner then asks it to stop.
+SIGTERM and SIGINT are therefore ignored here. SIGQUIT is what SGLang's children send their parent when
+they fail: the failure is published in the store, where the owner's waiting request sees it within a
+second (`RemoteEngine`), so the learner's error, naming the engine, ends the run; this rank waits for the
+stop like any other.
+
+Exit. When the store says stop, or the store is gone (learner rank 0, which may host it, has exited), the
+server's processes are killed and the rank exits 0: the learners' exit codes are the job's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from megagrpo.rollout import rendezvous
+from megagrpo.rollout.config import RolloutConfig
+
+POLL_S = 0.5
+
+
+def advertised_host() -> str:
+    """An address of this node that the other nodes of the job reach: the name's address, or loopback
+    on a one-node launch (MEGAGRPO_ENGINE_HOST overrides, for hosts with several interfaces)."""
+    if os.environ.get("MEGAGRPO_ENGINE_HOST"):
+        return os.environ["MEGAGRPO_ENGINE_HOST"]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def server_args(rc: RolloutConfig, host: str, port: int) -> Any:
+    """SGLang's ServerArgs of a disaggregated engine: a colocated engine's arguments (one code path for
+    what the engine computes) and an HTTP address. No warm-up request: the first rollout warms it."""
+    from sglang.srt.server_args import ServerArgs
+
+    from megagrpo.rollout.engine import RolloutEngine
+
+    kw = RolloutEngine(rc).engine_kwargs()
+    kw.pop("enable_memory_saver", None)  # the engine owns its devices: nothing is ever released
+    return ServerArgs(**kw, host=host, port=port, skip_server_warmup=True)
+
+
+def serve(
+    rc: RolloutConfig,
+    *,
+    engine: int,
+    first: bool,
+    addr: str,
+    port: int,
+    timeout_s: float,
+    rank: int | None = None,
+) -> int:
+    """Run engine `engine`'s server (its first rank) or wait beside it (`first=False`) until stopped."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    # torchrun tells its workers to find the store of any tcp:// rendezvous at the agent's; the weights
+    # group that SGLang's schedulers join is hosted by the learner rank that sends, so they must not.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    store = rendezvous.connect(addr, port, timeout_s)
+    from megagrpo.rollout.groups import node_name
+
+    where = f"rank {rank if rank is not None else os.environ.get('RANK', '?')} on {node_name()}"
+    if first:
+        try:
+            _start_server(rc, store, engine, where)
+        except Exception as e:  # noqa: BLE001 - reported to the owner, which names the engine
+            rendezvous.publish_failure(store, engine, f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+            return 1
+    return _wait_for_stop(store, engine, where)
+
+
+def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str) -> None:
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.entrypoints.engine import Engine
+
+    from megagrpo.rollout.startup import DISABLED_ARCHS_ENV, skipped_model_modules
+
+    skipped = skipped_model_modules(rc.model_path)
+    if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
+        os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
+    host, port = advertised_host(), free_port()
+    sa = server_args(dataclasses.replace(rc), host="0.0.0.0", port=port)
+
+    def ready() -> None:
+        rendezvous.publish(store, engine, f"http://{host}:{port}", where)
+        print(f"engine {engine}: SGLang server at http://{host}:{port} ({where})", flush=True)
+
+    def run() -> None:
+        try:
+            http_server.launch_server(
+                sa,
+                run_scheduler_process_func=Engine.run_scheduler_process_func,
+                run_detokenizer_process_func=Engine.run_detokenizer_process_func,
+                launch_callback=ready,
+            )
+        except BaseException as e:  # noqa: BLE001 - the main thread reports it
+            rendezvous.publish_failure(store, engine, f"its server stopped: {type(e).__name__}: {e}")
+            traceback.print_exc()
+
+    def child_failed(signum: int, frame: Any) -> None:
+        # Reported through the store, where the owner's waiting request looks; this rank stays until the
+        # learner stops it, so the learner's error (naming the engine), not the launcher's, ends the run.
+        message = f"an SGLang process of the server died ({where})"
+        print(f"megagrpo: error: engine {engine}: {message}", file=sys.stderr, flush=True)
+        rendezvous.publish_failure(store, engine, message)
+        _kill_children()
+
+    signal.signal(signal.SIGQUIT, child_failed)
+    threading.Thread(target=run, name=f"sglang-server-{engine}", daemon=True).start()
+
+
+def _wait_for_stop(store: Any, engine: int, where: str) -> int:
+    while True:
+        try:
+            if rendezvous.stop_requested(store):
+                break
+        except Exception:  # noqa: BLE001 - the store's host (a learner rank) has exited: so must we
+            break
+        time.sleep(POLL_S)
+    _kill_children()
+    return 0
+
+
+def _kill_children() -> None:
+    import psutil
+
+    from megagrpo.rollout.engine import _kill_pids
+
+    _kill_pids([p.pid for p in psutil.Process().children()], timeout=30)

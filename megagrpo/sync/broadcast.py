@@ -1,0 +1,202 @@
+"""Weights to a disaggregated engine: a broadcast group per engine, fed bucket by bucket.
+
+The learner rank that owns engine e (it receives the whole export from its model-parallel replica,
+`bridge.export`) hosts a process group of 1 + engine_tp ranks: itself as rank 0 and the engine's TP
+workers as ranks 1.. (SGLang's `init_weights_update_group`, over HTTP). gloo on the CPU, NCCL on GPUs.
+Each bucket is announced over HTTP (`update_weights_from_distributed`: names, dtypes, shapes, as one
+`flattened_bucket`) while the owner broadcasts its bytes; SGLang receives into a fresh buffer and loads it.
+
+Cost per sync, at the owner: the model's bytes in the engine's dtype, once per engine (the broadcast
+reaches every TP rank of the engine at once), in buckets of `sync.bucket_mb`; two buckets held at most
+(`sync.weights.stream_buckets`). At the engine: one received bucket beside its weights.
+
+Safety. Names and shapes are checked against the engine's checkpoint before the first byte is sent, the
+values were checked on the learner's shards (`trainer.weights.check_learner_weights`), and each bucket is
+checked again before it is sent: a bad bucket found before the first send leaves the engine serving its
+old weights; one found later (an export that breaks its own announcement) stops the run with an error that
+names the engine, the tensor and how many buckets were sent, since the engine is then partly updated.
+Every wait (the group's set-up, each bucket, the checksum) has the engine deadline
+(`rollout.placement.engine_timeout_s`); a dead engine fails the HTTP call or the broadcast at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.remote import RemoteEngine
+from megagrpo.sync.buckets import NamedTensor
+from megagrpo.sync.weights import (
+    SyncStats,
+    _Checker,
+    _hash,
+    check_announced,
+    checkpoint_shapes,
+    stream_buckets,
+)
+
+GROUP_PREFIX = "megagrpo-weights-"
+
+
+class BroadcastTransport:
+    """Engine `remote`'s weights group, hosted by this rank (group rank 0)."""
+
+    def __init__(self, remote: RemoteEngine, *, timeout_s: float) -> None:
+        self.remote, self.timeout_s = remote, timeout_s
+        self.name = remote.name
+        self.group_name = f"{GROUP_PREFIX}{remote.index}"
+        self.group: Any = None
+        self._store: Any = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weights-{remote.index}")
+
+    def open(self) -> None:
+        """Create the group: this rank hosts its store on a free port, the engine's TP workers join."""
+        from sglang.srt.utils.common import init_custom_process_group
+
+        from megagrpo.rollout.server import advertised_host, free_port
+
+        if self.group is not None:
+            return
+        tp = int(self.remote.cfg.tp_size)
+        host, port = advertised_host(), free_port()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self._store = dist.TCPStore(
+            host, port, 1 + tp, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        joined = self._pool.submit(
+            self.remote.call,
+            "/init_weights_update_group",
+            dict(
+                master_address=host,
+                master_port=port,
+                rank_offset=1,
+                world_size=1 + tp,
+                group_name=self.group_name,
+                backend=backend,
+            ),
+        )
+        kw: dict[str, Any] = {}
+        if backend == "nccl":
+            kw["device_id"] = torch.device("cuda", torch.cuda.current_device())
+        self.group = init_custom_process_group(
+            backend=backend,
+            store=dist.PrefixStore(self.group_name, self._store),
+            world_size=1 + tp,
+            rank=0,
+            group_name=self.group_name,
+            timeout=timeout,
+            **kw,
+        )
+        self._ok(joined.result(), "/init_weights_update_group")
+        print(f"{self.name}: weights group {self.group_name} over {backend}, {1 + tp} ranks", flush=True)
+
+    def _ok(self, result: Any, what: str) -> None:
+        if not (isinstance(result, dict) and result.get("success", False)):
+            raise MegagrpoError(f"{self.name}: {what} failed: {result}")
+
+    def begin(self) -> None:
+        self.open()
+        self._ok(self.remote.call("/begin_weight_update", {}), "/begin_weight_update")
+
+    def send(self, flat: Any, last: bool) -> None:
+        meta = flat.get_metadata()
+        announced = self._pool.submit(
+            self.remote.call,
+            "/update_weights_from_distributed",
+            dict(
+                names=[m.name for m in meta],
+                dtypes=[str(m.dtype).removeprefix("torch.") for m in meta],
+                shapes=[list(m.shape) for m in meta],
+                group_name=self.group_name,
+                flush_cache=last,  # the radix cache holds prefixes computed with the old weights
+                load_format="flattened_bucket",
+            ),
+        )
+        try:
+            dist.broadcast(flat.get_flattened_tensor(), group=self.group, group_src=0)
+        except Exception as e:
+            raise MegagrpoError(
+                f"{self.name}: the weight broadcast failed ({type(e).__name__}: {e}); the engine is partly "
+                "updated or gone. The run stops; resume from the last checkpoint"
+            ) from e
+        self._ok(announced.result(), "/update_weights_from_distributed")
+
+    def dropped(self) -> None:
+        pass
+
+    def end(self) -> None:
+        self._ok(self.remote.call("/end_weight_update", {}), "/end_weight_update")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def engine_dtype(remote: RemoteEngine) -> torch.dtype:
+    return getattr(torch, remote.cfg.dtype)
+
+
+def sync_remote(
+    transport: BroadcastTransport,
+    buckets: Iterable[list[NamedTensor]],
+    *,
+    announced: Mapping[str, tuple[int, ...]] | None = None,
+    checksum: bool = False,
+) -> SyncStats:
+    """Stream the export's buckets to a disaggregated engine (module doc). With `checksum`, compare the
+    engine's per-parameter hashes (SGLang's `weights_checker`) with those of what was sent, bit for bit;
+    it holds the sent buckets until then (a copy of the model at the owner), so it is for checks every
+    few steps, not for every sync of a large model. On any error `buckets` is consumed to its end first
+    (the export's gathers are collectives the rest of the replica is in)."""
+    it = iter(buckets)
+    try:
+        t0 = time.perf_counter()
+        remote = transport.remote
+        shapes = checkpoint_shapes(remote.cfg.model_path)
+        if announced is not None:
+            check_announced(shapes, announced)
+        kept: list[Any] | None = [] if checksum else None
+        stats = stream_buckets(
+            it, _Checker(shapes), transport, None, t0, cast=engine_dtype(remote), keep=kept
+        )
+    except Exception:
+        for _ in it:
+            pass
+        raise
+    if kept is None:
+        return stats
+    ok = verify_remote(remote, [flat.reconstruct_tensors() for flat in kept])
+    return SyncStats(stats.bytes, stats.seconds, stats.buckets, stats.tensors, ok)
+
+
+def remote_checksums(remote: RemoteEngine) -> dict[str, str]:
+    """SGLang's per-parameter hashes of what the engine holds now, TP rank 0."""
+    result = remote.call("/weights_checker", {"action": "checksum"})
+    if not isinstance(result, dict) or not result.get("success") or not result.get("ranks"):
+        raise MegagrpoError(f"{remote.name}: weights_checker(checksum) failed: {result}")
+    return dict(result["ranks"][0]["checksums"])
+
+
+def verify_remote(remote: RemoteEngine, sent: list[list[NamedTensor]]) -> bool:
+    """True when every SGLang parameter built from the sent tensors hashes like the engine's copy
+    (TP 1: a TP engine's parameters are shards)."""
+    from megagrpo.sync.sglang_layout import sglang_params
+
+    if int(remote.cfg.tp_size) != 1:
+        raise MegagrpoError("sync.checksum supports engines with engine_tp=1 only; set sync.checksum=false")
+    expected = sglang_params({n: t for b in sent for n, t in b})
+    held = remote_checksums(remote)
+    common = [n for n in expected if n in held]
+    if not common:
+        raise MegagrpoError(f"{remote.name}: checksum: no sent tensor maps onto an engine parameter")
+    return all(_hash(expected[n]) == held[n] for n in common)

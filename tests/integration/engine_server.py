@@ -1,0 +1,148 @@
+"""One disaggregated engine server in a subprocess, for tests of the weight path without learners.
+
+`engine_server(model_dir, log)` plays the launch's part: this process hosts the TCP store (as learner rank 0
+does under srun/mpirun), and a child runs `megagrpo.rollout.server.serve` for engine 0 with the rollout
+settings the CPU tests use (fp32, 4096 KV tokens, routes on as the trainer asks), then publishes its URL in
+that store. The context yields the URL; on exit it asks the server to stop (`rendezvous.request_stop`) and
+kills what is left only if it did not exit within the deadline. The child is `python -m
+tests.integration.engine_server MODEL_DIR --port P`, run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE = 0
+STOP_TIMEOUT_S = 90  # serve() kills the SGLang children with a 30 s grace, then the process exits
+
+
+class ServerDied(RuntimeError):
+    """The server's process exited before it published its URL."""
+
+
+@dataclass
+class EngineServer:
+    proc: subprocess.Popen
+    store: Any  # the launch's store, under rendezvous.PREFIX
+    url: str
+    where: str
+    log: Path
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """Ask the server to stop, as the learners do at the end of a run; its exit code."""
+        from megagrpo.rollout import rendezvous
+
+        if self.proc.poll() is None:
+            rendezvous.request_stop(self.store)
+        return self.proc.wait(timeout=timeout_s)
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+@contextlib.contextmanager
+def engine_server(model_dir: Path | str, log: Path, *, timeout_s: float = 600.0) -> Iterator[EngineServer]:
+    """Start the server for `model_dir`, yield it once its URL is published, stop it at the end."""
+    import torch.distributed as dist
+
+    from megagrpo.rollout import rendezvous
+
+    master = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    store = dist.PrefixStore(rendezvous.PREFIX, master)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.integration.engine_server",
+        str(model_dir),
+        "--port",
+        str(master.port),
+    ]
+    cmd += ["--timeout", str(timeout_s)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url, where = _wait_for_url(store, proc, log, timeout_s)
+        yield EngineServer(proc, store, url, where, log)
+    finally:
+        if proc.poll() is None:
+            rendezvous.request_stop(store)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _kill_tree(proc.pid)
+                proc.wait()
+
+
+def rollout_config(model_dir: Path | str) -> Any:
+    """The engine's settings, on both sides: what `trainer.components.rollout_config` gives a CPU test run
+    (fp32, a fixed KV-cache size, routes on)."""
+    from megagrpo.rollout.config import RolloutConfig
+
+    return RolloutConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=4096, seed=0)
+
+
+def _wait_for_url(store: Any, proc: subprocess.Popen, log: Path, timeout_s: float) -> tuple[str, str]:
+    from megagrpo.errors import MegagrpoError
+    from megagrpo.rollout import rendezvous
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ServerDied(f"the engine server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            return rendezvous.wait_for(store, ENGINE, 1.0)
+        except MegagrpoError:
+            # a published failure or the caller's deadline ends the wait; a short wait's own deadline does not
+            if rendezvous.failure_of(store, ENGINE) is not None or time.monotonic() > deadline:
+                raise
+
+
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    for p in [*root.children(recursive=True), root]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Serve engine 0 of a disaggregated launch (tests only).")
+    p.add_argument("model_dir")
+    p.add_argument("--addr", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=600.0)
+    a = p.parse_args(argv)
+    from megagrpo.compat import apply_cpu_compat
+
+    apply_cpu_compat(megatron=False, sglang=True)  # before sglang.srt is imported, as trainer.entry does
+    from megagrpo.rollout.server import serve
+
+    return serve(
+        rollout_config(a.model_dir), engine=ENGINE, first=True, addr=a.addr, port=a.port, timeout_s=a.timeout
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The disaggregated weight path without learners: one engine server (`engine_server`, SGLang's HTTP server
+in a subprocess, tiny Qwen3-MoE, fp32 on the CPU), fed over its gloo weights group by this process through
+`sync.broadcast` with the checkpoint's own tensors.
+
+- a NaN in the first bucket is refused, naming the tensor, before anything reaches the engine: it still
+  hashes like the checkpoint and generates the same greedy ids;
+- perturbed weights arrive (the checksum holds, the checkpoint's hashes no longer match, generation changes);
+- a bucket that breaks its checks after a first one was sent names the engine and says it is partly updated;
+- the server exits 0 when the store says stop, and leaves no SGLang process behind.
+
+One server start for the module (35-200 s here); tests that change the weights put the checkpoint back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.config import SamplingConfig
+from megagrpo.sync.buckets import NamedTensor, bucketize
+from tests.integration.engine_server import EngineServer, engine_server, rollout_config
+
+TIMEOUT_S = 600.0
+GREEDY = SamplingConfig(temperature=0, max_new_tokens=8, seed=0)
+PROMPTS = [[5, 17, 33, 2, 90, 14], [1, 307, 260, 202]]
+SMALL_BUCKET = 64 << 10  # many buckets: about 20 for this model
+# The same weights give the same greedy ids, and logprobs equal up to fp32 round-off: a repeated prompt is
+# served from the prefix cache, whose prefill ran in another batch shape.
+ROUND_OFF = 1e-5
+
+
+@dataclasses.dataclass
+class Served:
+    server: EngineServer
+    engine: object  # RemoteEngine
+    transport: object  # BroadcastTransport
+    original: list[NamedTensor]
+    ids: list[list[int]]  # greedy ids of PROMPTS under the checkpoint's weights
+    logprobs: list[torch.Tensor]
+
+
+def _greedy(engine) -> tuple[list[list[int]], list[torch.Tensor]]:
+    groups = engine.generate(PROMPTS, GREEDY)
+    done = [c for g in groups for c in g]
+    return [c.output_ids.tolist() for c in done], [c.logprobs for c in done]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from megagrpo.compat import apply_cpu_compat
+
+    apply_cpu_compat(megatron=False, sglang=True)  # BroadcastTransport imports sglang.srt
+    from megagrpo.rollout.remote import RemoteEngine
+    from megagrpo.sync.broadcast import BroadcastTransport
+    from megagrpo.tiny_model import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("weights_broadcast")
+    model = make_tiny_model(tmp / "model", "qwen3_moe", seed=1)
+    original = list(load_file(model / "model.safetensors").items())
+    t0 = time.monotonic()
+    with engine_server(model, tmp / "server.log", timeout_s=TIMEOUT_S) as server:
+        print(f"engine server up in {time.monotonic() - t0:.1f} s at {server.url}")
+        engine = RemoteEngine(
+            rollout_config(model), index=0, url=server.url, where=server.where, timeout_s=TIMEOUT_S
+        ).start()
+        transport = BroadcastTransport(engine, timeout_s=TIMEOUT_S)
+        try:
+            yield Served(server, engine, transport, original, *_greedy(engine))
+        finally:
+            transport.close()
+            engine.shutdown()
+
+
+@pytest.fixture
+def restore(served):
+    """Put the checkpoint's weights back after a test that changed them."""
+    from megagrpo.sync.broadcast import sync_remote, verify_remote
+
+    yield
+    sync_remote(served.transport, bucketize(served.original))
+    assert verify_remote(served.engine, [served.original])
+
+
+def _moved(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def _perturbed(tensors: list[NamedTensor], seed: int = 0) -> list[NamedTensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, t + 1e-3 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in tensors]
+
+
+def test_a_nan_in_the_first_bucket_is_refused_before_any_write(served):
+    from megagrpo.sync.broadcast import sync_remote, verify_remote
+
+    buckets = list(bucketize(served.original, SMALL_BUCKET))
+    name, t = buckets[0][0]
+    bad = t.clone()
+    bad.view(-1)[7] = float("nan")
+    buckets[0][0] = (name, bad)
+    with pytest.raises(MegagrpoError, match=name.replace(".", r"\.")):
+        sync_remote(served.transport, buckets)
+    assert verify_remote(served.engine, [served.original])
+    ids, logprobs = _greedy(served.engine)
+    assert ids == served.ids
+    assert _moved(logprobs, served.logprobs) < ROUND_OFF
+
+
+def test_perturbed_weights_arrive_over_gloo_and_the_checksum_tells_them_apart(served, restore):
+    from megagrpo.sync.broadcast import sync_remote, verify_remote
+
+    perturbed = _perturbed(served.original)
+    stats = sync_remote(served.transport, bucketize(perturbed, SMALL_BUCKET), checksum=True)
+    assert served.transport.group is not None and served.transport.group_name == "megagrpo-weights-0"
+    assert stats.checksum_ok is True and stats.buckets > 2 and stats.tensors == len(perturbed)
+    assert stats.bytes == sum(t.numel() * t.element_size() for _, t in perturbed)
+    assert verify_remote(served.engine, [perturbed])
+    assert not verify_remote(served.engine, [served.original])  # the checksum can fail
+    ids, logprobs = _greedy(served.engine)
+    moved = _moved(logprobs, served.logprobs)
+    print(f"perturbed weights: greedy ids changed: {ids != served.ids}, max |logprob change| {moved:.2e}")
+    assert ids != served.ids or moved > 100 * ROUND_OFF, moved
+
+
+def test_a_bucket_broken_after_a_send_names_the_partly_updated_engine(served, restore):
+    from megagrpo.sync.broadcast import sync_remote, verify_remote
+
+    buckets = list(bucketize(_perturbed(served.original, seed=1), SMALL_BUCKET))
+    # Bucket N is sent once N + 1 has passed its checks, so a broken second bucket would still be caught
+    # before any send: the third is the first whose failure finds one bucket on the engine.
+    assert len(buckets) >= 3
+    name, t = buckets[2][0]
+    buckets[2][0] = (name, t.reshape(1, -1))
+    with pytest.raises(MegagrpoError) as err:
+        sync_remote(served.transport, buckets)  # no announcement: the shapes are checked bucket by bucket
+    message = str(err.value)
+    assert "engine 0" in message and "partly updated" in message, message
+    assert name in message and "1 bucket(s) were already sent" in message, message
+    assert not verify_remote(served.engine, [served.original])  # the first bucket did arrive
+
+
+def test_the_server_exits_0_when_the_store_says_stop(served):
+    children = psutil.Process(served.server.proc.pid).children(recursive=True)
+    assert any("sglang::scheduler" in " ".join(_cmdline(p)) for p in children), [
+        _cmdline(p) for p in children
+    ]
+    assert served.server.stop() == 0, served.server.tail()
+    alive = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"SGLang processes outlived the server: {alive}"
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []

@@ -14,7 +14,21 @@ overlapped step costs max(R, T) + the wait for the engine, so the ratio is at mo
 2x at a rollout share R / (R + T) of 1/2, and 1 / share (or 1 / (1 - share)) away from it. The run
 prints the measured share and this bound beside the measured ratio.
 
+With `--placement disaggregated` a third run follows, async with the same k on the placement of
+docs/disaggregated.md (issue 27's benchmark: async disaggregated against colocated, the same total cores and
+samples per step). It is launched as a user launches it, `python -m megagrpo.cli train CONFIG --nproc 2
+<the same overrides> rollout.placement.kind=disaggregated rollout.mode=async rollout.max_staleness=k`, in a
+subprocess: one learner rank and one engine rank (SGLang's HTTP server), on the same two cores as the
+pinned runs, and its figures are its own metrics.jsonl's, with the same steps left out. What differs from
+the in-process async run:
+- the weights go over HTTP and a gloo broadcast group per sync (`sync/broadcast.py`), not through shared
+  memory inside one process, and every request crosses HTTP;
+- the learner is a process of its own (a torchrun rank), and neither role is pinned: each process runs
+  one thread (OMP_NUM_THREADS=1, as in the pinned runs) and the OS places them on the two cores;
+- the launch itself (torchrun, the rendezvous, the server's start) is outside every measured step.
+
     python -m tools.bench_async [--steps 8] [--k 1] [--prompts 8] [--group-size 8] [--new-tokens 48]
+                                [--placement disaggregated]
 
 (`-m` from the repository root: the runs' reward is `tools.bench_step:parity_reward`.)
 """
@@ -24,8 +38,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -34,11 +51,19 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("sleep", "old_logp", "train", "sync")
 
 
-def run_mode(tmp: Path, model: Path, name: str, args: argparse.Namespace, extra: list[str]) -> list[dict]:
-    from megagrpo.config.loader import load_config
-    from megagrpo.trainer.entry import run
+# the disaggregated launch: 1 learner rank + 1 engine rank, the pinned runs' two cores
+DISAGG_NPROC = 2
+DISAGG_TIMEOUT_S = 1800  # a hung launch ends the bench instead of holding the machine
 
-    over = [
+
+class LaunchFailed(Exception):
+    """The disaggregated launch exited non-zero or hung: the message carries its log's end."""
+
+
+def overrides(tmp: Path, model: Path, name: str, args: argparse.Namespace) -> list[str]:
+    """The overrides every run shares: the same model, samples per step and reward, dynamic sampling off,
+    the paths of run `name` under `tmp`."""
+    return [
         f"model.hf_path={model}",
         f"checkpoint.dir={tmp / name / 'ckpt'}",
         f"logging.out_dir={tmp / name / 'run'}",
@@ -51,27 +76,95 @@ def run_mode(tmp: Path, model: Path, name: str, args: argparse.Namespace, extra:
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.group_size={args.group_size}",
         f"rollout.max_new_tokens={args.new_tokens}",
-        f"rollout.placement.engine_cores=[{args.engine_core}]",
         'rewards.functions=[{name: "tools.bench_step:parity_reward", weight: 1.0}]',
+    ]
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_mode(tmp: Path, model: Path, name: str, args: argparse.Namespace, extra: list[str]) -> list[dict]:
+    from megagrpo.config.loader import load_config
+    from megagrpo.trainer.entry import run
+
+    over = [
+        *overrides(tmp, model, name, args),
+        f"rollout.placement.engine_cores=[{args.engine_core}]",
         *extra,
     ]
     code = run("train", load_config(REPO / args.config, over), resume="never")
     if code:
         raise SystemExit(f"{name} run exited with {code}")
-    lines = (tmp / name / "run" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    return read_records(tmp / name / "run" / "metrics.jsonl")
+
+
+def disaggregated_command(config: Path, over: list[str], k: int) -> list[str]:
+    """The user's launch of the async disaggregated run: `megagrpo train CONFIG --nproc 2`, the last rank
+    an engine (`rollout.num_engines=1`, the default on the CPU, written out)."""
+    return [
+        sys.executable,
+        "-m",
+        "megagrpo.cli",
+        "train",
+        str(config),
+        "--nproc",
+        str(DISAGG_NPROC),
+        *over,
+        "rollout.placement.kind=disaggregated",
+        "rollout.num_engines=1",
+        "rollout.mode=async",
+        f"rollout.max_staleness={k}",
+    ]
+
+
+def run_disaggregated(tmp: Path, model: Path, args: argparse.Namespace, log: Path) -> list[dict]:
+    """The async disaggregated run as a subprocess, its output in `log`; LaunchFailed with the log's end
+    when it fails."""
+    name = "async_disaggregated"
+    cmd = disaggregated_command(REPO / args.config, overrides(tmp, model, name, args), args.k)
+    # the ranks import the reward from tools/, and run one thread each, as the pinned runs do
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        # a session of its own: on a timeout the whole launch (torchrun, its ranks, the server) is ended
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            status = f"exit status {proc.wait(timeout=DISAGG_TIMEOUT_S)}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = f"no exit within {DISAGG_TIMEOUT_S} s, killed"
+    if proc.returncode != 0:
+        raise LaunchFailed(
+            f"{name} run: {status}; the end of its log {log}:\n{log.read_text()[-8000:]}\n"
+            f"command: {' '.join(cmd)}"
+        )
+    return read_records(tmp / name / "run" / "metrics.jsonl")
+
+
+def ratios(colocated: Mapping[str, float], runs: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Each run's steps per minute over the colocated run's."""
+    return {name: r["steps_per_minute"] / colocated["steps_per_minute"] for name, r in runs.items()}
 
 
 def figures(records: list[dict]) -> dict[str, float]:
     """Means over the measured steps (the first and the last left out)."""
     steps = [r for r in records if r.get("step", 0) >= 1][1:-1]
     step_s = mean(r["perf/step_seconds"] for r in steps)
+    rollout = mean(r.get("perf/rollout_seconds", 0.0) for r in steps)
+    learner_idle = mean(r["perf/learner_idle_seconds"] for r in steps)
     return {
         "measured_steps": len(steps),
         "step_seconds": step_s,
         "steps_per_minute": 60.0 / step_s,
-        "rollout_seconds": mean(r.get("perf/rollout_seconds", 0.0) for r in steps),
-        "learner_idle_seconds": mean(r["perf/learner_idle_seconds"] for r in steps),
+        "rollout_seconds": rollout,
+        "learner_idle_seconds": learner_idle,
+        # async: the wait for the engine's round before the weight sync, inside perf/sync_seconds (the
+        # trainer logs idle = rollout + that wait; exact with one learner rank, the bench's layout)
+        "sync_wait_seconds": learner_idle - rollout,
         "sampler_idle_seconds": mean(r["perf/sampler_idle_seconds"] for r in steps),
         "completions": mean(r["rollout/completions"] for r in steps),
         # where the rest of the step goes: colocated mode also swaps the engine's memory (sleep, and the
@@ -90,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--engine-core", type=int, default=None, help="default: the last available core")
+    p.add_argument(
+        "--placement",
+        choices=("colocated", "disaggregated"),
+        default="colocated",
+        help="disaggregated: also an async run with engine and learner in processes of their own",
+    )
     p.add_argument("--out", default="outputs/bench_async.json")
     args = p.parse_args(argv)
     if args.steps < 4:
@@ -106,22 +205,39 @@ def main(argv: list[str] | None = None) -> int:
     from tools.machine import describe, headline
 
     machine = describe()
+    load_before: dict[str, float] = {}  # the 1-minute load at each run's start: the machine is shared
 
     with tempfile.TemporaryDirectory(prefix="bench_async_") as td:
         tmp = Path(td)
-        model = make_tiny_model(tmp / "model", "qwen3_moe", hidden=128, layers=2, experts=8, topk=2, seed=0)
-        colo = figures(run_mode(tmp, Path(model), "colocated", args, []))
-        asyn = figures(
-            run_mode(
-                tmp, Path(model), "async", args, ["rollout.mode=async", f"rollout.max_staleness={args.k}"]
-            )
+        model = Path(
+            make_tiny_model(tmp / "model", "qwen3_moe", hidden=128, layers=2, experts=8, topk=2, seed=0)
         )
+        load_before["colocated"] = os.getloadavg()[0]
+        colo = figures(run_mode(tmp, model, "colocated", args, []))
+        load_before["async"] = os.getloadavg()[0]
+        asyn = figures(
+            run_mode(tmp, model, "async", args, ["rollout.mode=async", f"rollout.max_staleness={args.k}"])
+        )
+        disagg, failed = None, None
+        if args.placement == "disaggregated":
+            load_before["async_disaggregated"] = os.getloadavg()[0]
+            log = Path(args.out if Path(args.out).is_absolute() else REPO / args.out).with_suffix(
+                ".disagg.log"
+            )
+            try:
+                disagg = figures(run_disaggregated(tmp, model, args, log))
+            except LaunchFailed as e:  # the two runs in this process still report
+                failed = str(e)
     R = colo["rollout_seconds"]
     T = colo["step_seconds"] - R  # the colocated step's rest, memory swaps included
+    runs = {"async": asyn, **({"async_disaggregated": disagg} if disagg else {})}
+    against = ratios(colo, runs)
     summary: dict[str, Any] = {
         "colocated": colo,
-        "async": asyn,
-        "ratio_steps_per_minute": asyn["steps_per_minute"] / colo["steps_per_minute"],
+        **runs,
+        "ratio_steps_per_minute": against["async"],
+        **({"ratio_steps_per_minute_disaggregated": against["async_disaggregated"]} if disagg else {}),
+        **({"async_disaggregated_failed": failed} if failed else {}),
         "rollout_share_colocated": R / colo["step_seconds"],
         "bound_from_share": (R + T) / max(R, T),
         "run": {
@@ -132,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": args.new_tokens,
             "engine_core": args.engine_core,
             "cores": cores,
+            "placement": args.placement,
+            "load_1m_before_run": load_before,
         },
         "machine": describe(machine),
     }
@@ -143,7 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         f"ratio {summary['ratio_steps_per_minute']:.2f}x (bound from the rollout share: "
         f"{summary['bound_from_share']:.2f}x)"
     )
+    if disagg:
+        print(
+            f"async disaggregated k={args.k} (1 learner rank + 1 engine rank): "
+            f"{disagg['steps_per_minute']:.1f} steps/min (mean lag {disagg['staleness_mean']:.2f}, "
+            f"sync {disagg['sync_seconds']:.2f} s/step of which {disagg['sync_wait_seconds']:.2f} waiting for "
+            f"the engine, learner idle {disagg['learner_idle_seconds']:.2f} s/step), "
+            f"ratio {against['async_disaggregated']:.2f}x against colocated"
+        )
     write_figures(args.out, summary)
+    if failed:
+        print(failed, file=sys.stderr)
+        return 1
     return 0
 
 

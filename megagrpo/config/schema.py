@@ -996,7 +996,16 @@ class SyncConfig(Section):
         "extra memory held during sync.",
     )
     checksum: bool = Field(
-        default=False, description="Verify after every sync that the engine holds what the learner sent."
+        default=False,
+        description="Verify after a sync that each engine holds, bit for bit, what the learner sent (SGLang's "
+        "per-parameter hashes; engine_tp 1). It costs a hash of the model on both sides, and for a "
+        "disaggregated engine a copy of the sent model held by its owner until the check.",
+    )
+    checksum_every: int = Field(
+        default=1,
+        ge=1,
+        description="With checksum: verify every N-th step's sync only (the start's and a resume's always), "
+        "so a large model pays the check's cost on a few steps.",
     )
     pack: bool = Field(
         default=True,

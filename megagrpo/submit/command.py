@@ -128,16 +128,19 @@ def _sbatch_lines(args: argparse.Namespace, shape, partition: str | None) -> str
     return "\n".join(lines)
 
 
-def _program(stage: str, cfg, snapshot: Path, log_dir: Path, job_name: str) -> str:
+def _program(stage: str, cfg, snapshot: Path, log_dir: Path, job_name: str, world: int) -> str:
     """The per-rank program and its arguments, as they appear after `python` or `torchrun` on the
     launcher's command line: a module of the installed package, so the job needs no checkout."""
     if stage == "check":
         m = cfg.mesh
+        tp, ep, pp = m.tp, m.ep, m.pp
+        if cfg.rollout.placement.disaggregated:
+            # Every rank joins the check, the engines' too (their node's interconnect is what it tests), so
+            # the learner's TP runs over the whole world; its EP and PP need the learner's rank count.
+            tp, ep, pp = (m.tp if world % m.tp == 0 else 1), 1, 1
         out = f'"{log_dir}/{job_name}-$SLURM_JOB_ID.check.json"'
         model = shlex.quote(str(Path(cfg.model.hf_path).resolve()))
-        return (
-            f"-m megagrpo.launch.mesh_check --out {out} --tp {m.tp} --ep {m.ep} --pp {m.pp} --model {model}"
-        )
+        return f"-m megagrpo.launch.mesh_check --out {out} --tp {tp} --ep {ep} --pp {pp} --model {model}"
     return f"-m megagrpo.launch.run {stage} {shlex.quote(str(snapshot))} --resume auto"
 
 
@@ -298,7 +301,7 @@ def run_submit(args: argparse.Namespace) -> int:
         python=shlex.quote(sys.executable),
         device=device,
         stage=args.stage,
-        program=_program(args.stage, cfg, snapshot, log_dir, job_name),
+        program=_program(args.stage, cfg, snapshot, log_dir, job_name, sizes.world_size),
         roles=_roles_comment(sizes, roles),
     )
     script = render_layout(layout, values)

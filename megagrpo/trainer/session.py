@@ -462,14 +462,14 @@ class Session:
                     self.weights_transport,
                     buckets,
                     announced=self.export_shapes,
-                    checksum=self.cfg.sync.checksum,
+                    checksum=self.checksum_due(),
                 )
                 mine = stats.metrics()
             elif self.engine is not None:
                 stats = sync_weights(
                     self.engine,
                     buckets,
-                    checksum=self.cfg.sync.checksum,
+                    checksum=self.checksum_due(),
                     pack=self.cfg.sync.pack,
                     before_send=None if self.asynchronous else (lambda: self.engine.resume(["weights"])),
                     announced=self.export_shapes,
@@ -480,6 +480,15 @@ class Session:
                     pass
         self.sampler_phase()
         return merge_engine_metrics(self.engines.gather_from_engines(mine))
+
+    def checksum_due(self) -> bool:
+        """`sync.checksum` on this sync: the first of the process (after the start or a resume) and then
+        every `sync.checksum_every`-th step's."""
+        s = self.cfg.sync
+        done = getattr(self, "checksums_done", 0)
+        due = s.checksum and (done == 0 or self.step % s.checksum_every == 0)
+        self.checksums_done = done + due
+        return due
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy: one completion per held-out prompt at `rollout.eval_temperature`, the prompts

@@ -140,3 +140,18 @@ def test_role_layout_of_a_cpu_job_two_learners_and_one_engine():
     assert role_layout(sizes, 1, shape) == [
         "node 0: learner processes 0-1 (ranks 0-1), rollout process 2 (rank 2: engine 0 of engine_tp 1)"
     ]
+
+
+def test_the_check_stage_runs_every_rank_with_the_learners_tp_only(tmp_path):
+    """`--stage check` runs over the whole launch, engine ranks included: the learner's TP divides it, its
+    EP 8 and PP would not (24 ranks, 16 of them learners), so those are left to the training job."""
+    from megagrpo.submit.command import _program
+
+    cfg = load_config(CONFIG, [f"model.hf_path={tmp_path}"], check_paths=False)
+    args = _program("check", cfg, tmp_path / "c.yaml", tmp_path, "job", world=24)
+    assert "--tp 2 --ep 1 --pp 1" in args
+    colocated = cfg.model_copy(deep=True)
+    colocated.rollout.placement.kind = "colocated"
+    assert "--tp 2 --ep 8 --pp 1" in _program(
+        "check", colocated, tmp_path / "c.yaml", tmp_path, "job", world=16
+    )

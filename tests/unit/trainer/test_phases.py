@@ -215,3 +215,14 @@ def test_a_nan_in_the_learner_is_refused_before_any_export():
         lin.bias[1] = float("inf")
     with pytest.raises(MegagrpoError, match=r"parameter 'bias' \(rank 0\) holds NaN or inf"):
         check_learner_weights(learner)
+
+
+def test_the_weight_checksum_runs_on_the_first_sync_then_every_nth_step():
+    fake = SimpleNamespace(cfg=SimpleNamespace(sync=SimpleNamespace(checksum=True, checksum_every=3)), step=5)
+    due = []
+    for step in (5, 6, 7, 8, 9):  # a resume at step 5: its first sync is checked whatever the step
+        fake.step = step
+        due.append(Session.checksum_due(fake))
+    assert due == [True, True, False, False, True]
+    fake.cfg.sync.checksum = False
+    assert not Session.checksum_due(fake)

@@ -1,0 +1,187 @@
+"""Which candidate version loads on the target: every reference of its native libraries must resolve in the
+libraries the target provides (or in the candidate's own libraries), decided from symbol tables alone.
+
+The rules are the dynamic loader's:
+- a reference `name@tag` binds only to a definition of `name` carrying `tag` (default `@@` or hidden `@`),
+  wherever it is; the library that defines version `tag` is the one that must define `name`;
+- an unversioned reference binds to a default or unversioned definition in any loaded library;
+- a weak reference may stay unresolved.
+A tag no recorded library defines is either the C/C++ runtime's (dropped when recording) or a library whose
+table the target did not record (e.g. cuDNN): those references are counted as unchecked, by tag, never
+passed silently as resolved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from packaging.version import InvalidVersion, Version
+
+from megagrpo.bundle.tables import SYSTEM_SONAMES, UNVERSIONED, PackageTables
+from megagrpo.errors import MegagrpoError
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A reference that nothing the target provides resolves."""
+
+    library: str  # the candidate's library (its member path in the wheel)
+    symbol: str  # name@tag, or name when unversioned
+    provider: str | None  # the soname that defines the tag, when the tag is known
+
+    def __str__(self) -> str:
+        where = f" (not defined by {self.provider})" if self.provider else " (defined by no provided library)"
+        return f"{self.symbol}{where}, needed by {self.library}"
+
+
+@dataclass
+class Verdict:
+    """Whether one candidate's native libraries resolve on the target."""
+
+    package: str
+    version: str
+    missing: list[Missing] = field(default_factory=list)
+    resolved: int = 0  # references checked and found
+    unchecked: dict[str, int] = field(default_factory=dict)  # tag -> references with no recorded provider
+    unrecorded_needed: list[str] = field(default_factory=list)  # DT_NEEDED with no table, system libs aside
+
+    @property
+    def loads(self) -> bool:
+        return not self.missing
+
+    @property
+    def first_missing(self) -> Missing | None:
+        return self.missing[0] if self.missing else None
+
+    def describe(self) -> str:
+        head = f"{self.package} {self.version}: "
+        if self.loads:
+            text = head + f"resolves ({self.resolved} references checked)"
+        else:
+            text = head + f"rejected, {len(self.missing)} missing; first: {self.first_missing}"
+        if self.unchecked:
+            tags = ", ".join(f"{tag} ({n})" for tag, n in sorted(self.unchecked.items()))
+            text += f"; unchecked, no table recorded for: {tags}"
+        return text
+
+    def to_json(self) -> dict:
+        return {
+            "package": self.package,
+            "version": self.version,
+            "loads": self.loads,
+            "resolved": self.resolved,
+            "missing": [
+                {"library": m.library, "symbol": m.symbol, "provider": m.provider} for m in self.missing
+            ],
+            "unchecked": self.unchecked,
+            "unrecorded_needed": self.unrecorded_needed,
+        }
+
+
+class Provided:
+    """The definitions a set of libraries makes available to the loader."""
+
+    def __init__(self, tables: list[PackageTables]):
+        self.by_tag: dict[str, tuple[str, set[str]]] = {}  # tag -> (soname defining it, names)
+        self.unversioned: set[str] = set()  # names an unversioned reference can bind to
+        self.sonames: set[str] = set()
+        for pkg in tables:
+            for member, lib in pkg.libraries.items():
+                soname = lib.soname or member.rsplit("/", 1)[-1]
+                self.sonames.add(soname)
+                for tag in lib.version_definitions:
+                    self.by_tag.setdefault(tag, (soname, set()))
+                for group, default in ((lib.defined, True), (lib.hidden, False)):
+                    for tag, names in group.items():
+                        if tag != UNVERSIONED:
+                            self.by_tag.setdefault(tag, (soname, set()))[1].update(names)
+                        if default:
+                            self.unversioned.update(names)
+
+    def with_own(self, candidate: PackageTables) -> Provided:
+        """These definitions plus the candidate's own: a wheel's libraries resolve among themselves."""
+        merged = Provided([candidate])
+        for tag, (soname, names) in self.by_tag.items():
+            merged.by_tag.setdefault(tag, (soname, set()))[1].update(names)
+        merged.unversioned |= self.unversioned
+        merged.sonames |= self.sonames
+        return merged
+
+
+def check(candidate: PackageTables, provided: Provided) -> Verdict:
+    """Every strong reference of every native library of `candidate`, against `provided` and itself."""
+    scope = provided.with_own(candidate)
+    verdict = Verdict(candidate.package, candidate.version)
+    unchecked: dict[str, int] = {}
+    for member, lib in sorted(candidate.libraries.items()):
+        for soname in lib.needed:
+            if soname not in scope.sonames and soname not in SYSTEM_SONAMES:
+                if soname not in verdict.unrecorded_needed:
+                    verdict.unrecorded_needed.append(soname)
+        for name, tag in lib.references():
+            if tag is None:
+                if name in scope.unversioned:
+                    verdict.resolved += 1
+                else:
+                    verdict.missing.append(Missing(member, name, None))
+            elif tag in scope.by_tag:
+                soname, names = scope.by_tag[tag]
+                if name in names:
+                    verdict.resolved += 1
+                else:
+                    verdict.missing.append(Missing(member, f"{name}@{tag}", soname))
+            else:
+                unchecked[tag] = unchecked.get(tag, 0) + 1
+    verdict.unchecked = dict(sorted(unchecked.items()))
+    return verdict
+
+
+@dataclass
+class Selection:
+    """The verdicts of one component's candidates, newest first, and the newest that loads."""
+
+    component: str
+    verdicts: list[Verdict]
+    chosen: str | None  # the version picked; None when no candidate loads
+
+    def describe(self) -> str:
+        lines = [f"{self.component}:"] + [f"  {v.describe()}" for v in self.verdicts]
+        pick = self.chosen if self.chosen is not None else "none loads on this target"
+        lines.append(f"  -> {pick}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "component": self.component,
+            "chosen": self.chosen,
+            "verdicts": [v.to_json() for v in self.verdicts],
+        }
+
+
+def _version(pkg: PackageTables) -> Version:
+    try:
+        return Version(pkg.version)
+    except InvalidVersion:
+        raise MegagrpoError(
+            f"{pkg.source or pkg.label}: version {pkg.version!r} is not a PEP 440 version; record the "
+            "table from the wheel, whose file name carries the version"
+        ) from None
+
+
+def select_newest(component: str, candidates: list[PackageTables], provided: Provided) -> Selection:
+    """Check every candidate (so each rejected one names what it lacks) and pick the newest that loads."""
+    if not candidates:
+        raise MegagrpoError(f"component {component!r} has no candidate symbol tables; record some first")
+    ordered = sorted(candidates, key=_version, reverse=True)
+    seen: dict[Version, PackageTables] = {}
+    for pkg in ordered:
+        v = _version(pkg)
+        if v in seen:
+            raise MegagrpoError(
+                f"component {component!r}: version {pkg.version} is given twice "
+                f"({seen[v].source} and {pkg.source}); keep one"
+            )
+        seen[v] = pkg
+    verdicts = [check(pkg, provided) for pkg in ordered]
+    chosen = next((v.version for v in verdicts if v.loads), None)
+    return Selection(component, verdicts, chosen)

@@ -1,4 +1,4 @@
-"""`megagrpo` command line: train, sft, eval, convert, probe, submit, plan.
+"""`megagrpo` command line: train, sft, eval, convert, probe, submit, plan, bundle.
 
 User errors (`MegagrpoError`) print one message without a traceback and exit with status 2. A config is
 loaded and validated before any process group or engine starts, so a bad config fails in a second.
@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_ in (
         ("convert", "HF <-> Megatron checkpoint conversion (megagrpo.convert)"),
         ("probe", "parallelism-mismatch probe (megagrpo.probe); --verbose: " + VERBOSE_HELP),
+        ("bundle", "offline GPU-node bundles: record symbol tables, select versions (megagrpo.bundle)"),
     ):
         sp = sub.add_parser(name, help=help_, description=help_, add_help=False)
         sp.add_argument("args", nargs=argparse.REMAINDER)
@@ -116,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv[:1] in (["convert"], ["probe"]):  # their own parsers; REMAINDER would refuse a leading --help
+    if argv[:1] in (
+        ["convert"],
+        ["probe"],
+        ["bundle"],
+    ):  # their own parsers; REMAINDER would refuse a leading --help
         args = argparse.Namespace(cmd=argv[0], args=argv[1:])
     else:
         # Overrides may follow options (`train CFG --resume X a.b=1`): argparse ends a nargs="*"
@@ -146,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 from megagrpo.convert.megatron_to_hf import main as convert_main
             return convert_main(rest[1:], prog=f"megagrpo convert {rest[0]}")
+        if args.cmd == "bundle":
+            from megagrpo.bundle.cli import main as bundle_main
+
+            return bundle_main(args.args)
         if args.cmd == "probe":
             from megagrpo.probe import main as probe_main
 

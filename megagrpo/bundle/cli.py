@@ -37,10 +37,13 @@ def _select(args) -> int:
     target = Target.load(args.target)
     provided = Provided(target.provided_tables())
     selections = [
-        select_newest(component, target.candidate_tables(component), provided) for component in target.components
+        select_newest(component, target.candidate_tables(component), provided, args.allow_unchecked)
+        for component in target.components
     ]
-    print(f"target {target.name}: torch {target.torch}, CUDA {target.cuda_major}, Python {target.python}, "
-          f"sm {target.sm}")
+    print(
+        f"target {target.name}: torch {target.torch}, CUDA {target.cuda_major}, Python {target.python}, "
+        f"sm {target.sm}"
+    )
     for s in selections:
         print(s.describe())
     if args.manifest:
@@ -51,7 +54,9 @@ def _select(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="megagrpo bundle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     rec = sub.add_parser("record", help="write the symbol tables of a wheel's shared libraries")
     rec.add_argument("wheel")
@@ -61,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     sel = sub.add_parser("select", help="pick each component's newest version that resolves on the target")
     sel.add_argument("target", help="target spec JSON (see megagrpo/bundle/target.py)")
     sel.add_argument("--manifest", help="also write a manifest of the selection here")
+    sel.add_argument(
+        "--allow-unchecked",
+        action="store_true",
+        help="accept references to libraries whose table the target lacks (counted, not checked)",
+    )
     args = p.parse_args(argv)
     try:
         return _record(args) if args.cmd == "record" else _select(args)

@@ -90,6 +90,8 @@ def parse_nm(text: str) -> tuple[list[DynSymbol], list[str]]:
             markers.append(name)
             continue
         defined = kind not in _UNDEFINED_TYPES
+        # `@` vs `@@` only distinguishes definitions; a reference is printed with `@` either way
+        default = default or not defined
         symbols.append(DynSymbol(name, version, defined, weak=kind in _WEAK_TYPES, default=default))
     return symbols, markers
 

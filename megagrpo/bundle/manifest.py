@@ -7,13 +7,13 @@ more than was shown.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from megagrpo.bundle.files import sha256_file
 from megagrpo.bundle.resolve import Selection
 from megagrpo.bundle.target import MIB, Target
 from megagrpo.bundle.trim import TrimRecord
@@ -67,16 +67,14 @@ class BundleEntry:
         if not path.is_file():
             raise MegagrpoError(f"{path}: bundle file not found; build the bundle before its manifest")
         size = path.stat().st_size
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
         size_check = Check(
             "size",
             size <= limit_bytes,
             f"{size} bytes ({size / MIB:.1f} MiB), limit {limit_bytes} bytes ({limit_bytes / MIB:.0f} MiB)",
         )
-        return cls(name, path.name, size, digest.hexdigest(), list(packages), list(trimmed), [size_check, *checks])
+        return cls(
+            name, path.name, size, sha256_file(path), list(packages), list(trimmed), [size_check, *checks]
+        )
 
     @property
     def passed(self) -> bool:
@@ -100,7 +98,9 @@ def selection_checks(selections: list[Selection]) -> list[Check]:
     checks = []
     for s in selections:
         if s.chosen is None:
-            checks.append(Check(f"symbols:{s.component}", False, "no candidate resolves on the target"))
+            checks.append(
+                Check(f"symbols:{s.component}", False, "no candidate is shown to resolve on the target")
+            )
             continue
         chosen = next(v for v in s.verdicts if v.version == s.chosen)
         detail = f"{chosen.package} {chosen.version}: {chosen.resolved} references resolve"

@@ -7,8 +7,8 @@ The rules are the dynamic loader's:
 - an unversioned reference binds to a default or unversioned definition in any loaded library;
 - a weak reference may stay unresolved.
 A tag no recorded library defines is either the C/C++ runtime's (dropped when recording) or a library whose
-table the target did not record (e.g. cuDNN): those references are counted as unchecked, by tag, never
-passed silently as resolved.
+table the target did not record (e.g. cuDNN): those references are counted as unchecked, by tag, and a
+candidate with any is not picked unless the caller allows it.
 """
 
 from __future__ import annotations
@@ -46,8 +46,14 @@ class Verdict:
     unrecorded_needed: list[str] = field(default_factory=list)  # DT_NEEDED with no table, system libs aside
 
     @property
-    def loads(self) -> bool:
+    def resolves(self) -> bool:
+        """No reference is known to be missing."""
         return not self.missing
+
+    @property
+    def proven(self) -> bool:
+        """Every reference was checked and found: none missing, none without a recorded provider."""
+        return not self.missing and not self.unchecked
 
     @property
     def first_missing(self) -> Missing | None:
@@ -55,20 +61,24 @@ class Verdict:
 
     def describe(self) -> str:
         head = f"{self.package} {self.version}: "
-        if self.loads:
+        if self.resolves:
             text = head + f"resolves ({self.resolved} references checked)"
         else:
             text = head + f"rejected, {len(self.missing)} missing; first: {self.first_missing}"
         if self.unchecked:
             tags = ", ".join(f"{tag} ({n})" for tag, n in sorted(self.unchecked.items()))
-            text += f"; unchecked, no table recorded for: {tags}"
+            text += (
+                f"; unproven: no table recorded for the libraries defining {tags} (references); add "
+                "their tables to the target's 'provided'"
+            )
         return text
 
     def to_json(self) -> dict:
         return {
             "package": self.package,
             "version": self.version,
-            "loads": self.loads,
+            "resolves": self.resolves,
+            "proven": self.proven,
             "resolved": self.resolved,
             "missing": [
                 {"library": m.library, "symbol": m.symbol, "provider": m.provider} for m in self.missing
@@ -99,7 +109,10 @@ class Provided:
                             self.unversioned.update(names)
 
     def with_own(self, candidate: PackageTables) -> Provided:
-        """These definitions plus the candidate's own: a wheel's libraries resolve among themselves."""
+        """These definitions plus the candidate's own: a wheel's libraries resolve among themselves.
+
+        A tag both define (a wheel shipping its own copy of a library the target has) gets the union of
+        their names, which is permissive: the loader would use whichever copy it loaded first."""
         merged = Provided([candidate])
         for tag, (soname, names) in self.by_tag.items():
             merged.by_tag.setdefault(tag, (soname, set()))[1].update(names)
@@ -115,9 +128,9 @@ def check(candidate: PackageTables, provided: Provided) -> Verdict:
     unchecked: dict[str, int] = {}
     for member, lib in sorted(candidate.libraries.items()):
         for soname in lib.needed:
-            if soname not in scope.sonames and soname not in SYSTEM_SONAMES:
-                if soname not in verdict.unrecorded_needed:
-                    verdict.unrecorded_needed.append(soname)
+            known = soname in scope.sonames or soname in SYSTEM_SONAMES
+            if not known and soname not in verdict.unrecorded_needed:
+                verdict.unrecorded_needed.append(soname)
         for name, tag in lib.references():
             if tag is None:
                 if name in scope.unversioned:
@@ -142,11 +155,11 @@ class Selection:
 
     component: str
     verdicts: list[Verdict]
-    chosen: str | None  # the version picked; None when no candidate loads
+    chosen: str | None  # the version picked; None when no candidate is shown to load
 
     def describe(self) -> str:
         lines = [f"{self.component}:"] + [f"  {v.describe()}" for v in self.verdicts]
-        pick = self.chosen if self.chosen is not None else "none loads on this target"
+        pick = self.chosen if self.chosen is not None else "no candidate is shown to load on this target"
         lines.append(f"  -> {pick}")
         return "\n".join(lines)
 
@@ -168,8 +181,12 @@ def _version(pkg: PackageTables) -> Version:
         ) from None
 
 
-def select_newest(component: str, candidates: list[PackageTables], provided: Provided) -> Selection:
-    """Check every candidate (so each rejected one names what it lacks) and pick the newest that loads."""
+def select_newest(
+    component: str, candidates: list[PackageTables], provided: Provided, allow_unchecked: bool = False
+) -> Selection:
+    """Check every candidate (so each rejected one names what it lacks) and pick the newest whose every
+    reference is found; with `allow_unchecked`, references to libraries without a recorded table are
+    let through (the verdicts still count them)."""
     if not candidates:
         raise MegagrpoError(f"component {component!r} has no candidate symbol tables; record some first")
     ordered = sorted(candidates, key=_version, reverse=True)
@@ -183,5 +200,5 @@ def select_newest(component: str, candidates: list[PackageTables], provided: Pro
             )
         seen[v] = pkg
     verdicts = [check(pkg, provided) for pkg in ordered]
-    chosen = next((v.version for v in verdicts if v.loads), None)
+    chosen = next((v.version for v in verdicts if v.proven or (allow_unchecked and v.resolves)), None)
     return Selection(component, verdicts, chosen)

@@ -22,7 +22,6 @@ about, and listing them would multiply the size of every table.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import subprocess
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from megagrpo.bundle.elf import DynamicInfo, read_dynamic
+from megagrpo.bundle.files import read_json, sha256_file
 from megagrpo.errors import MegagrpoError
 
 FORMAT = "megagrpo.symbols/1"
@@ -99,9 +99,7 @@ class LibraryTable:
 
     def references(self) -> list[tuple[str, str | None]]:
         """Every listed (strong) reference as (name, tag or None)."""
-        return [
-            (name, tag or None) for tag, names in sorted(self.undefined.items()) for name in names
-        ]
+        return [(name, tag or None) for tag, names in sorted(self.undefined.items()) for name in names]
 
     def to_json(self) -> dict:
         return {
@@ -158,14 +156,7 @@ class PackageTables:
     @classmethod
     def load(cls, path: str | Path) -> PackageTables:
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise MegagrpoError(
-                f"{path}: no such symbol table; record one with `tools/gpu_bundle.py record WHEEL`"
-            ) from None
-        except json.JSONDecodeError as e:
-            raise MegagrpoError(f"{path}: not valid JSON ({e}); record it again") from None
+        data = read_json(path, "no such symbol table; record one with `tools/gpu_bundle.py record WHEEL`")
         if data.get("format") != FORMAT:
             raise MegagrpoError(
                 f"{path}: format {data.get('format')!r}, expected {FORMAT!r}; record it again "
@@ -186,14 +177,6 @@ class PackageTables:
 def _is_shared_library(member: str) -> bool:
     name = member.rsplit("/", 1)[-1]
     return name.endswith(".so") or ".so." in name
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _reader_version() -> str:
@@ -233,6 +216,6 @@ def record_wheel(
         libraries=libraries,
         wheel=wheel.name,
         wheel_bytes=wheel.stat().st_size,
-        wheel_sha256=_sha256(wheel),
+        wheel_sha256=sha256_file(wheel),
         reader=_reader_version(),
     )

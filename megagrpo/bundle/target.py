@@ -11,15 +11,25 @@ torch's own pinned CUDA wheels on a node with a PyPI torch.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megagrpo.bundle.files import read_json
 from megagrpo.bundle.tables import PackageTables
 from megagrpo.errors import MegagrpoError
 
 MIB = 1 << 20
-_FIELDS = {"name", "torch", "cuda_major", "python", "sm", "bundle_limit_mib", "provided", "components", "note"}
+_FIELDS = {
+    "name",
+    "torch",
+    "cuda_major",
+    "python",
+    "sm",
+    "bundle_limit_mib",
+    "provided",
+    "components",
+    "note",
+}
 
 
 @dataclass
@@ -57,12 +67,7 @@ class Target:
     @classmethod
     def load(cls, path: str | Path) -> Target:
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise MegagrpoError(f"{path}: no such target spec") from None
-        except json.JSONDecodeError as e:
-            raise MegagrpoError(f"{path}: not valid JSON ({e})") from None
+        data = read_json(path, "no such target spec (see megagrpo/bundle/target.py for its fields)")
         unknown = sorted(set(data) - _FIELDS)
         if unknown:
             raise MegagrpoError(f"{path}: unknown field(s) {unknown}; allowed: {sorted(_FIELDS)}")

@@ -60,6 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 RAW_NAME = "megagrpo.bench.raw"  # the baseline's one tensor: received by the engine, never loaded
 _TIMING_DIR_ENV = "MEGAGRPO_BENCH_DISAGG_TIMING_DIR"
 ENGINE = 0
+DTYPE = "float32"  # the CPU engine's dtype in the tests and in tools/bench_sync.py's figures
 
 
 # ---------------------------------------------------------------- pure parts (tests/unit/test_bench_disagg_sync.py)
@@ -184,10 +185,10 @@ def _timed_scheduler_entry(*args: Any, **kwargs: Any) -> Any:
     return sglang_cpu.scheduler_process_entry(*args, **kwargs)
 
 
-def _rollout_config(model_dir: str, dtype: str) -> Any:
+def _rollout_config(model_dir: str) -> Any:
     from megagrpo.rollout.config import RolloutConfig
 
-    return RolloutConfig(model_path=model_dir, dtype=dtype, max_total_tokens=4096, seed=0)
+    return RolloutConfig(model_path=model_dir, dtype=DTYPE, max_total_tokens=4096, seed=0)
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -200,7 +201,7 @@ def _serve(a: argparse.Namespace) -> int:
 
     Engine.run_scheduler_process_func = staticmethod(_timed_scheduler_entry)  # instrumentation only
     return serve(
-        _rollout_config(a.serve, a.dtype),
+        _rollout_config(a.serve),
         engine=ENGINE,
         first=True,
         addr="127.0.0.1",
@@ -256,6 +257,7 @@ def _start_server(
 ) -> tuple[Any, Any, str, str]:
     import torch.distributed as dist
 
+    from megagrpo.errors import MegagrpoError
     from megagrpo.rollout import rendezvous
 
     master = dist.TCPStore(
@@ -277,19 +279,25 @@ def _start_server(
         "--port",
         str(master.port),
     ]
-    cmd += ["--dtype", a.dtype, "--timeout", str(a.timeout)]
+    cmd += ["--timeout", str(a.timeout)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + a.timeout
-    while not store.check([f"engine/{ENGINE}/url"]):
-        failure = rendezvous.failure_of(store, ENGINE)
-        if proc.poll() is not None or failure or time.monotonic() > deadline:
+    while True:  # short waits, so that a server that died before publishing is seen at once
+        try:
+            url, where = rendezvous.wait_for(store, ENGINE, 1.0)
+            break
+        except MegagrpoError as e:
+            if (
+                proc.poll() is None
+                and time.monotonic() < deadline
+                and not rendezvous.failure_of(store, ENGINE)
+            ):
+                continue
             proc.kill()
             raise SystemExit(
-                f"error: the engine server did not come up ({failure}):\n{log.read_text()[-3000:]}"
-            )
-        time.sleep(0.2)
-    url, where = rendezvous.wait_for(store, ENGINE, a.timeout)
+                f"error: the engine server did not come up ({e}):\n{log.read_text()[-3000:]}"
+            ) from e
     return proc, store, url, where
 
 
@@ -300,7 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 64, 8])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads here and in the engine")
     p.add_argument("--timeout", type=float, default=600.0, help="engine start and every wait on it")
     p.add_argument("--serve", metavar="MODEL_DIR", help=argparse.SUPPRESS)  # the engine's subprocess
@@ -326,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     from megagrpo.sync.buckets import bucketize
     from megagrpo.tiny_model import make_tiny_model
 
-    cast = getattr(torch, a.dtype)
+    cast = getattr(torch, DTYPE)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(
             Path(tmp) / "model", "qwen3_moe", hidden=a.hidden, layers=a.layers, experts=a.experts, topk=2
@@ -339,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, store, url, where = _start_server(model_dir, a, Path(tmp) / "server.log", timing_dir)
         start_s = time.monotonic() - t0
         engine = RemoteEngine(
-            _rollout_config(str(model_dir), a.dtype), index=ENGINE, url=url, where=where, timeout_s=a.timeout
+            _rollout_config(str(model_dir)), index=ENGINE, url=url, where=where, timeout_s=a.timeout
         ).start()
         transport = BroadcastTransport(engine, timeout_s=a.timeout)
         try:
@@ -391,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             "experts": a.experts,
             "hidden": a.hidden,
             "layers": a.layers,
-            "dtype": a.dtype,
+            "dtype": DTYPE,
             "bytes": sent_bytes,
             "tensors": len(tensors),
             "reps": a.reps,

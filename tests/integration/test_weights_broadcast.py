@@ -8,7 +8,8 @@ in a subprocess, tiny Qwen3-MoE, fp32 on the CPU), fed over its gloo weights gro
 - a bucket that breaks its checks after a first one was sent names the engine and says it is partly updated;
 - the server exits 0 when the store says stop, and leaves no SGLang process behind.
 
-One server start for the module (35-200 s here); tests that change the weights put the checkpoint back.
+One server start for the module (20 s of the 33 s the module takes here); tests that change the weights put
+the checkpoint back.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.integration.engine_server import EngineServer, engine_server, rollout
 TIMEOUT_S = 600.0
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=8, seed=0)
 PROMPTS = [[5, 17, 33, 2, 90, 14], [1, 307, 260, 202]]
-SMALL_BUCKET = 64 << 10  # many buckets: about 20 for this model
+SMALL_BUCKET = 64 << 10  # many buckets: 18 for this model
 # The same weights give the same greedy ids, and logprobs equal up to fp32 round-off: a repeated prompt is
 # served from the prefix cache, whose prefill ran in another batch shape.
 ROUND_OFF = 1e-5
@@ -151,8 +152,15 @@ def test_the_server_exits_0_when_the_store_says_stop(served):
         _cmdline(p) for p in children
     ]
     assert served.server.stop() == 0, served.server.tail()
-    alive = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p.pid for p in children if _alive(p)]
     assert not alive, f"SGLang processes outlived the server: {alive}"
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

@@ -43,6 +43,7 @@ from megagrpo.sync.weights import (
 )
 
 GROUP_PREFIX = "megagrpo-weights-"
+POLL_S = 0.002  # how often a broadcast in flight looks at the engine's answer
 
 
 class BroadcastTransport:
@@ -55,6 +56,7 @@ class BroadcastTransport:
         self.group: Any = None
         self._store: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weights-{remote.index}")
+        self._buf: torch.Tensor | None = None  # the send buffer (`flatten`)
 
     def open(self) -> None:
         """Create the group: this rank hosts its store on a free port, the engine's TP workers join."""
@@ -121,18 +123,69 @@ class BroadcastTransport:
             ),
         )
         try:
-            dist.broadcast(flat.get_flattened_tensor(), group=self.group, group_src=0)
+            work = dist.broadcast(flat.get_flattened_tensor(), group=self.group, group_src=0, async_op=True)
+            # An engine that answers the announcement without joining the broadcast (no update session, an
+            # unknown group, a failed receive buffer) never will: its answer is the error, not the deadline.
+            while not work.is_completed():
+                if announced.done() and not self._succeeded(announced):
+                    break
+                time.sleep(POLL_S)
+            else:
+                work.wait()
         except Exception as e:
             raise MegagrpoError(
                 f"{self.name}: the weight broadcast failed ({type(e).__name__}: {e}); the engine is partly "
                 "updated or gone. The run stops; resume from the last checkpoint"
             ) from e
+        if not work.is_completed():
+            raise MegagrpoError(
+                f"{self.name}: /update_weights_from_distributed answered without receiving the bucket: "
+                f"{self._answer(announced)}; its weights group is unusable. The run stops; resume from the "
+                "last checkpoint"
+            )
         self._ok(announced.result(), "/update_weights_from_distributed")
+
+    @staticmethod
+    def _succeeded(announced: concurrent.futures.Future) -> bool:
+        if announced.exception() is not None:
+            return False
+        result = announced.result()
+        return isinstance(result, dict) and bool(result.get("success", False))
+
+    @staticmethod
+    def _answer(announced: concurrent.futures.Future) -> str:
+        e = announced.exception()
+        return f"{type(e).__name__}: {e}" if e is not None else str(announced.result())
+
+    def flatten(self, bucket: list[NamedTensor], cast: torch.dtype | None) -> Any:
+        """The bucket in SGLang's flattened layout, cast on the copy, in one buffer reused from bucket to
+        bucket and, on the CPU, from sync to sync (a fresh buffer per bucket costs its page faults every
+        time: 0.11 s of 0.52 at 205 MB here). On a GPU it is dropped at the end of the sync: torch's
+        caching allocator reuses the block without faults, and training gets it back."""
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+        dtypes = [cast or t.dtype for _, t in bucket]
+        total = sum(t.numel() * d.itemsize for (_, t), d in zip(bucket, dtypes, strict=True))
+        device = bucket[0][1].device
+        if self._buf is None or self._buf.numel() < total or self._buf.device != device:
+            self._buf = None  # the old one goes before the new one is made
+            self._buf = torch.empty(total, dtype=torch.uint8, device=device)
+        meta, off = [], 0
+        for (name, t), dtype in zip(bucket, dtypes, strict=True):
+            n = t.numel() * dtype.itemsize
+            if n % dtype.itemsize or off % dtype.itemsize:  # SGLang's receive refuses unaligned tensors
+                raise MegagrpoError(f"{self.name}: tensor {name!r} would be unaligned in its bucket")
+            self._buf[off : off + n].view(dtype).view(t.shape).copy_(t)
+            meta.append(FlattenedTensorMetadata(name, t.shape, dtype, off, off + n, n))
+            off += n
+        return FlattenedTensorBucket(flattened_tensor=self._buf[:off], metadata=meta)
 
     def dropped(self) -> None:
         pass
 
     def end(self) -> None:
+        if self._buf is not None and self._buf.is_cuda:
+            self._buf = None
         self._ok(self.remote.call("/end_weight_update", {}), "/end_weight_update")
 
     def close(self) -> None:

@@ -602,7 +602,8 @@ def stream_buckets(
     its flattened copy. That holds when the export keeps no bucket it has yielded (`bridge.export`,
     `_nonempty`); tensors that alias the learner's parameters (no gather, no cast) are the learner's
     memory, not a bucket's. `cast`: the engine's dtype, applied before flattening (a bf16 engine receives
-    half an fp32 learner's bytes). `keep`: a list that collects every flattened bucket sent (a checksum
+    half an fp32 learner's bytes). A transport with a `flatten(bucket, cast)` fills a buffer of its own
+    instead of a new one per bucket (unless `keep`). `keep`: a list that collects every flattened bucket sent (a checksum
     needs them; it costs a copy of the model)."""
     nbytes = tensors = calls = 0
     pending: Any = None  # the previous bucket, flattened
@@ -630,9 +631,12 @@ def stream_buckets(
                 send(pending, last=False)
                 pending = None  # freed before the next flattened copy is made
                 transport.dropped()
-            if cast is not None:
-                bucket = [(n, t.to(cast)) for n, t in bucket]
-            pending = _flatten(bucket)
+            if keep is None and hasattr(transport, "flatten"):
+                pending = transport.flatten(bucket, cast)  # into the transport's reused buffer
+            else:
+                if cast is not None:
+                    bucket = [(n, t.to(cast)) for n, t in bucket]
+                pending = _flatten(bucket)
             del bucket  # only its flattened copy is held while the export builds the next bucket
         checker.finish()
         send(pending, last=True)

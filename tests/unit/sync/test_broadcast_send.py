@@ -1,0 +1,73 @@
+"""`BroadcastTransport.send` against a fake engine and a fake broadcast: an engine that answers the bucket's
+announcement without joining the broadcast fails the send at once with the engine's answer, instead of
+leaving the owner in the broadcast until the engine deadline."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import megagrpo.sync.broadcast as broadcast
+from megagrpo.errors import MegagrpoError
+
+
+class FakeWork:
+    def __init__(self, done_after_s: float | None) -> None:
+        self.until = None if done_after_s is None else time.monotonic() + done_after_s
+
+    def is_completed(self) -> bool:
+        return self.until is not None and time.monotonic() >= self.until
+
+    def wait(self) -> bool:
+        return True
+
+
+def transport(answer: dict) -> broadcast.BroadcastTransport:
+    remote = SimpleNamespace(
+        name="engine 0 (http://h:1, rank 2 on n2)", index=0, call=lambda path, body: answer
+    )
+    t = broadcast.BroadcastTransport(remote, timeout_s=1800)
+    t.group = object()
+    return t
+
+
+def flat_bucket():
+    meta = [SimpleNamespace(name="w", dtype=torch.float32, shape=torch.Size([2]))]
+    return SimpleNamespace(
+        get_metadata=lambda: meta, get_flattened_tensor=lambda: torch.zeros(8, dtype=torch.uint8)
+    )
+
+
+def test_an_engine_that_answers_without_receiving_fails_the_send_at_once(monkeypatch):
+    monkeypatch.setattr(broadcast.dist, "broadcast", lambda *a, **k: FakeWork(None))  # never completes
+    t = transport(
+        {"success": False, "message": "must run between begin_weight_update() and end_weight_update()"}
+    )
+    t0 = time.monotonic()
+    with pytest.raises(MegagrpoError, match="answered without receiving the bucket.*must run between"):
+        t.send(flat_bucket(), last=False)
+    assert time.monotonic() - t0 < 5  # not the 1800 s deadline
+    t._pool.shutdown()
+
+
+def test_a_send_waits_for_the_broadcast_and_checks_the_answer(monkeypatch):
+    monkeypatch.setattr(broadcast.dist, "broadcast", lambda *a, **k: FakeWork(0.05))
+    t = transport({"success": True, "message": "ok"})
+    t.send(flat_bucket(), last=True)
+    t._pool.shutdown()
+
+
+def test_the_send_buffer_is_reused_and_cast_on_the_copy():
+    t = transport({"success": True})
+    a = [("x", torch.arange(6, dtype=torch.float64).reshape(2, 3)), ("y", torch.ones(4, dtype=torch.float64))]
+    flat = t.flatten(a, torch.float32)
+    (nx, x), (ny, y) = flat.reconstruct_tensors()
+    assert (nx, ny) == ("x", "y") and x.dtype == y.dtype == torch.float32
+    assert torch.equal(x, a[0][1].float()) and torch.equal(y, a[1][1].float())
+    buf = t._buf
+    t.flatten([("z", torch.zeros(3))], None)
+    assert t._buf is buf  # smaller: the same buffer
+    t._pool.shutdown()

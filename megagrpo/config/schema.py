@@ -162,11 +162,11 @@ class PlacementConfig(Section):
     )
     engine_cores: list[int] | None = Field(
         default=None,
-        description="CPU, colocated: the cores each engine's processes are pinned to; the learner keeps "
-        "the other cores this process may use. null = colocated: no pinning; async: the last core for "
-        "the engine and the rest for the learner (two cores at least). Set in colocated mode too, it "
-        "gives a benchmark the same placement in both modes. Ignored on GPUs and when disaggregated "
-        "(the engines are processes of their own).",
+        description="CPU: the cores the engines' processes are pinned to (colocated: each engine's; "
+        "disaggregated: every engine rank's, with its server's processes); the learner keeps the other "
+        "cores. null = colocated: no pinning; async or disaggregated: the last core for the engines and "
+        "the rest for the learner (two cores at least; disaggregated on one core: no pinning). Set in "
+        "colocated mode too, it gives a benchmark the same placement in both modes. Ignored on GPUs.",
     )
 
     @model_validator(mode="after")

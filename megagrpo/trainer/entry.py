@@ -49,9 +49,13 @@ def serve_if_engine_rank(cfg: Config) -> int | None:
         return None
     from dataclasses import replace
 
+    from megagrpo.rollout.placement import disaggregated_cores, pin_engine
     from megagrpo.rollout.server import serve
     from megagrpo.trainer.components import rollout_config
 
+    cores = disaggregated_cores(r.placement.engine_cores)
+    if cores is not None:
+        pin_engine(cores)  # before the server starts: its processes inherit the cores
     rc = replace(rollout_config(cfg, cfg.model.hf_path), base_gpu_id=env.local_rank)
     first = (env.rank - roles.learners) % r.engine_tp == 0
     return serve(

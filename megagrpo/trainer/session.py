@@ -183,8 +183,13 @@ class Session:
         if not self.own_devices:
             self.learner.offload()
         barrier()  # every rank's learner is off its device before any engine process sizes itself
-        if self.engines.engine is not None and self.disaggregated:
-            self.engine = self.connect_engine(self.engines.engine)
+        if self.disaggregated:
+            if self.engines.engine is not None:
+                self.engine = self.connect_engine(self.engines.engine)
+            if placement:
+                from megagrpo.rollout.placement import pin_learner
+
+                pin_learner(placement)  # off the cores the engine ranks pinned themselves to
         elif self.engines.engine is not None:
             from megagrpo.rollout.engine import RolloutEngine
             from megagrpo.rollout.placement import engine_cores
@@ -236,11 +241,14 @@ class Session:
         return engine
 
     def core_placement(self):
-        """The CPU cores of the engines and the learners (`rollout.placement`), or None: on GPUs, when
-        disaggregated (the engines are processes of their own), and colocated without `engine_cores`."""
+        """The CPU cores of the engines and the learners (`rollout.placement`), or None: on GPUs, and
+        colocated without `engine_cores`. Disaggregated, the engine ranks pin themselves to the engine
+        cores (`rollout.server`) and the learner ranks take the others."""
         r = self.cfg.rollout
         if self.disaggregated:
-            return None
+            from megagrpo.rollout.placement import disaggregated_cores
+
+            return disaggregated_cores(r.placement.engine_cores)
         if torch.cuda.is_available():
             if self.asynchronous:  # check_mesh refuses it first; kept for sessions built without it
                 raise MegagrpoError(

@@ -95,3 +95,17 @@ def test_async_on_gpus_is_refused_before_anything_starts():
     assert (sizes.learners, sizes.engine_ranks, sizes.num_engines, sizes.dp) == (4, 4, 2, 4)
     assert check_mesh(cfg, 1, "train", on_gpu=False).num_engines == 1
     assert check_mesh(cfg, 8, "eval", on_gpu=True).num_engines == 8  # eval samples colocated anyway
+
+
+def test_disaggregated_engine_ranks_take_the_engine_cores_and_learners_the_rest(monkeypatch):
+    from megagrpo.rollout.placement import disaggregated_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    p = disaggregated_cores(None)
+    assert p.engine == (3,) and p.learner == (0, 1, 2)
+    assert disaggregated_cores([2, 3]).learner == (0, 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert disaggregated_cores(None) is None  # one core: nothing to split, no error
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert disaggregated_cores(None) is None  # GPUs: every rank has its device

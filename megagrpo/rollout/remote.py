@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -49,6 +50,7 @@ class RemoteEngine(RolloutEngine):
         while a request waits: a dead scheduler leaves the HTTP server up and the request unanswered)."""
         self.index, self.url, self.where, self.timeout_s = index, url.rstrip("/"), where, timeout_s
         self.reported_failure = reported_failure
+        self._failure_read_at, self._failure_seen = float("-inf"), None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: Any = None
         self._routes = False
@@ -130,12 +132,20 @@ class RemoteEngine(RolloutEngine):
             done, _ = await asyncio.wait({task}, timeout=FAILURE_POLL_S)
             if done:
                 return task.result()
-            failure = self.reported_failure() if self.reported_failure is not None else None
+            failure = self._failure()
             if failure:
                 task.cancel()
                 raise EngineUnreachable(
                     f"{self.name}: {failure}. The run stops; resume from the last checkpoint"
                 )
+
+    def _failure(self) -> str | None:
+        """`reported_failure`, read at most once per poll interval whatever the number of requests waiting
+        (a multi-turn round has one per trajectory)."""
+        now = time.monotonic()
+        if self.reported_failure is not None and now - self._failure_read_at >= FAILURE_POLL_S:
+            self._failure_read_at, self._failure_seen = now, self.reported_failure()
+        return self._failure_seen
 
     async def _post(self, request: dict[str, Any]) -> Any:
         import aiohttp

@@ -1,0 +1,73 @@
+"""A disaggregated engine as its owner sees it, without a server: where it is found (`rendezvous`), and how a
+waiting request learns that the engine died (`RemoteEngine._request`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.rollout import rendezvous
+from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.remote import EngineUnreachable, RemoteEngine
+
+
+def store() -> dist.Store:
+    return dist.PrefixStore(rendezvous.PREFIX, dist.HashStore())
+
+
+def test_an_engine_is_found_once_published_and_its_failure_is_reported():
+    s = store()
+    with pytest.raises(MegagrpoError, match="engine 1 did not come up within .*engine_timeout_s=0"):
+        rendezvous.wait_for(s, 1, timeout_s=0.0)
+    rendezvous.publish(s, 0, "http://h:1", "rank 2 on n2")
+    assert rendezvous.wait_for(s, 0, timeout_s=1.0) == ("http://h:1", "rank 2 on n2")
+    rendezvous.publish_failure(s, 1, "its server stopped: OSError: no port")
+    with pytest.raises(
+        MegagrpoError, match="engine 1: its SGLang server failed to start: its server stopped"
+    ):
+        rendezvous.wait_for(s, 1, timeout_s=60.0)
+    assert rendezvous.failure_of(s, 0) is None and "no port" in rendezvous.failure_of(s, 1)
+    assert not rendezvous.stop_requested(s)
+    rendezvous.request_stop(s)
+    assert rendezvous.stop_requested(s)
+
+
+class Hanging(RemoteEngine):
+    """A request that an engine whose scheduler died never answers."""
+
+    async def _post(self, request):
+        await asyncio.sleep(3600)
+
+
+def test_a_waiting_request_fails_within_a_poll_when_the_engine_reports_its_death(tmp_path):
+    said: list[str | None] = [None]
+    e = Hanging(
+        RolloutConfig(model_path=str(tmp_path)), index=0, url="http://h:1", where="rank 2 on n2",
+        timeout_s=3600, reported_failure=lambda: said[0],
+    )  # fmt: skip
+    loop = asyncio.new_event_loop()
+    try:
+        loop.call_later(
+            0.3, lambda: said.__setitem__(0, "an SGLang process of the server died (rank 2 on n2)")
+        )
+        t0 = time.monotonic()
+        with pytest.raises(
+            EngineUnreachable, match=r"engine 0 \(http://h:1, rank 2 on n2\): an SGLang process"
+        ):
+            loop.run_until_complete(e._request(input_ids=[1, 2]))
+        assert time.monotonic() - t0 < 5  # a poll or two, not the hour of the deadline
+    finally:
+        loop.close()
+
+
+def test_a_refused_connection_names_the_engine_and_the_way_on(tmp_path):
+    e = RemoteEngine(
+        RolloutConfig(model_path=str(tmp_path)), index=3, url="http://127.0.0.1:9", where="rank 5 on n2",
+        timeout_s=5,
+    )  # fmt: skip
+    with pytest.raises(EngineUnreachable, match=r"engine 3 .*rank 5 on n2.*/server_info failed.*resume"):
+        e.call("/server_info", None, method="GET")

@@ -57,6 +57,7 @@ class BroadcastTransport:
         self._store: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weights-{remote.index}")
         self._buf: torch.Tensor | None = None  # the send buffer (`flatten`)
+        self.shapes: dict[str, tuple[int, ...]] | None = None  # the engine checkpoint's names and shapes
 
     def open(self) -> None:
         """Create the group: this rank hosts its store on a free port, the engine's TP workers join."""
@@ -215,7 +216,9 @@ def sync_remote(
     try:
         t0 = time.perf_counter()
         remote = transport.remote
-        shapes = checkpoint_shapes(remote.cfg.model_path)
+        if transport.shapes is None:  # the engine's checkpoint: read once, every sync announces the same
+            transport.shapes = checkpoint_shapes(remote.cfg.model_path)
+        shapes = transport.shapes
         if announced is not None:
             check_announced(shapes, announced)
         kept: list[Any] | None = [] if checksum else None

@@ -22,7 +22,6 @@ server's processes are killed and the rank exits 0: the learners' exit codes are
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
@@ -107,7 +106,7 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str) -> Non
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
     host, port = advertised_host(), free_port()
-    sa = server_args(dataclasses.replace(rc), host="0.0.0.0", port=port)
+    sa = server_args(rc, host="0.0.0.0", port=port)
 
     def ready() -> None:
         rendezvous.publish(store, engine, f"http://{host}:{port}", where)

@@ -158,12 +158,18 @@ class BroadcastTransport:
         e = announced.exception()
         return f"{type(e).__name__}: {e}" if e is not None else str(announced.result())
 
-    def flatten(self, bucket: list[NamedTensor], cast: torch.dtype | None) -> Any:
+    def flatten(self, bucket: list[NamedTensor], cast: torch.dtype | None, *, fresh: bool = False) -> Any:
         """The bucket in SGLang's flattened layout, cast on the copy, in one buffer reused from bucket to
         bucket and, on the CPU, from sync to sync (a fresh buffer per bucket costs its page faults every
         time: 0.11 s of 0.52 at 205 MB here). On a GPU it is dropped at the end of the sync: torch's
-        caching allocator reuses the block without faults, and training gets it back."""
+        caching allocator reuses the block without faults, and training gets it back. `fresh`: a buffer of
+        the bucket's own, which outlives the next one (a checksum keeps every bucket sent)."""
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+        from megagrpo.sync.weights import _flatten
+
+        if fresh:
+            return _flatten(bucket if cast is None else [(n, t.to(cast)) for n, t in bucket])
 
         dtypes = [cast or t.dtype for _, t in bucket]
         total = sum(t.numel() * d.itemsize for (_, t), d in zip(bucket, dtypes, strict=True))
@@ -174,7 +180,7 @@ class BroadcastTransport:
         meta, off = [], 0
         for (name, t), dtype in zip(bucket, dtypes, strict=True):
             n = t.numel() * dtype.itemsize
-            if n % dtype.itemsize or off % dtype.itemsize:  # SGLang's receive refuses unaligned tensors
+            if off % dtype.itemsize:  # SGLang's receive refuses unaligned tensors (mixed dtypes, no cast)
                 raise MegagrpoError(f"{self.name}: tensor {name!r} would be unaligned in its bucket")
             self._buf[off : off + n].view(dtype).view(t.shape).copy_(t)
             meta.append(FlattenedTensorMetadata(name, t.shape, dtype, off, off + n, n))

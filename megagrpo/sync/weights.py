@@ -560,6 +560,10 @@ class IpcTransport:
     def begin(self) -> None:
         _check_ok(self.eng.begin_weight_update(), "begin_weight_update")
 
+    def flatten(self, bucket: list[NamedTensor], cast: torch.dtype | None, *, fresh: bool) -> Any:
+        """A new buffer per bucket: its CUDA-IPC handle outlives the send until the engine lets it go."""
+        return _flatten(bucket if cast is None else [(n, t.to(cast)) for n, t in bucket])
+
     def send(self, flat: Any, last: bool) -> None:
         result = self.eng.update_weights_from_tensor(
             _flattened_payload(flat, self.tp_size), load_format="flattened_bucket", flush_cache=last
@@ -592,7 +596,8 @@ def stream_buckets(
     keep: list[Any] | None = None,
 ) -> SyncStats:
     """Check, flatten and send one bucket at a time (a GPU engine's IPC, or a disaggregated engine's
-    broadcast: `transport.begin()`, `send(flat, last)`, `dropped()` once a sent bucket is let go, `end()`).
+    broadcast: `transport.begin()`, `flatten(...)`, `send(flat, last)`, `dropped()` once a sent bucket is let go,
+    `end()`).
 
     Bucket N is sent once N + 1 has passed its checks (the last send flushes the cache, so it must know
     that it is the last; and a one-bucket export is sent only after `finish` found nothing missing). Each
@@ -601,9 +606,9 @@ def stream_buckets(
     checked; during a send, the flattened N and the checked N + 1; while N + 1 is flattened, N + 1 and
     its flattened copy. That holds when the export keeps no bucket it has yielded (`bridge.export`,
     `_nonempty`); tensors that alias the learner's parameters (no gather, no cast) are the learner's
-    memory, not a bucket's. `cast`: the engine's dtype, applied before flattening (a bf16 engine receives
-    half an fp32 learner's bytes). A transport with a `flatten(bucket, cast)` fills a buffer of its own
-    instead of a new one per bucket (unless `keep`). `keep`: a list that collects every flattened bucket sent (a checksum
+    memory, not a bucket's. `cast`: the engine's dtype, applied as the bucket is flattened (a bf16 engine
+    receives half an fp32 learner's bytes), by `transport.flatten(bucket, cast, fresh=)`, which may reuse a
+    buffer of its own unless `fresh`. `keep`: a list that collects every flattened bucket sent (a checksum
     needs them; it costs a copy of the model)."""
     nbytes = tensors = calls = 0
     pending: Any = None  # the previous bucket, flattened
@@ -631,12 +636,7 @@ def stream_buckets(
                 send(pending, last=False)
                 pending = None  # freed before the next flattened copy is made
                 transport.dropped()
-            if keep is None and hasattr(transport, "flatten"):
-                pending = transport.flatten(bucket, cast)  # into the transport's reused buffer
-            else:
-                if cast is not None:
-                    bucket = [(n, t.to(cast)) for n, t in bucket]
-                pending = _flatten(bucket)
+            pending = transport.flatten(bucket, cast, fresh=keep is not None)
             del bucket  # only its flattened copy is held while the export builds the next bucket
         checker.finish()
         send(pending, last=True)

@@ -26,6 +26,7 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.groups import EngineGroups, node_name
 from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.trainer import checkpointing
+from megagrpo.trainer.agree import agreed
 from megagrpo.trainer.batch import turn_index
 from megagrpo.trainer.components import learner_config, optimizer_factory, rollout_config, sampling_config
 from megagrpo.trainer.health import HealthConfig, health_warnings
@@ -183,32 +184,35 @@ class Session:
         if not self.own_devices:
             self.learner.offload()
         barrier()  # every rank's learner is off its device before any engine process sizes itself
-        if self.disaggregated:
+        # An owner that cannot start or reach its engine stops every rank here, not at the next collective.
+        with agreed("the engines' start (an engine owner could not start or reach its engine)"):
             if self.engines.engine is not None:
-                self.engine = self.connect_engine(self.engines.engine)
-            if placement:
+                self.engine = (
+                    self.connect_engine(self.engines.engine)
+                    if self.disaggregated
+                    else self.start_local_engine(placement)
+                )
+            if placement and (self.disaggregated or self.engine is None):
                 from megagrpo.rollout.placement import pin_learner
 
-                pin_learner(placement)  # off the cores the engine ranks pinned themselves to
-        elif self.engines.engine is not None:
-            from megagrpo.rollout.engine import RolloutEngine
-            from megagrpo.rollout.placement import engine_cores
+                pin_learner(placement)  # off the engines' cores (a colocated owner pinned itself on start)
 
-            rc = replace(rollout_config(self.cfg, self.model_path), base_gpu_id=self.engines.base_gpu_id())
-            with engine_cores(placement) if placement else contextlib.nullcontext():
-                self.engine = RolloutEngine(rc).start()
-            # one line per engine, so a job's log says where its samplers run
-            where = f"cores {list(placement.engine)}" if placement else f"first GPU {rc.base_gpu_id}"
-            print(
-                f"engine {self.engines.engine} of {self.engines.num_engines}: rank {self.engines.rank} on "
-                f"{node_name()}, {where}",
-                flush=True,
-            )
-        elif placement:
-            from megagrpo.rollout.placement import pin_learner
+    def start_local_engine(self, placement):
+        """This owner's colocated engine, on its GPUs or its pinned cores."""
+        from megagrpo.rollout.engine import RolloutEngine
+        from megagrpo.rollout.placement import engine_cores
 
-            pin_learner(placement)  # a rank without an engine still keeps off the engines' cores
-        barrier()
+        rc = replace(rollout_config(self.cfg, self.model_path), base_gpu_id=self.engines.base_gpu_id())
+        with engine_cores(placement) if placement else contextlib.nullcontext():
+            engine = RolloutEngine(rc).start()
+        # one line per engine, so a job's log says where its samplers run
+        where = f"cores {list(placement.engine)}" if placement else f"first GPU {rc.base_gpu_id}"
+        print(
+            f"engine {self.engines.engine} of {self.engines.num_engines}: rank {self.engines.rank} on "
+            f"{node_name()}, {where}",
+            flush=True,
+        )
+        return engine
 
     def connect_engine(self, index: int):
         """This owner's disaggregated engine: its URL from the launch's store, once its server is up."""
@@ -219,15 +223,14 @@ class Session:
 
         timeout = self.cfg.rollout.placement.engine_timeout_s
         env = DistEnv.from_environ()
-        self.engine_store = rendezvous.connect(env.master_addr, env.master_port, timeout)
-        url, where = rendezvous.wait_for(self.engine_store, index, timeout)
+        store = self.engine_store = rendezvous.connect(env.master_addr, env.master_port, timeout)
+        url, where = rendezvous.wait_for(store, index, timeout)
         rc = rollout_config(self.cfg, self.model_path)
-        watch = rendezvous.connect(env.master_addr, env.master_port, timeout)  # its own: any thread reads it
-        lock = threading.Lock()
+        lock = threading.Lock()  # the async worker's requests read it too
 
         def reported_failure() -> str | None:
             with lock:
-                return rendezvous.failure_of(watch, index)
+                return rendezvous.failure_of(store, index)
 
         engine = RemoteEngine(
             rc, index=index, url=url, where=where, timeout_s=timeout, reported_failure=reported_failure
@@ -328,7 +331,6 @@ class Session:
         if not self.arch.is_moe:
             return None
         from megagrpo.moe.replay import StepReplay
-        from megagrpo.trainer.agree import agreed
 
         a = self.cfg.algo
         # bad routes in one DP rank's rows raise there: every rank stops, before the passes' collectives
@@ -451,7 +453,6 @@ class Session:
         `sync/seconds` the slowest engine's, `sync/checksum_ok` true only if every engine's is.
         """
         from megagrpo.sync.weights import sync_weights
-        from megagrpo.trainer.agree import agreed
 
         check_learner_weights(self.learner)
         mine: dict[str, float] | None = None

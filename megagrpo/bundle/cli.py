@@ -1,16 +1,17 @@
-"""Offline GPU bundles (issue 28): record symbol tables from wheels, and select versions by them.
+"""`megagrpo bundle` (also `tools/gpu_bundle.py`): offline bundles for a GPU node (docs/gpu.md).
 
-    python tools/gpu_bundle.py record WHEEL [--member GLOB ...] -o TABLE.json
-    python tools/gpu_bundle.py select TARGET.json [--manifest OUT.json]
-
-`select` prints, per component, every candidate's verdict (the first missing symbol of each rejected one)
-and the newest that resolves. Building the TE torch binding, trimming to the target's SM architectures and
-packing the bundles are not implemented yet: `select` says so and stops there.
+record WHEEL -o TABLE.json           symbol tables of a wheel's native libraries
+select TARGET.json                   each component's newest version that resolves on the node
+trace -o CLOSURE.json engine|train   the distributions a workload imports
+build-binding --te V --torch V ...   TE's torch binding against the node's torch
+build TARGET.json -o DIR             the bundles and their manifest
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 
 from megagrpo.bundle.manifest import Manifest
@@ -18,11 +19,6 @@ from megagrpo.bundle.resolve import Provided, select_newest
 from megagrpo.bundle.tables import record_wheel
 from megagrpo.bundle.target import Target
 from megagrpo.errors import MegagrpoError
-
-NOT_YET = (
-    "not implemented yet: building the TE torch binding, trimming native libraries to the target's SM "
-    "architectures, and packing the learner and engine bundles (docs/gpu.md, 'Offline bundles')"
-)
 
 
 def _record(args) -> int:
@@ -48,9 +44,83 @@ def _select(args) -> int:
         print(s.describe())
     if args.manifest:
         path = Manifest(target, selections).write(args.manifest)
-        print(f"manifest (selection only, no bundles yet) -> {path}")
-    print(NOT_YET)
+        print(f"manifest (selection only) -> {path}")
     return 0 if all(s.chosen is not None for s in selections) else 1
+
+
+def _trace(args) -> int:
+    import sys as _sys
+
+    from megagrpo.bundle.closure import Closure, map_to_distributions, trace_imports
+
+    python = args.python or _sys.executable
+    if args.workload == "engine":
+        cmd = [python, "-m", "megagrpo.bundle.smoke", "engine"]
+    else:
+        cmd = [python, "-m", "megagrpo.cli", "train", *args.train]
+        if not args.train:
+            raise MegagrpoError(
+                "trace train: give the config and overrides after --, e.g. -- cfg.yaml schedule.steps=1"
+            )
+    names = trace_imports(cmd)
+    dists = map_to_distributions(python, names, exclude={"megagrpo"})
+    version = subprocess.run(
+        [python, "-c", "import sys;print(sys.version.split()[0])"], capture_output=True, text=True
+    )
+    out = Closure(" ".join(cmd[1:]), version.stdout.strip(), dists).save(args.out)
+    print(f"{args.workload}: {len(names)} top-level modules, {len(dists)} distributions -> {out}")
+    return 0
+
+
+def _build(args) -> int:
+    from pathlib import Path
+
+    from megagrpo.bundle.build import build_bundle, bundle_specs, plan_bundle
+    from megagrpo.bundle.pack import wheel_name_version
+
+    target = Target.load(args.target)
+    provided = Provided(target.provided_tables())
+    selections = [select_newest(c, target.candidate_tables(c), provided, False) for c in target.components]
+    for s in selections:
+        print(s.describe())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    built = {wheel_name_version(Path(w))[0]: Path(w) for w in args.wheel or []}
+    planned, entries = {}, []
+    manifest_path = out / "manifest.json"
+    old = {}
+    if manifest_path.is_file():  # building one bundle keeps the others' entries
+        import json
+
+        old = {b["name"]: b for b in json.loads(manifest_path.read_text()).get("bundles", [])}
+    for spec in bundle_specs(target):
+        needs, node_has = plan_bundle(spec, target, selections, planned)
+        planned[spec.name] = needs
+        if args.only and spec.name not in args.only:
+            continue
+        print(f"{spec.name}: {len(needs)} packages to carry, {len(node_has)} the node provides")
+        for n in needs:
+            print(f"  {n.name} {n.version}: {n.reason}")
+        entry = build_bundle(spec, target, needs, out, Path(args.cache or out / "wheels"), built)
+        print(
+            f"{spec.name}: {entry.file} {entry.bytes / 2**20:.1f} MiB, checks {'passed' if entry.passed else 'FAILED'}"
+        )
+        entries.append(entry)
+    manifest = Manifest(target, selections, entries)
+    manifest.keep = [b for n, b in old.items() if n not in {e.name for e in entries}]
+    manifest.write(manifest_path)
+    print(f"manifest -> {manifest_path}")
+    return 0 if all(e.passed for e in entries) and all(s.chosen for s in selections) else 1
+
+
+def _build_binding(args) -> int:
+    from pathlib import Path
+
+    from megagrpo.bundle.binding import build_te_binding
+
+    wheel = build_te_binding(args.te, args.torch, args.cuda, Path(args.work), Path(args.out), args.jobs)
+    print(f"transformer_engine_torch {args.te} for torch {args.torch} -> {wheel}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,9 +141,36 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="accept references to libraries whose table the target lacks (counted, not checked)",
     )
+    tr = sub.add_parser("trace", help="record the distributions a workload imports (its import closure)")
+    tr.add_argument("workload", choices=["engine", "train"])
+    tr.add_argument("-o", "--out", required=True, help="the closure JSON to write")
+    tr.add_argument("--python", help="the interpreter whose packages are traced (default: this one)")
+    tr.add_argument("train", nargs=argparse.REMAINDER, help="for `train`: the config and dotted overrides")
+    bu = sub.add_parser("build", help="build the target spec's bundles and their manifest")
+    bu.add_argument("target", help="target spec JSON with a `bundles` section")
+    bu.add_argument("-o", "--out", required=True, help="folder for the bundles and manifest.json")
+    bu.add_argument("--wheel", action="append", help="a built wheel a bundle needs (the TE torch binding)")
+    bu.add_argument("--only", action="append", help="build only this bundle (repeatable)")
+    bu.add_argument("--cache", help="wheel download cache (default: OUT/wheels)")
+    bb = sub.add_parser(
+        "build-binding", help="build TE's torch binding against the target torch (no GPU needed)"
+    )
+    bb.add_argument("--te", required=True, help="TE version, the one `select` picked (e.g. 2.12.0)")
+    bb.add_argument("--torch", required=True, help="the node's torch version without the local tag (2.11.0)")
+    bb.add_argument("--cuda", required=True, help="the CUDA major.minor torch was built with (13.0)")
+    bb.add_argument("--work", required=True, help="build folder (a venv with that torch: about 4.6 GB)")
+    bb.add_argument("-o", "--out", required=True, help="where the wheel goes")
+    bb.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     args = p.parse_args(argv)
+    commands = {
+        "record": _record,
+        "select": _select,
+        "trace": _trace,
+        "build": _build,
+        "build-binding": _build_binding,
+    }
     try:
-        return _record(args) if args.cmd == "record" else _select(args)
+        return commands[args.cmd](args)
     except MegagrpoError as e:
         print(f"gpu_bundle: error: {e}", file=sys.stderr)
         return 2

@@ -36,10 +36,11 @@ class Check:
 class PackageEntry:
     name: str
     version: str
+    reason: str  # why the bundle carries it: "not on the node", "node has 5.17.0; sglang needs ==5.19.0", ...
     source: str  # "pypi" (the official wheel), "built" (e.g. the TE torch binding), "trimmed"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "version": self.version, "source": self.source}
+        return {"name": self.name, "version": self.version, "source": self.source, "reason": self.reason}
 
 
 @dataclass
@@ -51,6 +52,8 @@ class BundleEntry:
     packages: list[PackageEntry] = field(default_factory=list)
     trimmed: list[TrimRecord] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)  # for the node's env file (bundle.install)
+    smoke: list[str] = field(default_factory=list)  # modules the node's smoke check imports
 
     @classmethod
     def from_file(
@@ -90,6 +93,8 @@ class BundleEntry:
             "packages": [p.to_json() for p in self.packages],
             "trimmed": [t.to_json() for t in self.trimmed],
             "checks": [c.to_json() for c in self.checks],
+            "environment": self.environment,
+            "smoke": self.smoke,
         }
 
 
@@ -118,6 +123,7 @@ class Manifest:
     selections: list[Selection]
     bundles: list[BundleEntry] = field(default_factory=list)
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    keep: list[dict] = field(default_factory=list)  # entries of bundles built earlier, kept as written
 
     def to_json(self) -> dict:
         return {
@@ -126,7 +132,7 @@ class Manifest:
             "target": self.target.to_json(),
             "selection": [s.to_json() for s in self.selections],
             "checks": [c.to_json() for c in selection_checks(self.selections)],
-            "bundles": [b.to_json() for b in self.bundles],
+            "bundles": [*self.keep, *(b.to_json() for b in self.bundles)],
         }
 
     def write(self, path: str | Path) -> Path:

@@ -11,7 +11,7 @@ torch's own pinned CUDA wheels on a node with a PyPI torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megagrpo.bundle.files import read_json
@@ -29,6 +29,10 @@ _FIELDS = {
     "provided",
     "components",
     "note",
+    "node_packages",
+    "fixed",
+    "bundles",
+    "glibc",
 }
 
 
@@ -43,6 +47,11 @@ class Target:
     components: dict[str, list[Path]]
     bundle_limit_mib: int = 64
     source: str = ""
+    glibc: str = "2.28"  # the node's glibc: which manylinux wheels it runs (`ldd --version` there)
+    # What the node already has (name -> version, None where unknown): a bundle carries only the rest.
+    node_packages: dict[str, str | None] = field(default_factory=dict)
+    fixed: list[str] = field(default_factory=list)  # site packages never replaced (globs): torch, nvidia-*
+    bundles: dict[str, dict] = field(default_factory=dict)  # per bundle, see megagrpo/bundle/build.py
 
     @property
     def bundle_limit_bytes(self) -> int:
@@ -94,4 +103,8 @@ class Target:
             components={c: [base / p for p in paths] for c, paths in components.items()},
             bundle_limit_mib=int(data.get("bundle_limit_mib", 64)),
             source=str(path),
+            glibc=str(data.get("glibc", "2.28")),
+            node_packages=dict(data.get("node_packages") or {}),
+            fixed=list(data.get("fixed") or []),
+            bundles=dict(data.get("bundles") or {}),
         )

@@ -80,6 +80,18 @@ def _is_mp_helper(p: psutil.Process) -> bool:
     return code.startswith(_MP_HELPERS)
 
 
+def has_flash_attention_3() -> bool:
+    """Whether sglang-kernel's FlashAttention-3 module is installed, found without importing sgl_kernel
+    (whose import loads its CUDA library)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(any(Path(d).glob("flash_ops*.so")) for d in spec.submodule_search_locations)
+
+
 class RolloutEngine:
     """One SGLang engine. Use as a context manager, or call `start()` and `shutdown()`."""
 
@@ -109,6 +121,13 @@ class RolloutEngine:
             raise MegagrpoError(
                 "rollout.fp8=true needs a CUDA GPU (SGLang's fp8 kernels); set rollout.fp8=false"
             )
+        head_dim = self._head_dim()
+        if not self.on_cpu and head_dim is not None and head_dim < 64:
+            raise MegagrpoError(
+                f"{cfg.model_path}: head_dim {head_dim}; SGLang's CUDA rotary embedding falls back for head dims "
+                "below 64 and that path cannot write the KV cache (it fails while capturing CUDA graphs). Use "
+                "a model with head_dim >= 64 on a GPU (every released Qwen3/Llama has 64 or 128)"
+            )
         if self.on_cpu and cfg.tp_size != 1:
             raise MegagrpoError(f"rollout.tp_size={cfg.tp_size}: the CPU engine runs with tp_size=1 only")
 
@@ -136,6 +155,13 @@ class RolloutEngine:
             kw["custom_weight_loader"] = ["megagrpo.sync.weights.load_packed"]
         else:
             kw["enable_memory_saver"] = True  # release/resume really frees device memory
+            if not has_flash_attention_3():
+                # SGLang defaults to FA3 on Hopper; a bundle trimmed to sm_90 leaves FA3's 1.1 GB module out.
+                kw["attention_backend"] = "triton"
+            # SGLang 0.5.23 captures prefill CUDA graphs by default on CUDA ("breakable"); its capture fails
+            # on models whose rotary embedding takes the fallback path (seen on an H200 with head_dim 16).
+            # Rollouts are decode-bound, so eager prefill costs little; `extra_engine_args` can turn it on.
+            kw["cuda_graph_backend_prefill"] = "disabled"
             kw["base_gpu_id"] = cfg.base_gpu_id
             if cfg.fp8:
                 kw["quantization"] = "fp8"
@@ -143,6 +169,14 @@ class RolloutEngine:
                 kw["enable_deterministic_inference"] = True
         kw.update(cfg.extra_engine_args)
         return kw
+
+    def _head_dim(self) -> int | None:
+        hf = self._hf_config()
+        if hf.get("head_dim"):
+            return int(hf["head_dim"])
+        if hf.get("hidden_size") and hf.get("num_attention_heads"):
+            return int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+        return None
 
     def is_moe_config(self) -> bool:
         return self._hf_config().get("num_experts_per_tok", 0) > 0

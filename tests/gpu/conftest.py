@@ -34,6 +34,13 @@ def hf_moe(tiny_model):
     return tiny_model("qwen3_moe", hidden=64, layers=2, experts=8, topk=2, vocab_size=1024, seed=3)
 
 
+@pytest.fixture(scope="session")
+def hf_moe_sglang(tiny_model):
+    """The tiny Qwen3-MoE with head_dim 128 for the tests that start SGLang's CUDA engine: with a head_dim
+    of 16 its rotary embedding takes a fallback that cannot write the KV cache (seen on an H200)."""
+    return tiny_model("qwen3_moe", hidden=512, layers=2, experts=8, topk=2, vocab_size=1024, seed=3)
+
+
 @pytest.fixture(autouse=True)
 def _reset_cuda_peak():
     if torch.cuda.is_available():

@@ -1,5 +1,4 @@
-"""Issue 28: the bundle manifest (sizes, hashes, the 64 MiB limit, trimming records, selection checks), and
-the trimming interface that is not implemented yet."""
+"""Issue 28: the bundle manifest (sizes, hashes, the 64 MiB limit, trimming records, selection checks)."""
 
 from __future__ import annotations
 
@@ -12,10 +11,10 @@ import pytest
 from megagrpo.bundle.manifest import BundleEntry, Check, Manifest, PackageEntry, selection_checks
 from megagrpo.bundle.resolve import Provided, select_newest
 from megagrpo.bundle.target import MIB, Target
-from megagrpo.bundle.trim import TrimRecord, trim_library
+from megagrpo.bundle.trim import TrimRecord
 from megagrpo.errors import MegagrpoError
 
-TARGET = Path(__file__).parent / "data" / "target-torch-2.11.0-cu130.json"
+TARGET = Path(__file__).parents[3] / "configs" / "bundles" / "torch-2.11.0-cu130-sm90" / "target.json"
 
 
 def selection():
@@ -37,7 +36,7 @@ def test_manifest_records_sizes_trimming_and_checks(tmp_path):
         "learner",
         blob,
         target.bundle_limit_bytes,
-        packages=[PackageEntry("transformer-engine-cu13", "2.12.0", "trimmed")],
+        packages=[PackageEntry("transformer-engine-cu13", "2.12.0", "added by the target spec", "trimmed")],
         trimmed=[trimmed],
         checks=[Check("import", True, "transformer_engine.pytorch imports")],
     )
@@ -55,7 +54,12 @@ def test_manifest_records_sizes_trimming_and_checks(tmp_path):
     assert f"limit {64 * MIB} bytes" in learner["checks"][0]["detail"]
     assert learner["trimmed"][0]["removed_sm"] == [75, 80]
     assert learner["packages"] == [
-        {"name": "transformer-engine-cu13", "version": "2.12.0", "source": "trimmed"}
+        {
+            "name": "transformer-engine-cu13",
+            "version": "2.12.0",
+            "source": "trimmed",
+            "reason": "added by the target spec",
+        }
     ]
     # a failed check is kept, and the bundle is marked failed
     assert not engine["passed"] and engine["checks"][0] == {
@@ -75,8 +79,3 @@ def test_selection_check_fails_when_nothing_loads():
 def test_missing_bundle_file_is_a_user_error(tmp_path):
     with pytest.raises(MegagrpoError, match="bundle file not found"):
         BundleEntry.from_file("learner", tmp_path / "none.tar", 64 * MIB)
-
-
-def test_trimming_is_not_implemented_yet(tmp_path):
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        trim_library(tmp_path / "libtransformer_engine.so", [90])

@@ -77,3 +77,31 @@ def test_only_multiprocessing_helpers_are_left_out_of_the_engines_processes(cmdl
     from megagrpo.rollout.engine import _is_mp_helper
 
     assert _is_mp_helper(_Proc(cmdline)) is helper
+
+
+def test_gpu_engine_runs_triton_attention_without_fa3_and_eager_prefill(model_dir, monkeypatch):
+    """The bundle's sglang-kernel has no FlashAttention-3 (trimmed to sm_90): SGLang's Hopper default would
+    fail, so the engine asks for Triton attention; prefill CUDA graphs are off (seen failing on an H200)."""
+    import megagrpo.rollout.engine as eng
+
+    cfg = rollout_config(config_from_dict({"model": {"hf_path": model_dir}}), model_dir)
+    engine = RolloutEngine(cfg)
+    engine.on_cpu = False
+    monkeypatch.setattr(eng, "has_flash_attention_3", lambda: False)
+    kw = engine.engine_kwargs()
+    assert kw["attention_backend"] == "triton" and kw["cuda_graph_backend_prefill"] == "disabled"
+    monkeypatch.setattr(eng, "has_flash_attention_3", lambda: True)
+    assert "attention_backend" not in engine.engine_kwargs()
+    import dataclasses
+
+    engine.cfg = dataclasses.replace(cfg, extra_engine_args={"cuda_graph_backend_prefill": "breakable"})
+    assert engine.engine_kwargs()["cuda_graph_backend_prefill"] == "breakable"  # the user's choice wins
+
+
+def test_small_head_dim_is_refused_on_a_gpu_before_sglang_starts(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 4}))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(Exception, match="head_dim 32.*>= 64"):
+        RolloutEngine(RolloutConfig(str(tmp_path)))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    RolloutEngine(RolloutConfig(str(tmp_path)))  # the CPU engine has no such limit

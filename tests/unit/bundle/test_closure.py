@@ -1,0 +1,136 @@
+"""Issue 28: the engine bundle's contents are measured (the traced import closure) and reduced by what the
+node has, and a bundle installs on the node from its file and manifest alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from megagrpo.bundle.closure import canonical, map_to_distributions, subtract_node, trace_imports
+from megagrpo.bundle.install import ENV_FILE, InstallError, install
+from megagrpo.bundle.pack import pack_tree, platforms
+from megagrpo.errors import MegagrpoError
+
+
+def test_trace_sees_imports_of_child_processes_only_when_really_imported(tmp_path):
+    # the parent probes `yaml` with find_spec (not an import) and starts a child that imports `packaging`
+    code = (
+        "import importlib.util, subprocess, sys; importlib.util.find_spec('yaml'); "
+        "subprocess.run([sys.executable, '-c', 'import packaging.version'], check=True)"
+    )
+    names = trace_imports([sys.executable, "-c", code])
+    assert "packaging" in names and "subprocess" in names
+    assert "yaml" not in names
+    dists = map_to_distributions(sys.executable, names)
+    assert "packaging" in {canonical(d) for d in dists}
+    assert not {"subprocess", "json"} & set(dists)  # the standard library maps to nothing
+
+
+def test_trace_failure_names_the_workload():
+    with pytest.raises(MegagrpoError, match="failed \\(exit 3\\)"):
+        trace_imports([sys.executable, "-c", "import sys; sys.exit(3)"])
+
+
+def test_node_packages_are_subtracted_unless_a_requirement_rejects_their_version():
+    dists = {
+        "sglang": {"version": "0.5.23", "requires": ["transformers==5.19.0", "torch==2.14.1", "orjson"]},
+        "transformers": {"version": "5.19.0", "requires": ["tokenizers>=0.22"]},
+        "tokenizers": {"version": "0.23.2", "requires": []},
+        "orjson": {"version": "3.13.0", "requires": []},
+        "torch": {"version": "2.14.1", "requires": []},
+        "rich": {"version": "15.0.0", "requires": []},
+    }
+    node = {"transformers": "5.17.0", "tokenizers": "0.23.2", "torch": "2.11.0", "rich": None}
+    needs, provided = subtract_node(dists, node, fixed={"torch"})
+    carried = {n.name: n.reason for n in needs}
+    assert set(carried) == {"sglang", "transformers", "orjson"}
+    assert carried["transformers"] == "node has 5.17.0; sglang needs transformers==5.19.0"
+    assert carried["orjson"] == "not on the node"
+    # the site's torch is never replaced, the conflict is reported; an unversioned node package is unchecked
+    assert "torch 2.11.0 (fixed by the site; sglang declares torch==2.14.1)" in provided
+    assert "rich (node version not recorded: unchecked)" in provided
+
+
+def test_platform_tags_follow_the_node_glibc():
+    tags = platforms("2.35")
+    assert tags[0] == "manylinux_2_35_x86_64" and "manylinux_2_34_x86_64" in tags
+    assert "manylinux_2_36_x86_64" not in tags and "manylinux2014_x86_64" in tags
+    with pytest.raises(MegagrpoError, match="glibc"):
+        platforms("2.5")
+
+
+def _bundle(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "__init__.py").write_text("VALUE = 7\n")
+    bundle = pack_tree(tree, tmp_path / "engine.tar.xz")
+    import hashlib
+
+    entry = {
+        "name": "engine",
+        "file": bundle.name,
+        "bytes": bundle.stat().st_size,
+        "sha256": hashlib.sha256(bundle.read_bytes()).hexdigest(),
+        "environment": {"SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1"},
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps({"bundles": [entry]}))
+    return bundle
+
+
+def test_install_unpacks_and_writes_the_env_file(tmp_path):
+    bundle = _bundle(tmp_path)
+    with tarfile.open(bundle) as tar:
+        assert tar.getnames() == ["pkg", "pkg/__init__.py"]
+    into = tmp_path / "site"
+    install(bundle, tmp_path / "manifest.json", into)
+    env = (into / ENV_FILE).read_text()
+    assert "export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1" in env
+    out = subprocess.run(
+        ["bash", "-c", f"source {into / ENV_FILE} && {sys.executable} -c 'import pkg; print(pkg.VALUE)'"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "7"
+
+
+def test_install_refuses_a_damaged_transfer(tmp_path):
+    bundle = _bundle(tmp_path)
+    data = bytearray(bundle.read_bytes())
+    data[-5] ^= 0xFF
+    bundle.write_bytes(bytes(data))
+    with pytest.raises(InstallError, match="sha256 differs"):
+        install(bundle, tmp_path / "manifest.json", tmp_path / "site")
+    assert not (tmp_path / "site").exists()
+    bundle.write_bytes(bytes(data[:-10]))
+    with pytest.raises(InstallError, match="copy it again"):
+        install(bundle, tmp_path / "manifest.json", tmp_path / "site")
+    with pytest.raises(InstallError, match="lists no bundle named 'other.tar.xz'"):
+        install(tmp_path / "other.tar.xz", tmp_path / "manifest.json", tmp_path / "site")
+
+
+def test_the_shipped_target_plans_both_bundles_from_its_recorded_closures():
+    """configs/bundles/torch-2.11.0-cu130-sm90: what each bundle carries, and why, before any download."""
+    from pathlib import Path
+
+    from megagrpo.bundle.build import bundle_specs, plan_bundle
+    from megagrpo.bundle.resolve import Provided, select_newest
+    from megagrpo.bundle.target import Target
+
+    target = Target.load(Path(__file__).parents[3] / "configs/bundles/torch-2.11.0-cu130-sm90/target.json")
+    provided = Provided(target.provided_tables())
+    selections = [select_newest(c, target.candidate_tables(c), provided) for c in target.components]
+    planned = {}
+    for spec in bundle_specs(target):
+        planned[spec.name] = plan_bundle(spec, target, selections, planned)[0]
+    engine = {canonical(n.name): n for n in planned["engine"]}
+    learner = {canonical(n.name): n.version for n in planned["learner"]}
+    assert engine["sglang"].version == "0.5.23" and engine["sglang-kernel"].version == "0.4.6"
+    assert engine["transformers"].reason == "node has 5.17.0; sglang needs transformers==5.19.0"
+    assert not {"torch", "triton", "numpy", "wandb"} & set(engine)  # fixed by the site, or excluded
+    assert not any(n.startswith(("nvidia-", "cuda-")) for n in engine)
+    # the TE version follows the symbol-table selection; megatron-core comes with the engine bundle
+    assert learner == {"transformer-engine": "2.12.0", "transformer-engine-cu13": "2.12.0",
+                       "transformer-engine-torch": "2.12.0"}  # fmt: skip

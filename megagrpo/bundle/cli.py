@@ -22,7 +22,14 @@ from megagrpo.errors import MegagrpoError
 
 
 def _record(args) -> int:
+    from megagrpo.bundle.tables import PackageTables
+
     tables = record_wheel(args.wheel, args.member or None, args.workdir)
+    if args.provides_for:
+        wanted = set().union(*(PackageTables.load(p).referenced() for p in args.provides_for))
+        tables = tables.restricted(wanted, references=False)
+    elif args.prune:
+        tables = tables.restricted(tables.referenced())
     out = tables.save(args.out)
     n = sum(len(names) for lib in tables.libraries.values() for names in lib.undefined.values())
     print(f"{tables.label}: {len(tables.libraries)} libraries, {n} references listed -> {out}")
@@ -133,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("-o", "--out", required=True, help="the JSON table to write")
     rec.add_argument("--member", action="append", help="glob of the wheel members to read (default: all .so)")
     rec.add_argument("--workdir", help="where to unpack each library while reading it (default: $TMPDIR)")
+    rec.add_argument(
+        "--provides-for",
+        nargs="+",
+        metavar="TABLE",
+        help="a library the node provides (torch): keep only the definitions these candidates reference",
+    )
+    rec.add_argument(
+        "--prune",
+        action="store_true",
+        help="a candidate: keep only the definitions its own libraries reference",
+    )
     sel = sub.add_parser("select", help="pick each component's newest version that resolves on the target")
     sel.add_argument("target", help="target spec JSON (see megagrpo/bundle/target.py)")
     sel.add_argument("--manifest", help="also write a manifest of the selection here")

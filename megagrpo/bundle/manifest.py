@@ -109,6 +109,10 @@ def selection_checks(selections: list[Selection]) -> list[Check]:
             continue
         chosen = next(v for v in s.verdicts if v.version == s.chosen)
         detail = f"{chosen.package} {chosen.version}: {chosen.resolved} references resolve"
+        if chosen.node_runtime:
+            detail += "; left to the node: " + ", ".join(
+                f"{p} ({n})" for p, n in sorted(chosen.node_runtime.items())
+            )
         if chosen.unchecked:
             detail += "; unchecked (no table): " + ", ".join(
                 f"{t} ({n})" for t, n in sorted(chosen.unchecked.items())

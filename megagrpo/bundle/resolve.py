@@ -9,6 +9,11 @@ The rules are the dynamic loader's:
 A tag no recorded library defines is either the C/C++ runtime's (dropped when recording) or a library whose
 table the target did not record (e.g. cuDNN): those references are counted as unchecked, by tag, and a
 candidate with any is not picked unless the caller allows it.
+
+Two providers are the node's own and on no wheel: the Python interpreter (a torch extension's `Py*`
+references bind to the running `python`) and the NVIDIA driver (`cu*` references of a library that needs
+`libcuda.so.1`). Unversioned references they define are counted by provider (`node_runtime`), not checked:
+both exist on any node that runs torch on a GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Verdict:
     resolved: int = 0  # references checked and found
     unchecked: dict[str, int] = field(default_factory=dict)  # tag -> references with no recorded provider
     unrecorded_needed: list[str] = field(default_factory=list)  # DT_NEEDED with no table, system libs aside
+    node_runtime: dict[str, int] = field(default_factory=dict)  # provider -> references left to the node
 
     @property
     def resolves(self) -> bool:
@@ -65,6 +71,10 @@ class Verdict:
             text = head + f"resolves ({self.resolved} references checked)"
         else:
             text = head + f"rejected, {len(self.missing)} missing; first: {self.first_missing}"
+        if self.node_runtime:
+            text += "; left to the node: " + ", ".join(
+                f"{p} ({n})" for p, n in sorted(self.node_runtime.items())
+            )
         if self.unchecked:
             tags = ", ".join(f"{tag} ({n})" for tag, n in sorted(self.unchecked.items()))
             text += (
@@ -85,6 +95,7 @@ class Verdict:
             ],
             "unchecked": self.unchecked,
             "unrecorded_needed": self.unrecorded_needed,
+            "node_runtime": self.node_runtime,
         }
 
 
@@ -121,6 +132,18 @@ class Provided:
         return merged
 
 
+DRIVER = "libcuda.so.1"
+
+
+def node_runtime_provider(name: str, needed: list[str]) -> str | None:
+    """'python' or the driver's soname for an unversioned reference the node itself resolves, else None."""
+    if name.startswith(("Py", "_Py")):
+        return "python"
+    if name.startswith("cu") and DRIVER in needed:
+        return DRIVER
+    return None
+
+
 def check(candidate: PackageTables, provided: Provided) -> Verdict:
     """Every strong reference of every native library of `candidate`, against `provided` and itself."""
     scope = provided.with_own(candidate)
@@ -135,6 +158,8 @@ def check(candidate: PackageTables, provided: Provided) -> Verdict:
             if tag is None:
                 if name in scope.unversioned:
                     verdict.resolved += 1
+                elif (runtime := node_runtime_provider(name, lib.needed)) is not None:
+                    verdict.node_runtime[runtime] = verdict.node_runtime.get(runtime, 0) + 1
                 else:
                     verdict.missing.append(Missing(member, name, None))
             elif tag in scope.by_tag:

@@ -153,6 +153,31 @@ class PackageTables:
         path.write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n")
         return path
 
+    def referenced(self) -> set[str]:
+        """Every name any library of this wheel references (tag ignored)."""
+        return {name for lib in self.libraries.values() for names in lib.undefined.values() for name in names}
+
+    def restricted(self, keep: set[str], *, references: bool = True) -> PackageTables:
+        """The same tables with definitions limited to `keep` (and references dropped unless `references`).
+
+        Sound for selection: a definition no candidate references can decide nothing. It is what makes
+        torch's libraries recordable (libtorch_cpu.so alone exports over a hundred thousand C++ symbols)
+        and a candidate's own table small (its exports matter only to its own references)."""
+        libs = {}
+        for member, lib in self.libraries.items():
+            libs[member] = LibraryTable(
+                soname=lib.soname,
+                needed=lib.needed,
+                version_definitions=lib.version_definitions,
+                defined={t: kept for t, n in lib.defined.items() if (kept := [x for x in n if x in keep])},
+                hidden={t: kept for t, n in lib.hidden.items() if (kept := [x for x in n if x in keep])},
+                undefined=lib.undefined if references else {},
+                weak_undefined=lib.weak_undefined if references else [],
+                dropped_undefined=lib.dropped_undefined if references else {},
+            )
+        return PackageTables(self.package, self.version, libs, self.wheel, self.wheel_bytes, self.wheel_sha256,
+                             self.reader)  # fmt: skip
+
     @classmethod
     def load(cls, path: str | Path) -> PackageTables:
         path = Path(path)

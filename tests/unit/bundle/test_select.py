@@ -1,7 +1,8 @@
 """Issue 28: version selection by symbol tables. On tables recorded from the real wheels (torch 2.11.0's
 pinned nvidia-cublas 13.1.0.3, cuda-runtime 13.0.96, nvrtc 13.0.88, cudnn 9.19.0.56; TE core 2.12.0 and
-2.13.0), TE 2.12.0 is picked and 2.13.0 is rejected for the cuBLASLt symbol cuBLAS 13.1 lacks. The loader's
-rules themselves are checked on small synthetic tables."""
+2.13.0), TE 2.12.0 is picked and 2.13.0 is rejected for the cuBLASLt symbol cuBLAS 13.1 lacks; against torch
+2.11.0's own libraries, sglang-kernel 0.4.6 is picked and 0.4.6.post1/0.4.9/0.4.10 are rejected for torch C++
+symbols that 2.11 does not export. The loader's rules themselves are checked on small synthetic tables."""
 
 from __future__ import annotations
 
@@ -42,6 +43,23 @@ def test_recorded_tables_pick_te_2_12_and_name_the_missing_cublaslt_symbol():
     assert older.proven and older.unchecked == {} and older.resolved == 85
 
 
+def test_recorded_tables_pick_sglang_kernel_0_4_6_for_torch_2_11():
+    target = Target.load(TARGET)
+    sel = select_newest("sk", target.candidate_tables("sglang-kernel"), Provided(target.provided_tables()))
+    assert sel.chosen == "0.4.6"
+    by_version = {v.version: v for v in sel.verdicts}
+    assert [v.version for v in sel.verdicts] == ["0.4.10", "0.4.9", "0.4.6.post1", "0.4.6"]
+    for newer in ("0.4.10", "0.4.9", "0.4.6.post1"):
+        v = by_version[newer]
+        assert not v.resolves and all(
+            m.symbol.startswith(("_ZN3c10", "_ZN2at", "_ZNK2at", "_ZNR5torch")) for m in v.missing
+        )
+    assert "_ZN2at4cuda24getCurrentCUDABlasHandleEb" in {m.symbol for m in by_version["0.4.6.post1"].missing}
+    ok = by_version["0.4.6"]
+    # the interpreter's and the driver's references are left to the node, not counted as proven or missing
+    assert ok.proven and ok.resolved == 158 and ok.node_runtime == {"libcuda.so.1": 1, "python": 1}
+
+
 def test_recorded_tables_are_what_they_claim():
     """The fixtures come from the pinned wheels, and the symbol that decides is really absent."""
     target = json.loads(TARGET.read_text())
@@ -54,7 +72,7 @@ def test_recorded_tables_are_what_they_claim():
     assert "cublasLtGroupedMatrixLayoutInit_internal" not in lt.defined["libcublasLt.so.13"]
     te212 = PackageTables.load(DATA / "transformer-engine-cu13-2.12.0.json").libraries[TE_LIB]
     assert "cublasLtGroupedMatrixLayoutInit_internal" not in te212.undefined["libcublasLt.so.13"]
-    tables = target["provided"] + target["components"]["transformer-engine-core"]
+    tables = target["provided"] + [t for c in target["components"].values() for t in c]
     assert sum((DATA / name).stat().st_size for name in tables) < 200_000  # small enough to commit
 
 
@@ -156,8 +174,26 @@ def test_cli_select_prints_verdicts_and_writes_the_manifest(tmp_path, capsys):
             "name": "symbols:transformer-engine-core",
             "passed": True,
             "detail": "transformer-engine-cu13 2.12.0: 85 references resolve",
-        }
+        },
+        {
+            "name": "symbols:sglang-kernel",
+            "passed": True,
+            "detail": "sglang-kernel 0.4.6: 158 references resolve; left to the node: libcuda.so.1 (1), python (1)",
+        },
     ]
     assert manifest["bundles"] == []
     assert main(["select", str(tmp_path / "missing.json")]) == 2
     assert "no such target spec" in capsys.readouterr().err
+
+
+def test_restricting_a_provider_to_what_candidates_reference_changes_no_verdict():
+    """`record --provides-for`: torch's tables keep only the definitions some candidate references."""
+    target = Target.load(TARGET)
+    cands = target.candidate_tables("sglang-kernel")
+    full = [lib("libtorch.so", defined={"": ["a", "b", "unrelated"]})]
+    torch_full = PackageTables("torch", "2.11.0", {"torch/lib/libtorch.so": full[0]})
+    cand = PackageTables("k", "1", {"k.so": lib("k.so", undefined={"": ["a", "b"]}, needed=("libtorch.so",))})
+    cut = torch_full.restricted(cand.referenced(), references=False)
+    assert cut.libraries["torch/lib/libtorch.so"].defined == {"": ["a", "b"]}
+    assert check(cand, Provided([cut])).proven and check(cand, Provided([torch_full])).proven
+    assert cands  # the shipped candidates are recorded this way

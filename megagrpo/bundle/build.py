@@ -8,7 +8,7 @@ A bundle's section of the target spec (all optional but `closure`):
                "minus": [],                                  # bundles installed beside it on every node
                "add": {"sglang-kernel": "0.4.6",             # not imported on the CPU, so not traced
                        "transformer-engine": "@transformer-engine-core"},  # @: a selected component's version
-               "exclude": {"wandb": "why it is not needed"}, # traced but not needed on the node, with the reason
+               "exclude": {"wandb": "why it is not needed"}, # traced or declared, not needed on the node: why
                "built": ["transformer-engine-torch"],        # no wheel on PyPI: given with --wheel
                "trim": ["sglang-kernel"],                    # zero other SMs' fatbin entries
                "drop": {"sglang-kernel": ["sgl_kernel/flash_ops*"]},  # members left out
@@ -110,6 +110,7 @@ def build_bundle(
     out: Path,
     cache: Path,
     built_wheels: dict[str, Path],
+    carried_elsewhere: dict[str, str] = {},  # noqa: B006 - read only
 ) -> BundleEntry:
     from megagrpo.bundle.wheels import trim_wheel
 
@@ -139,11 +140,56 @@ def build_bundle(
                      else "trimmed" if canonical(n.name) in {canonical(t) for t in [*spec.trim, *spec.drop]} else "pypi")
         for n in needs
     ]  # fmt: skip
-    checks = [Check("installed", True, f"{len(wheels)} wheels, {installed} bytes installed, packed with xz")]
+    checks = [
+        Check("installed", True, f"{len(wheels)} wheels, {installed} bytes installed, packed with xz"),
+        requirements_check(spec, target, needs, wheels, carried_elsewhere),
+    ]
     entry = BundleEntry.from_file(spec.name, path, target.bundle_limit_bytes, packages, trimmed, checks)
     entry.environment = dict(spec.environment)
     entry.smoke = list(spec.smoke)
     return entry
+
+
+def wheel_requirements(wheel: Path) -> list[str]:
+    """The `Requires-Dist` lines of a wheel's METADATA."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(meta).decode("utf-8", "replace")
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def requirements_check(
+    spec: BundleSpec, target: Target, needs: list[Need], wheels: dict[str, Path], elsewhere: dict[str, str]
+) -> Check:
+    """The declared requirements of the packages the spec ADDS (which no trace covered) are met by the
+    bundle, the bundles it is installed beside, or the node. Traced packages are proven by the trace: their
+    unmet declarations (sglang's FlashInfer, DeepEP) are what the closure leaves out on purpose."""
+    from packaging.requirements import Requirement
+
+    have = {canonical(n.name): n.version for n in needs} | {canonical(k): v for k, v in elsewhere.items()}
+    node = {canonical(k): v for k, v in target.node_packages.items()}
+    added = {canonical(a) for a in spec.add}
+    env = {"python_version": target.python, "extra": ""}
+    unmet = []
+    for name in sorted(added & set(wheels)):
+        for line in wheel_requirements(wheels[name]):
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate(env):
+                continue
+            dep = canonical(req.name)
+            if _fixed(target, dep) or dep in {canonical(e) for e in spec.exclude}:
+                continue
+            version = have.get(dep, node.get(dep, "absent") if dep in node else "absent")
+            if version == "absent":
+                unmet.append(f"{name} needs {req}: not on the node and in no bundle")
+            elif version is not None and not req.specifier.contains(version, prereleases=True):
+                unmet.append(f"{name} needs {req}: {version} is there")
+    detail = (
+        "; ".join(unmet) if unmet else f"the declared requirements of {sorted(added & set(wheels))} are met"
+    )
+    return Check("requirements", not unmet, detail)
 
 
 def cache_dir(out: Path) -> Path:

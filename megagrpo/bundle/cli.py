@@ -108,7 +108,8 @@ def _build(args) -> int:
         print(f"{spec.name}: {len(needs)} packages to carry, {len(node_has)} the node provides")
         for n in needs:
             print(f"  {n.name} {n.version}: {n.reason}")
-        entry = build_bundle(spec, target, needs, out, Path(args.cache or out / "wheels"), built)
+        elsewhere = {n.name: n.version for m in spec.minus for n in planned.get(m, [])}
+        entry = build_bundle(spec, target, needs, out, Path(args.cache or out / "wheels"), built, elsewhere)
         print(
             f"{spec.name}: {entry.file} {entry.bytes / 2**20:.1f} MiB, checks {'passed' if entry.passed else 'FAILED'}"
         )

@@ -134,3 +134,29 @@ def test_the_shipped_target_plans_both_bundles_from_its_recorded_closures():
     # the TE version follows the symbol-table selection; megatron-core comes with the engine bundle
     assert learner == {"transformer-engine": "2.12.0", "transformer-engine-cu13": "2.12.0",
                        "transformer-engine-torch": "2.12.0"}  # fmt: skip
+
+
+def test_declared_requirements_of_added_packages_are_met_or_waived(tmp_path):
+    """A package the spec adds (not traced) must have its declared requirements on the node or in a bundle;
+    one the spec excludes needs its reason."""
+    import zipfile
+
+    from megagrpo.bundle.build import BundleSpec, requirements_check
+    from megagrpo.bundle.closure import Need
+    from megagrpo.bundle.target import Target
+
+    wheel = tmp_path / "te-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        meta = "Name: te\nRequires-Dist: pydantic\nRequires-Dist: onnxscript\nRequires-Dist: inspect-tool\n"
+        meta += 'Requires-Dist: torch>=2.1\nRequires-Dist: pytest; extra == "test"\n'
+        zf.writestr("te-1.0.dist-info/METADATA", meta)
+    target = Target(
+        "t", "2.11.0", 13, "3.12", [90], [], {}, node_packages={"onnxscript": None}, fixed=["torch"]
+    )
+    needs = [Need("te", "1.0", "added")]
+    spec = BundleSpec("learner", tmp_path / "c.json", add={"te": "1.0"})
+    check = requirements_check(spec, target, needs, {"te": wheel}, {"pydantic": "2.14.3"})
+    assert not check.passed and check.detail == "te needs inspect-tool: not on the node and in no bundle"
+    spec.exclude = {"inspect-tool": "only te.debug imports it"}
+    assert requirements_check(spec, target, needs, {"te": wheel}, {"pydantic": "2.14.3"}).passed
+    assert not requirements_check(spec, target, needs, {"te": wheel}, {}).passed  # pydantic from nowhere

@@ -11,7 +11,8 @@ A bundle's section of the target spec (all optional but `closure`):
                "exclude": {"wandb": "why it is not needed"}, # traced or declared, not needed on the node: why
                "built": ["transformer-engine-torch"],        # no wheel on PyPI: given with --wheel
                "trim": ["sglang-kernel"],                    # zero other SMs' fatbin entries
-               "drop": {"sglang-kernel": ["sgl_kernel/flash_ops*"]},  # members left out
+               "drop": {"sglang-kernel": ["sgl_kernel/flash_ops*"]},  # members left out (globs)
+               "why": {"sglang-kernel": "FA3 is 1.1 GB; the engine runs Triton attention"},  # per drop
                "environment": {"SGLANG_...": "1"},          # written to the node's env file
                "smoke": ["sglang", "sgl_kernel"]}            # modules the node's smoke check imports
 """
@@ -31,7 +32,18 @@ from megagrpo.bundle.resolve import Selection
 from megagrpo.bundle.target import Target
 from megagrpo.errors import MegagrpoError
 
-_BUNDLE_FIELDS = {"closure", "minus", "add", "exclude", "built", "trim", "drop", "environment", "smoke"}
+_BUNDLE_FIELDS = {
+    "closure",
+    "minus",
+    "add",
+    "exclude",
+    "built",
+    "trim",
+    "drop",
+    "why",
+    "environment",
+    "smoke",
+}
 
 
 @dataclass
@@ -44,11 +56,16 @@ class BundleSpec:
     built: list[str] = field(default_factory=list)
     trim: list[str] = field(default_factory=list)
     drop: dict[str, list[str]] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)  # the reason each `drop` is safe, for the manifest
     environment: dict[str, str] = field(default_factory=dict)
     smoke: list[str] = field(default_factory=list)
 
     @classmethod
     def parse(cls, name: str, data: dict, base: Path, where: str) -> BundleSpec:
+        unexplained = sorted(set(data.get("drop", {})) - set(data.get("why", {})))
+        if unexplained:
+            raise MegagrpoError(f"{where}: bundles.{name}.drop: say in bundles.{name}.why why leaving out "
+                                f"members of {unexplained} is safe")  # fmt: skip
         unknown = sorted(set(data) - _BUNDLE_FIELDS)
         if unknown:
             raise MegagrpoError(
@@ -135,8 +152,9 @@ def build_bundle(
             trimmed += records
         installed = install_tree(sorted(wheels.values()), tmp / "tree")
         path = pack_tree(tmp / "tree", out / f"{spec.name}.tar.xz")
+    why = {canonical(k): v for k, v in spec.why.items()}
     packages = [
-        PackageEntry(n.name, n.version, n.reason, "built" if canonical(n.name) in {canonical(b) for b in spec.built}
+        PackageEntry(n.name, n.version, n.reason + (f"; members left out: {why[canonical(n.name)]}" if canonical(n.name) in why else ""), "built" if canonical(n.name) in {canonical(b) for b in spec.built}
                      else "trimmed" if canonical(n.name) in {canonical(t) for t in [*spec.trim, *spec.drop]} else "pypi")
         for n in needs
     ]  # fmt: skip

@@ -160,3 +160,15 @@ def test_declared_requirements_of_added_packages_are_met_or_waived(tmp_path):
     spec.exclude = {"inspect-tool": "only te.debug imports it"}
     assert requirements_check(spec, target, needs, {"te": wheel}, {"pydantic": "2.14.3"}).passed
     assert not requirements_check(spec, target, needs, {"te": wheel}, {}).passed  # pydantic from nowhere
+
+
+def test_a_dropped_member_needs_its_reason(tmp_path):
+    from megagrpo.bundle.build import BundleSpec
+
+    data = {"closure": "c.json", "drop": {"pycountry": ["pycountry/locales/*"]}}
+    with pytest.raises(MegagrpoError, match=r"bundles.engine.why.*\['pycountry'\]"):
+        BundleSpec.parse("engine", data, tmp_path, "target.json")
+    spec = BundleSpec.parse(
+        "engine", {**data, "why": {"pycountry": "unused locales"}}, tmp_path, "target.json"
+    )
+    assert spec.why == {"pycountry": "unused locales"}

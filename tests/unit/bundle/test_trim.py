@@ -190,3 +190,22 @@ def test_wheel_package_is_the_normalized_distribution_name(tmp_path):
     assert wheel_package(tmp_path / "transformer_engine_cu13-2.12.0-py3-none-manylinux_2_28_x86_64.whl") == (
         "transformer-engine-cu13"
     )
+
+
+def test_ptx_of_a_kept_sm_goes_where_that_sms_cubin_is_there(tmp_path):
+    """The driver JIT-compiles PTX only when no cubin matches: beside an sm_90 cubin, sm_90 PTX is dead
+    weight (TE's: 10.8 MB, already compressed). `covered_ptx=True` keeps it."""
+    ptx90 = b"R" * 48
+    fat = container(entry(KIND_PTX, 90, ptx90, 0x11 | ZSTD), entry(KIND_CUBIN, 90, CUBIN90))
+    fat += container(entry(KIND_PTX, 90, ptx90))  # PTX alone: the only code for sm_90 here, kept
+    for covered_ptx, zeroed in ((False, 1), (True, 0)):
+        path = tmp_path / f"lib{covered_ptx}.so"
+        path.write_bytes(elf({".nv_fatbin": fat}))
+        record = trim_library(path, [90], covered_ptx=covered_ptx)
+        first, second = read_fatbin(path)
+        data = path.read_bytes()
+        ptx = data[first.entries[0].payload_offset :][: len(ptx90)]
+        assert (ptx == bytes(len(ptx90))) is bool(zeroed) and record.entries_zeroed == zeroed
+        assert data[second.entries[0].payload_offset :][: len(ptx90)] == ptx90
+        assert data[first.entries[1].payload_offset :][: len(CUBIN90)] == CUBIN90
+        assert record.removed_sm == ()

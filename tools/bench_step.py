@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-phase time breakdown of a GRPO step on the demo model, and the share spent outside model compute.
 
-Builds the demo's tiny Qwen3-MoE (hidden 128, 2 layers, 8 experts, top-2) in a temporary directory, loads
+Builds the demo's tiny Qwen3-MoE (hidden 128, on CUDA 512; 2 layers, 8 experts, top-2) in a temporary directory, loads
 `configs/demo_qwen3_moe.yaml` with the model, checkpoint and log paths pointed there (no SFT: the random
 model gets a length-parity reward so dynamic sampling keeps groups), starts `GRPOTrainer` (real SGLang
 engine, real megatron learner) and runs --steps steps; the first --warmup steps are excluded.
@@ -243,7 +243,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     machine = describe()
     with tempfile.TemporaryDirectory(prefix="bench_step_") as td:
         tmp = Path(td)
-        model = make_tiny_model(tmp / "model", "qwen3_moe", hidden=128, layers=2, experts=8, topk=2, seed=0)
+        import torch
+
+        # On CUDA, hidden 512 (head_dim 128): SGLang's CUDA engine refuses head_dim < 64 (docs/gpu.md).
+        hidden = 512 if torch.cuda.is_available() else 128
+        model = make_tiny_model(
+            tmp / "model", "qwen3_moe", hidden=hidden, layers=2, experts=8, topk=2, seed=0
+        )
         cfg = load_config(REPO / args.config, bench_overrides(tmp, Path(model), args))
 
         # As `megagrpo train` does (megagrpo/trainer/entry.py): CPU compat first, then the trainer.

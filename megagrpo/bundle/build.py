@@ -142,6 +142,7 @@ def build_bundle(
             raise MegagrpoError(f"--wheel {w}: {b} {wheel_name_version(w)[1]}, the bundle needs {want}")
         wheels[canonical(b)] = w
     trimmed = []
+    fetched = dict(wheels)  # the wheels as downloaded: their METADATA outlives the trimmed copies
     with tempfile.TemporaryDirectory(prefix=f"megagrpo-bundle-{spec.name}-") as tmp:
         tmp = Path(tmp)
         for name in sorted({canonical(t) for t in spec.trim} | {canonical(d) for d in spec.drop}):
@@ -160,7 +161,7 @@ def build_bundle(
     ]  # fmt: skip
     checks = [
         Check("installed", True, f"{len(wheels)} wheels, {installed} bytes installed, packed with xz"),
-        requirements_check(spec, target, needs, wheels, carried_elsewhere),
+        requirements_check(spec, target, needs, fetched, carried_elsewhere),
     ]
     entry = BundleEntry.from_file(spec.name, path, target.bundle_limit_bytes, packages, trimmed, checks)
     entry.environment = dict(spec.environment)

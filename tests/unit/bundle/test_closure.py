@@ -172,3 +172,66 @@ def test_a_dropped_member_needs_its_reason(tmp_path):
         "engine", {**data, "why": {"pycountry": "unused locales"}}, tmp_path, "target.json"
     )
     assert spec.why == {"pycountry": "unused locales"}
+
+
+def _wheel(dirpath, name: str, version: str, files: dict[str, str], requires: list[str] = ()) -> object:
+    import zipfile
+
+    dist = f"{name.replace('-', '_')}-{version}.dist-info"
+    path = dirpath / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    members = {
+        **files,
+        f"{dist}/METADATA": meta,
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, text in members.items():
+            zf.writestr(member, text)
+        zf.writestr(f"{dist}/RECORD", "")
+    return path
+
+
+def test_build_bundle_trims_installs_packs_and_checks(tmp_path, monkeypatch):
+    """The whole build of one bundle from local wheels (the download is the only part replaced)."""
+    import megagrpo.bundle.build as build
+    from megagrpo.bundle.build import BundleSpec, build_bundle
+    from megagrpo.bundle.closure import Need
+    from megagrpo.bundle.install import install
+    from megagrpo.bundle.manifest import Manifest
+    from megagrpo.bundle.target import Target
+
+    src = tmp_path / "wheels"
+    src.mkdir()
+    wheels = {
+        "pycountry": _wheel(src, "pycountry", "1.0", {"pycountry/__init__.py": "X = 1\n", "pycountry/locales/de.mo": "x" * 999}),
+        "kernel": _wheel(
+            src, "kernel", "0.4.6", {"kernel/__init__.py": "", "kernel/fa3.txt": "big"},
+            requires=["pycountry", "absent-dep"],
+        ),
+    }  # fmt: skip
+    monkeypatch.setattr(build, "download", lambda pins, cache, python, glibc: {k: wheels[k] for k in pins})
+    target = Target("t", "2.11.0", 13, "3.12", [90], [], {}, source=str(tmp_path / "target.json"))
+    spec = BundleSpec(
+        "engine", tmp_path / "c.json", add={"kernel": "0.4.6"},
+        drop={"pycountry": ["pycountry/locales/*"], "kernel": ["kernel/fa3*"]},
+        why={"pycountry": "unused locales", "kernel": "no FA3"}, environment={"K": "1"}, smoke=["kernel"],
+    )  # fmt: skip
+    needs = [Need("pycountry", "1.0", "not on the node"), Need("kernel", "0.4.6", "added by the target spec")]
+    entry = build_bundle(spec, target, needs, tmp_path, tmp_path / "cache", {})
+    checks = {c.name: c for c in entry.checks}
+    assert checks["size"].passed and checks["installed"].passed
+    assert not checks["requirements"].passed and "kernel needs absent-dep" in checks["requirements"].detail
+    assert {(p.name, p.source) for p in entry.packages} == {("pycountry", "trimmed"), ("kernel", "trimmed")}
+    assert "members left out: unused locales" in next(
+        p.reason for p in entry.packages if p.name == "pycountry"
+    )
+    Manifest(target, [], [entry]).write(tmp_path / "manifest.json")
+    install(tmp_path / "engine.tar.xz", tmp_path / "manifest.json", tmp_path / "site")
+    assert (tmp_path / "site/pycountry/__init__.py").is_file() and (tmp_path / "site/kernel").is_dir()
+    assert (
+        not (tmp_path / "site/pycountry/locales").exists() and not (tmp_path / "site/kernel/fa3.txt").exists()
+    )
+    assert "export K=1" in (tmp_path / "site/megagrpo-bundle.env").read_text()

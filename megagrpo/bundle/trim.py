@@ -71,7 +71,7 @@ class TrimRecord:
     """
 
     package: str
-    member: str  # path inside the wheel, or the module left out
+    member: str  # path inside the wheel; for "removed", the glob of the members left out
     action: str  # "zeroed-fatbin-entries" or "removed"
     kept_sm: tuple[int, ...]
     removed_sm: tuple[int, ...]
@@ -82,6 +82,7 @@ class TrimRecord:
     entries_kept: int = 0
     containers: int = 0
     containers_untouched: int = 0  # no entry of a kept SM: left whole (the driver may JIT its PTX)
+    members: int = 0  # "removed": how many members the glob matched
 
     def to_json(self) -> dict:
         return asdict(self)

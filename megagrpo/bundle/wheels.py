@@ -85,6 +85,7 @@ def trim_wheel(
     records: list[TrimRecord] = []
     rows: list[tuple[str, str, str | int]] = []
     matched = {glob: False for glob in drop}
+    dropped: dict[str, tuple[int, int]] = {}  # glob -> (members, bytes)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{src.name}.", suffix=".tmp", dir=dst_dir)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -107,7 +108,9 @@ def trim_wheel(
                 if globs:
                     for g in globs:
                         matched[g] = True
-                    records.append(TrimRecord(package, name, "removed", (), (), member.file_size, 0))
+                    # one record per glob: pycountry's locales are a thousand files
+                    count, size = dropped.get(globs[0], (0, 0))
+                    dropped[globs[0]] = (count + 1, size + member.file_size)
                     continue
                 if _LIBRARY.search(name):
                     hashed, record = _trim_member(zin, member, zout, keep_sm, package, dst_dir)
@@ -117,6 +120,8 @@ def trim_wheel(
                     with zin.open(member) as fin:
                         hashed = _copy(fin, zout, _zipinfo(member), member.file_size)
                 rows.append((name, *hashed))
+            for glob, (count, size) in dropped.items():
+                records.append(TrimRecord(package, glob, "removed", (), (), size, 0, members=count))
             unmatched = [g for g, hit in matched.items() if not hit]
             if unmatched:
                 raise MegagrpoError(

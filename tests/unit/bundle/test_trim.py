@@ -167,11 +167,12 @@ def test_trim_wheel_trims_drops_and_rewrites_record(tmp_path):
         lib = zf.read("pkg/lib.so")
     assert lib != members["pkg/lib.so"] and CUBIN90 in lib and CUBIN80 not in lib and LONE80 in lib
     removed, zeroed = sorted(records, key=lambda r: r.action)
-    assert (removed.member, removed.action, removed.bytes_before, removed.bytes_after) == (
-        "pkg/sm100/ops.so",
+    assert (removed.member, removed.action, removed.bytes_before, removed.bytes_after, removed.members) == (
+        "pkg/sm100/*",
         "removed",
         104,
         0,
+        1,
     )
     assert (zeroed.package, zeroed.member, zeroed.entries_zeroed) == ("pkg", "pkg/lib.so", 2)
 

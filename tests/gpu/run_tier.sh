@@ -6,8 +6,11 @@
 # Installs every `*.tar.xz` of BUNDLE_DIR (checked against its manifest.json) under $MEGAGRPO_SITE (default
 # /tmp/megagrpo-site), sources their env files (bundles installed by an earlier call on the same node are
 # used too), reports what loads, then runs:
-#   engine  SGLang's CUDA engine from the bundle (smoke) and tests/gpu/test_gpu_engine.py;
+#   (both)  the smoke check: megagrpo's engine path on a tiny model from the bundle;
+#   engine  tests/gpu/test_gpu_engine.py;
 #   all     the whole of tests/gpu, then tools/bench_step.py on the GPU.
+# Both bundles of torch 2.11.0+cu130/sm_90 (52 MiB) travel in one device call with the repository:
+#   carry [".bundles"], command: tests/gpu/run_tier.sh .bundles all   (about 6 minutes on an H200)
 # MEGAGRPO_GPU_PYTEST_ARGS adds pytest arguments (e.g. --ignore a file an earlier call ran).
 # Logs and figures go to $OUT (default /tmp/megagrpo-gpu-out). The exit status is pytest's.
 set -uo pipefail
@@ -44,8 +47,8 @@ EOF
 $py -m megagrpo.bundle.smoke imports $smoke_modules | tee "$out/smoke-imports-$stage.json"
 
 rc=0
+$py -m megagrpo.bundle.smoke engine | tee "$out/smoke-engine.json" || rc=1
 if [ "$stage" = engine ]; then
-  $py -m megagrpo.bundle.smoke engine | tee "$out/smoke-engine.json" || rc=1
   $py -m pytest tests/gpu/test_gpu_engine.py -m gpu -p no:cacheprovider -x -s -q --durations=0 \
     --timeout 300 2>&1 | tee "$out/pytest-engine.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
@@ -53,7 +56,7 @@ else
   # shellcheck disable=SC2086
   $py -m pytest tests/gpu -m gpu -p no:cacheprovider -s -q -rA --durations=0 --timeout 240 ${MEGAGRPO_GPU_PYTEST_ARGS:-} \
     --junitxml "$out/junit.xml" 2>&1 | tee "$out/pytest-all.log"
-  rc=${PIPESTATUS[0]}
+  rc=$(( rc | ${PIPESTATUS[0]} ))
   timeout 150 $py tools/bench_step.py --steps 4 --warmup 1 --out "$out/bench_step.json" 2>&1 | tail -n 40 \
     | tee "$out/bench_step.log"
 fi

@@ -54,7 +54,7 @@ if [ "$stage" = engine ]; then
   rc=$(( rc | ${PIPESTATUS[0]} ))
 else
   # shellcheck disable=SC2086
-  $py -m pytest tests/gpu -m gpu -p no:cacheprovider -s -q -rA --durations=0 --timeout 240 ${MEGAGRPO_GPU_PYTEST_ARGS:-} \
+  $py -m pytest tests/gpu -m gpu -p no:cacheprovider -s -q -rfEs --durations=0 --timeout 240 ${MEGAGRPO_GPU_PYTEST_ARGS:-} \
     --junitxml "$out/junit.xml" 2>&1 | tee "$out/pytest-all.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
   timeout 150 $py tools/bench_step.py --steps 4 --warmup 1 --out "$out/bench_step.json" 2>&1 | tail -n 40 \

@@ -16,24 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-ERROR_DIR_ENV = "MEGAGRPO_USER_ERROR_DIR"
+from megagrpo.errors import ECHO, ERROR_DIR_ENV, leave_user_error  # noqa: F401 - the relay's API
+
 EXIT_USER_ERROR = 2
-
-
-def leave_user_error(message: str, *, echo: bool = False) -> bool:
-    """In a rank started by the CLI's `--nproc`: store `message` for the CLI and return True; else False.
-    `echo`: the message only repeats another rank's failure (`trainer.agree.PeerFailed`), so the CLI
-    prints it only when no rank left its own."""
-    where, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
-    if not where or rank is None or not Path(where).is_dir():
-        return False
-    tmp = Path(where) / f".rank{rank}.tmp"
-    tmp.write_text(message)
-    tmp.rename(Path(where) / f"rank{rank}{ECHO if echo else ''}")  # whole messages only
-    return True
-
-
-ECHO = ".echo"
 
 
 def first_user_error(where: str | os.PathLike[str]) -> str | None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megagrpo.errors import MegagrpoError
+from megagrpo.errors import MegagrpoError, leave_user_error
 from megagrpo.rollout.groups import wire_device
 
 
@@ -53,7 +53,12 @@ def agreed(what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     an interrupt ends the process anyway. Per-rank cost: one all-reduce of one int64 over `group`."""
     try:
         yield
-    except Exception:
+    except Exception as e:
+        if isinstance(e, MegagrpoError) and not isinstance(e, PeerFailed):
+            # Left before the others learn of it: they exit at once, and the launcher may stop this rank
+            # while its cleanup runs, before the CLI's own report (seen: a dead engine during a weight sync
+            # ended a run with only the peers' "rank 0 failed" echo).
+            leave_user_error(str(e))
         failed_rank(True, group)
         raise
     rank = failed_rank(False, group)

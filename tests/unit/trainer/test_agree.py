@@ -73,3 +73,24 @@ def test_without_a_process_group_it_only_runs_the_body():
     with pytest.raises(ValueError, match="bug"), agreed("x"):
         raise ValueError("bug")
     assert agree.failed_rank(True) == 0 and agree.failed_rank(False) is None
+
+
+def test_the_failing_rank_leaves_its_error_before_the_others_learn_of_it(world, monkeypatch, tmp_path):
+    """Under `--nproc` the peers exit as soon as the all-reduce tells them, and the launcher may stop the
+    failing rank during its cleanup: its own message must already be with the CLI by then."""
+    from megagrpo.errors import ERROR_DIR_ENV
+
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    seen_at_all_reduce = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: (seen_at_all_reduce.append(sorted(p.name for p in tmp_path.iterdir())), real(t, **kw)))  # fmt: skip
+    with pytest.raises(MegagrpoError, match="engine 0: gone"), agreed("the weight sync"):
+        raise MegagrpoError("engine 0: gone; resume from the last checkpoint")
+    assert seen_at_all_reduce == [["rank1"]]
+    assert (tmp_path / "rank1").read_text() == "engine 0: gone; resume from the last checkpoint"
+    world[1]["flags"] = [3 + 1, 0, 0]  # a peer failed: this rank's PeerFailed is an echo, left by the CLI only
+    (tmp_path / "rank1").unlink()
+    with pytest.raises(PeerFailed), agreed("the weight sync"):
+        pass
+    assert not list(tmp_path.iterdir())

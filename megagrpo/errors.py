@@ -4,7 +4,6 @@ The CLI prints a `MegagrpoError` without a traceback, so its message must name t
 (field, file, key) and say how to fix it. Programming errors stay ordinary exceptions.
 """
 
-
 import os
 from pathlib import Path
 

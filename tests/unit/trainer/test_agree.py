@@ -89,7 +89,11 @@ def test_the_failing_rank_leaves_its_error_before_the_others_learn_of_it(world, 
         raise MegagrpoError("engine 0: gone; resume from the last checkpoint")
     assert seen_at_all_reduce == [["rank1"]]
     assert (tmp_path / "rank1").read_text() == "engine 0: gone; resume from the last checkpoint"
-    world[1]["flags"] = [3 + 1, 0, 0]  # a peer failed: this rank's PeerFailed is an echo, left by the CLI only
+    world[1]["flags"] = [
+        3 + 1,
+        0,
+        0,
+    ]  # a peer failed: this rank's PeerFailed is an echo, left by the CLI only
     (tmp_path / "rank1").unlink()
     with pytest.raises(PeerFailed), agreed("the weight sync"):
         pass

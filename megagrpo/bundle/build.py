@@ -128,6 +128,8 @@ def build_bundle(
     cache: Path,
     built_wheels: dict[str, Path],
     carried_elsewhere: dict[str, str] = {},  # noqa: B006 - read only
+    *,
+    progress: bool = False,
 ) -> BundleEntry:
     from megagrpo.bundle.wheels import trim_wheel
 
@@ -152,7 +154,7 @@ def build_bundle(
             wheels[name], records = trim_wheel(wheels[name], tmp / "trimmed", target.sm, drop=drop)
             trimmed += records
         installed = install_tree(sorted(wheels.values()), tmp / "tree")
-        path = pack_tree(tmp / "tree", out / f"{spec.name}.tar.xz")
+        path = pack_tree(tmp / "tree", out / f"{spec.name}.tar.xz", progress=progress)
     why = {canonical(k): v for k, v in spec.why.items()}
     packages = [
         PackageEntry(n.name, n.version, n.reason + (f"; members left out: {why[canonical(n.name)]}" if canonical(n.name) in why else ""), "built" if canonical(n.name) in {canonical(b) for b in spec.built}

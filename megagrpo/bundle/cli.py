@@ -109,7 +109,9 @@ def _build(args) -> int:
         for n in needs:
             print(f"  {n.name} {n.version}: {n.reason}")
         elsewhere = {n.name: n.version for m in spec.minus for n in planned.get(m, [])}
-        entry = build_bundle(spec, target, needs, out, Path(args.cache or out / "wheels"), built, elsewhere)
+        entry = build_bundle(
+            spec, target, needs, out, Path(args.cache or out / "wheels"), built, elsewhere, progress=True
+        )
         print(
             f"{spec.name}: {entry.file} {entry.bytes / 2**20:.1f} MiB, checks {'passed' if entry.passed else 'FAILED'}"
         )

@@ -89,13 +89,26 @@ def install_tree(wheels: list[Path], into: Path) -> int:
     return sum(f.stat().st_size for f in into.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def pack_tree(tree: Path, out: Path, *, preset: int = 9) -> Path:
-    """`tree`'s contents as `out` (tar.xz), member names relative to the tree, written atomically."""
+def pack_tree(tree: Path, out: Path, *, preset: int = 9, progress: bool = False) -> Path:
+    """`tree`'s contents as `out` (tar.xz), member names relative to the tree, written atomically. xz -9 is
+    single-threaded (about 8 minutes for the engine bundle on one core): `progress` shows bytes packed."""
+    import contextlib
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    paths = [p for p in sorted(tree.rglob("*")) if "__pycache__" not in p.parts]
+    total = sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
+    bar = (
+        Progress(TextColumn(f"packing {out.name}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+        if progress
+        else contextlib.nullcontext()
+    )
     tmp = out.with_name(out.name + ".tmp")
-    with tarfile.open(tmp, "w:xz", preset=preset) as tar:
-        for path in sorted(tree.rglob("*")):
-            if "__pycache__" in path.parts:
-                continue
+    with bar, tarfile.open(tmp, "w:xz", preset=preset) as tar:
+        task = bar.add_task("pack", total=total) if progress else None
+        for path in paths:
             tar.add(path, arcname=str(path.relative_to(tree)), recursive=False)
+            if progress and path.is_file() and not path.is_symlink():
+                bar.advance(task, path.stat().st_size)
     tmp.replace(out)
     return out

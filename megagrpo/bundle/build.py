@@ -20,8 +20,8 @@ A bundle's section of the target spec (all optional but `closure`):
 from __future__ import annotations
 
 import fnmatch
-import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,13 +99,10 @@ def plan_bundle(
     """What the bundle carries (`Need`s) and what the node provides, before any download."""
     closure = Closure.load(spec.closure)
     chosen = {s.component: s.chosen for s in selections}
-    dists = {k: v for k, v in closure.dists.items() if not _fixed(target, k)}
-    fixed = {k for k in closure.dists if _fixed(target, k)}
-    for name in spec.exclude:
-        dists.pop(next((k for k in dists if canonical(k) == canonical(name)), name), None)
-    needs, provided = subtract_node(
-        {**dists, **{k: closure.dists[k] for k in fixed}}, target.node_packages, fixed=fixed
-    )
+    excluded = {canonical(e) for e in spec.exclude}
+    dists = {k: v for k, v in closure.dists.items() if canonical(k) not in excluded}
+    fixed = {k for k in dists if _fixed(target, k)}
+    needs, provided = subtract_node(dists, target.node_packages, fixed=fixed)
     for name, version in spec.add.items():
         if version.startswith("@"):
             if chosen.get(version[1:]) is None:
@@ -127,13 +124,16 @@ def build_bundle(
     out: Path,
     cache: Path,
     built_wheels: dict[str, Path],
-    carried_elsewhere: dict[str, str] = {},  # noqa: B006 - read only
+    carried_elsewhere: Mapping[str, str] | None = None,
     *,
     progress: bool = False,
 ) -> BundleEntry:
     from megagrpo.bundle.wheels import trim_wheel
 
-    pins = {n.name: n.version for n in needs if canonical(n.name) not in {canonical(b) for b in spec.built}}
+    built = {canonical(b) for b in spec.built}
+    trims = {canonical(t) for t in [*spec.trim, *spec.drop]}
+    why = {canonical(k): v for k, v in spec.why.items()}
+    pins = {n.name: n.version for n in needs if canonical(n.name) not in built}
     wheels = download(pins, cache, target.python, target.glibc)
     for b in spec.built:
         w = built_wheels.get(canonical(b))
@@ -147,7 +147,7 @@ def build_bundle(
     fetched = dict(wheels)  # the wheels as downloaded: their METADATA outlives the trimmed copies
     with tempfile.TemporaryDirectory(prefix=f"megagrpo-bundle-{spec.name}-") as tmp:
         tmp = Path(tmp)
-        for name in sorted({canonical(t) for t in spec.trim} | {canonical(d) for d in spec.drop}):
+        for name in sorted(trims):
             if name not in wheels:
                 raise MegagrpoError(f"bundles.{spec.name}: trims {name}, which the bundle does not carry")
             drop = next((v for k, v in spec.drop.items() if canonical(k) == name), [])
@@ -155,15 +155,15 @@ def build_bundle(
             trimmed += records
         installed = install_tree(sorted(wheels.values()), tmp / "tree")
         path = pack_tree(tmp / "tree", out / f"{spec.name}.tar.xz", progress=progress)
-    why = {canonical(k): v for k, v in spec.why.items()}
-    packages = [
-        PackageEntry(n.name, n.version, n.reason + (f"; members left out: {why[canonical(n.name)]}" if canonical(n.name) in why else ""), "built" if canonical(n.name) in {canonical(b) for b in spec.built}
-                     else "trimmed" if canonical(n.name) in {canonical(t) for t in [*spec.trim, *spec.drop]} else "pypi")
-        for n in needs
-    ]  # fmt: skip
+    packages = []
+    for n in needs:
+        c = canonical(n.name)
+        reason = n.reason + (f"; members left out: {why[c]}" if c in why else "")
+        source = "built" if c in built else "trimmed" if c in trims else "pypi"
+        packages.append(PackageEntry(n.name, n.version, reason, source))
     checks = [
         Check("installed", True, f"{len(wheels)} wheels, {installed} bytes installed, packed with xz"),
-        requirements_check(spec, target, needs, fetched, carried_elsewhere),
+        requirements_check(spec, target, needs, fetched, carried_elsewhere or {}),
     ]
     entry = BundleEntry.from_file(spec.name, path, target.bundle_limit_bytes, packages, trimmed, checks)
     entry.environment = dict(spec.environment)
@@ -182,7 +182,7 @@ def wheel_requirements(wheel: Path) -> list[str]:
 
 
 def requirements_check(
-    spec: BundleSpec, target: Target, needs: list[Need], wheels: dict[str, Path], elsewhere: dict[str, str]
+    spec: BundleSpec, target: Target, needs: list[Need], wheels: dict[str, Path], elsewhere: Mapping[str, str]
 ) -> Check:
     """The declared requirements of the packages the spec ADDS (which no trace covered) are met by the
     bundle, the bundles it is installed beside, or the node. Traced packages are proven by the trace: their
@@ -192,6 +192,7 @@ def requirements_check(
     have = {canonical(n.name): n.version for n in needs} | {canonical(k): v for k, v in elsewhere.items()}
     node = {canonical(k): v for k, v in target.node_packages.items()}
     added = {canonical(a) for a in spec.add}
+    excluded = {canonical(e) for e in spec.exclude}
     env = {"python_version": target.python, "extra": ""}
     unmet = []
     for name in sorted(added & set(wheels)):
@@ -200,9 +201,9 @@ def requirements_check(
             if req.marker is not None and not req.marker.evaluate(env):
                 continue
             dep = canonical(req.name)
-            if _fixed(target, dep) or dep in {canonical(e) for e in spec.exclude}:
+            if _fixed(target, dep) or dep in excluded:
                 continue
-            version = have.get(dep, node.get(dep, "absent") if dep in node else "absent")
+            version = have.get(dep, node.get(dep, "absent"))
             if version == "absent":
                 unmet.append(f"{name} needs {req}: not on the node and in no bundle")
             elif version is not None and not req.specifier.contains(version, prereleases=True):
@@ -211,11 +212,3 @@ def requirements_check(
         "; ".join(unmet) if unmet else f"the declared requirements of {sorted(added & set(wheels))} are met"
     )
     return Check("requirements", not unmet, detail)
-
-
-def cache_dir(out: Path) -> Path:
-    return out / "wheels"
-
-
-def clean(out: Path) -> None:
-    shutil.rmtree(out / "wheels", ignore_errors=True)

@@ -36,13 +36,18 @@ def _record(args) -> int:
     return 0
 
 
-def _select(args) -> int:
-    target = Target.load(args.target)
+def _selections(target: Target, allow_unchecked: bool = False) -> list:
+    """Each component's verdicts and choice against the node's recorded libraries."""
     provided = Provided(target.provided_tables())
-    selections = [
-        select_newest(component, target.candidate_tables(component), provided, args.allow_unchecked)
+    return [
+        select_newest(component, target.candidate_tables(component), provided, allow_unchecked)
         for component in target.components
     ]
+
+
+def _select(args) -> int:
+    target = Target.load(args.target)
+    selections = _selections(target, args.allow_unchecked)
     print(
         f"target {target.name}: torch {target.torch}, CUDA {target.cuda_major}, Python {target.python}, "
         f"sm {target.sm}"
@@ -56,18 +61,16 @@ def _select(args) -> int:
 
 
 def _trace(args) -> int:
-    import sys as _sys
-
     from megagrpo.bundle.closure import Closure, map_to_distributions, trace_imports
 
-    python = args.python or _sys.executable
+    python = args.python or sys.executable
     if args.workload == "engine":
         cmd = [python, "-m", "megagrpo.bundle.smoke", "engine"]
     else:
         cmd = [python, "-m", "megagrpo.cli", "train", *args.train]
         if not args.train:
             raise MegagrpoError(
-                "trace train: give the config and overrides after --, e.g. -- cfg.yaml schedule.steps=1"
+                "trace train: give the config and overrides after `train`, e.g. trace -o c.json train cfg.yaml schedule.steps=1"
             )
     names = trace_imports(cmd)
     dists = map_to_distributions(python, names, exclude={"megagrpo"})
@@ -86,8 +89,7 @@ def _build(args) -> int:
     from megagrpo.bundle.pack import wheel_name_version
 
     target = Target.load(args.target)
-    provided = Provided(target.provided_tables())
-    selections = [select_newest(c, target.candidate_tables(c), provided, False) for c in target.components]
+    selections = _selections(target)
     for s in selections:
         print(s.describe())
     out = Path(args.out)

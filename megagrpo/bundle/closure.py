@@ -104,8 +104,11 @@ class Closure:
         return cls(data["workload"], data["python"], data["dists"])
 
 
-def trace_imports(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None) -> set[str]:
-    """Run `cmd` under the import tracer and return every top-level module name any of its processes found."""
+def trace_imports(
+    cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None, timeout_s: float = 1800
+) -> set[str]:
+    """Run `cmd` under the import tracer and return every top-level module name any of its processes found.
+    A workload that starts an engine can hang; `timeout_s` ends it with an error naming the command."""
     with tempfile.TemporaryDirectory(prefix="megagrpo-trace-") as tmp:
         site = Path(tmp, "site")
         out = Path(tmp, "out")
@@ -115,7 +118,15 @@ def trace_imports(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str
         run_env = dict(os.environ if env is None else env)
         run_env[TRACE_DIR_ENV] = str(out)
         run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), run_env.get("PYTHONPATH", "")) if p)
-        proc = subprocess.run(cmd, env=run_env, cwd=cwd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(
+                cmd, env=run_env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            raise MegagrpoError(
+                f"the traced workload {' '.join(cmd)!r} ran past {timeout_s:.0f} s; run it alone to see where "
+                "it waits"
+            ) from None
         if proc.returncode != 0:
             tail = (proc.stdout + proc.stderr)[-3000:]
             raise MegagrpoError(
@@ -158,7 +169,6 @@ class Need:
 def subtract_node(
     dists: dict[str, dict],
     node: dict[str, str | None],
-    pins: dict[str, str] | None = None,
     fixed: set[str] = frozenset(),
 ) -> tuple[list[Need], list[str]]:
     """Split a closure into what the bundle must carry and what the node provides.
@@ -170,7 +180,7 @@ def subtract_node(
     reported, since replacing it is exactly what the node forbids."""
     from packaging.requirements import Requirement
 
-    pins = {canonical(k): v for k, v in (pins or {}).items()}
+    fixed_c = {canonical(f) for f in fixed}
     node_c = {canonical(k): v for k, v in node.items()}
     wants: dict[str, list[tuple[str, Requirement]]] = {}
     for owner, info in dists.items():
@@ -183,12 +193,12 @@ def subtract_node(
     provided: list[str] = []
     for name, info in dists.items():
         c = canonical(name)
-        version = pins.get(c, info["version"])
+        version = info["version"]
         if c not in node_c:
             needs.append(Need(name, version, "not on the node"))
             continue
         have = node_c[c]
-        if c in {canonical(f) for f in fixed}:
+        if c in fixed_c:
             off = [
                 f"{o} declares {r}"
                 for o, r in wants.get(c, [])

@@ -25,8 +25,9 @@ Flag 0x8000 marks a zstd-compressed payload (`28 b5 2f fd`): every PTX entry and
 payload size is then the stored, compressed size, so zeroing is the same operation; compression is only
 reported.
 
-Which entries to zero: every entry whose arch is not kept, PTX included, but only in a container that
-keeps some entry of a kept arch. A container with none (say only sm_80 cubin and compute_80 PTX on an
+Which entries to zero: every entry whose arch is not kept, PTX included, and the PTX of a kept arch that
+sits beside that arch's cubin (never JIT-compiled then), but only in a container that keeps some entry of
+a kept arch. A container with none (say only sm_80 cubin and compute_80 PTX on an
 sm_90 target) is left whole and counted (`containers_untouched`): there the driver JIT-compiles the PTX.
 
 Checked on an H200 (driver 580.159.04) with a library built here by nvcc 13.0 (sm_80 cubin, compute_80

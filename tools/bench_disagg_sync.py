@@ -25,7 +25,12 @@ transport's calls, clocked by a wrapper), the engine's receive (`engine_receive_
 its load (`engine_load_s`, SGLang's `load_weights`) and its `begin/end_weight_update`
 (`engine_begin_end_s`), by timers this tool installs in its scheduler process (as `tools/bench_sync.py`
 does), and the rest of the time inside the transport's calls (`http_other_s`: HTTP round trips, the
-scheduler's dispatch, the prefix-cache flush).
+scheduler's dispatch, the prefix-cache flush). The transport's `send` returns once a bucket's broadcast
+has started and waits for the bucket before it, so the engine receives and loads bucket N while the owner
+checks and copies N + 1: the parts overlap, `owner_s` and the engine's timers can together exceed the
+sync, and `http_other_s` (the owner's waits less the engine's timed work) is then that overlap net of
+the HTTP time, negative when the overlap is larger. The baseline's time includes the wait for its one
+bucket to be answered.
 The sync is checked bit for bit afterwards (`sync.checksum`).
 
 `--threads` sets torch's intra-op threads here and in the engine's processes (OMP_NUM_THREADS); default 1
@@ -121,7 +126,9 @@ def breakdown(sync_s: float, transport_s: float, engine: Mapping[str, float]) ->
     """Where one sync's seconds went. `transport_s`: the owner's time inside the transport's calls (begin,
     each bucket's send, end); `engine`: the engine's timers over the same sync. The owner's own work (the
     checkpoint's shapes, the checks, cast and flattening) is the sync's time outside the transport; inside
-    it, what the engine's timers do not cover is HTTP, the scheduler's dispatch and the cache flush."""
+    it, what the engine's timers do not cover is HTTP, the scheduler's dispatch and the cache flush, less
+    the engine's work that ran while the owner worked (`send` returns before the bucket has arrived), so
+    `http_other_s` can be negative; the parts still add up to the sync."""
     engine_parts = {
         "engine_receive_s": engine.get("receive", 0.0),
         "engine_load_s": engine.get("load", 0.0),
@@ -214,11 +221,24 @@ def _serve(a: argparse.Namespace) -> int:
 
 
 class _TimedTransport:
-    """`BroadcastTransport` with a clock on its calls: the owner's seconds inside begin, send and end."""
+    """`BroadcastTransport` with a clock on its calls: the owner's seconds inside begin, send and end. Its
+    `flatten` is the owner's own work and is not clocked; `shapes` is the inner transport's, so that the
+    checkpoint is read once, not once per rep."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.remote, self.name = inner, inner.remote, inner.name
         self.seconds = 0.0
+
+    @property
+    def shapes(self) -> Any:
+        return self.inner.shapes
+
+    @shapes.setter
+    def shapes(self, value: Any) -> None:
+        self.inner.shapes = value
+
+    def flatten(self, bucket: Any, cast: Any, *, fresh: bool = False) -> Any:
+        return self.inner.flatten(bucket, cast, fresh=fresh)
 
     def _timed(self, fn: Any, *args: Any) -> Any:
         t0 = time.perf_counter()
@@ -241,12 +261,13 @@ class _TimedTransport:
 
 
 def _bcast_seconds(transport: Any, raw: Any) -> float:
-    """The baseline: the transport's own send of one raw bucket (one announcement, one broadcast), inside
-    the update session SGLang requires (its begin and end are not timed)."""
+    """The baseline: the transport's own send of one raw bucket (one announcement, one broadcast) until the
+    engine has answered, inside the update session SGLang requires (its begin and end are not timed)."""
     transport.begin()
     try:
         t0 = time.perf_counter()
         transport.send(raw, last=False)
+        transport._wait_in_flight()  # send returns once the broadcast has started
         return time.perf_counter() - t0
     finally:
         transport.end()

@@ -131,11 +131,14 @@ def iter_hf_buckets(
     groups: ExportGroups | None = None,
     dtype: torch.dtype | None = None,
     receive: bool | None = None,
+    stage_only: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of `(hf_name, tensor)` of at most `bucket_bytes` each (a larger single tensor comes alone).
 
     params: this rank's megatron `(name, tensor)` pairs (see the module contract). dtype: cast on export.
     receive: whether this rank yields the buckets; None = the default exporter (see the module contract).
+    stage_only: a receiving rank yields only the tensors its own pipeline stage holds, and nothing moves
+    over the pipeline group (each stage feeds its own weights group, `sync.stages`).
     Tensors yielded are CPU/device tensors detached from the model; they may alias the model's storage
     when no gather or transform was needed, so consume a bucket before the next optimizer step.
     """
@@ -216,7 +219,7 @@ def iter_hf_buckets(
                 if pm0.mcore not in held:
                     raise MegagrpoError(f"pipeline stage {owner} should hold {pm0.mcore!r} but does not")
                 fulls = [tp_unshard(pm0, _all_gather(local[held[pm0.mcore]], tp))]
-        for dst in receivers:
+        for dst in () if stage_only else receivers:
             if dst == owner:
                 continue
             if pp_rank == owner:
@@ -231,7 +234,7 @@ def iter_hf_buckets(
                     t = torch.empty(_full_shape(pm, arch, padded_vocab), dtype=unit_dtype, device=device)
                     dist.recv(t, dist.get_global_rank(pp, owner), group=pp)
                     fulls.append(t)
-        if not receive:
+        if not receive or (stage_only and pp_rank != owner):
             continue
         for pm, full in zip(unit, fulls, strict=True):
             for name, t in zip(pm.hf, to_hf(pm, full, arch), strict=True):

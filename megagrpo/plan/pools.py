@@ -10,8 +10,11 @@ A learner GPU (the worst pipeline stage) must hold
   training:    learner state (+ resident reference) + activations and logits of the micro-batches in
                flight + the rows in flight (`rows_wire_bytes`; in async mode the engines' rounds arrive
                while the learner trains, so they are counted on top rather than in a phase of their own)
-  weight sync: learner state (+ resident reference) + two export buckets (`sync.bucket_mb`): the
-               sending rank holds the bucket being broadcast and the next one
+  weight sync: learner state (+ resident reference) + export buckets (`sync.bucket_mb`): the
+               bucket the export builds, and per engine the rank sends to two send buffers, the
+               bucket on the wire and the next one (`sync.broadcast`); a rank sends to one engine
+               with PP 1, and with PP > 1 to every engine whose owner shares its pipeline group
+               (`config.mesh_rules.engines_fed`)
 An engine GPU must hold
   serving:     SGLang's static pool, mem_fraction_static x GPU memory (here a share of the whole device:
                nothing else is resident), i.e. the weight shard (all parameters / engine_tp) and the KV
@@ -27,7 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megagrpo.config.mesh_rules import Roles, rank_roles
+from megagrpo.config.mesh_rules import Roles, engines_fed, rank_roles
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 from megagrpo.plan.memory import (
@@ -43,6 +46,7 @@ from megagrpo.plan.memory import (
 )
 
 W = 36  # the label column of the tables
+SEND_BUFFERS = 2  # per engine fed: the bucket on the wire and the one filled meanwhile (`sync.broadcast`)
 
 
 def _gib(x: int) -> str:
@@ -85,17 +89,22 @@ class LearnerPool(_Verdict):
     activations: int
     logits: int
     rows_in_flight: int
-    export_buckets: int  # two `sync.bucket_mb` buckets on a sending rank
+    export_buckets: int  # `sync.bucket_mb` buckets on a sending rank: 1 + 2 per engine it feeds
     train_peak: int
     sync_peak: int
     budget: int
     max_micro_batch: int  # largest micro_batch_size whose training peak fits (0: not even 1)
     stage: int = 0
     reasons: tuple[str, ...] = field(default=())
+    engines_fed: int = 1  # the most engines one learner rank sends weights to
 
     @property
     def total(self) -> int:
         return max(self.train_peak, self.sync_peak)
+
+    @property
+    def export_buckets_n(self) -> int:
+        return 1 + SEND_BUFFERS * self.engines_fed
 
     def lines(self) -> list[str]:
         m = self.workload.mesh
@@ -112,7 +121,7 @@ class LearnerPool(_Verdict):
             ("activations (in flight)", self.activations),
             ("logits and log-softmax", self.logits),
             ("rows in flight (data plane)", self.rows_in_flight),
-            ("export buckets (2, weight sync)", self.export_buckets),
+            (f"export buckets ({self.export_buckets_n}, weight sync)", self.export_buckets),
             ("reserve (contexts, NCCL)", int(self.workload.reserve_gib * GIB)),
             None,
             ("training peak", self.train_peak),
@@ -239,8 +248,8 @@ class DisaggregatedPlan:
         return "\n".join(rows)
 
 
-def plan_learner_pool(arch: ModelArch, w: Workload, *, gpu_mem_gib: float) -> LearnerPool:
-    """The learner pool of workload `w` (its mesh's world is the learner ranks alone)."""
+def plan_learner_pool(arch: ModelArch, w: Workload, *, gpu_mem_gib: float, engines: int = 1) -> LearnerPool:
+    """The learner pool of workload `w` (its mesh's world is the learner ranks alone) feeding `engines`."""
     w.mesh.check()
     budget = int(gpu_mem_gib * GIB) - int(w.reserve_gib * GIB)
     ref_resident = 0
@@ -249,7 +258,8 @@ def plan_learner_pool(arch: ModelArch, w: Workload, *, gpu_mem_gib: float) -> Le
     worst = _worst_stage(arch, w, w.tokens(), ref_resident)
     train_peak = worst.train + w.rows_in_flight
     learner = max(_stage(arch, w, s, 1, ref_resident).resident for s in range(w.mesh.pp))
-    buckets = 2 * w.sync_bucket_bytes
+    fed = engines_fed(w.mesh.world_size, w.mesh.pp, engines)
+    buckets = (1 + SEND_BUFFERS * fed) * w.sync_bucket_bytes
     sync_peak = learner + buckets
     reasons = []
     if train_peak > budget:
@@ -259,7 +269,8 @@ def plan_learner_pool(arch: ModelArch, w: Workload, *, gpu_mem_gib: float) -> Le
         )
     if sync_peak > budget:
         reasons.append(
-            f"weight sync: learner state {_gib(learner)} + two export buckets {_gib(buckets)} exceed "
+            f"weight sync: learner state {_gib(learner)} + {1 + SEND_BUFFERS * fed} export buckets "
+            f"{_gib(buckets)} exceed "
             f"{_gib(budget)}; lower sync.bucket_mb or shard the learner more"
         )
     max_mb = max_micro_batch(arch, w, ref_resident, budget, beside=w.rows_in_flight)
@@ -274,6 +285,7 @@ def plan_learner_pool(arch: ModelArch, w: Workload, *, gpu_mem_gib: float) -> Le
         logits=worst.logits,
         rows_in_flight=w.rows_in_flight,
         export_buckets=buckets,
+        engines_fed=fed,
         train_peak=train_peak,
         sync_peak=sync_peak,
         budget=budget,
@@ -339,6 +351,6 @@ def plan_disaggregated(
     w = replace(w, offload_in_rollout=False)
     return DisaggregatedPlan(
         gpu_mem_gib=gpu_mem_gib,
-        learner=plan_learner_pool(arch, w, gpu_mem_gib=gpu_mem_gib),
+        learner=plan_learner_pool(arch, w, gpu_mem_gib=gpu_mem_gib, engines=roles.engines),
         engine=plan_engine_pool(arch, w, roles, gpu_mem_gib=gpu_mem_gib),
     )

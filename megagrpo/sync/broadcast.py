@@ -7,8 +7,13 @@ Each bucket is announced over HTTP (`update_weights_from_distributed`: names, dt
 `flattened_bucket`) while the owner broadcasts its bytes; SGLang receives into a fresh buffer and loads it.
 
 Cost per sync, at the owner: the model's bytes in the engine's dtype, once per engine (the broadcast
-reaches every TP rank of the engine at once), in buckets of `sync.bucket_mb`; two buckets held at most
-(`sync.weights.stream_buckets`). At the engine: one received bucket beside its weights.
+reaches every TP rank of the engine at once), in buckets of `sync.bucket_mb`. `send` returns once a
+bucket's broadcast has started, so bucket N is on the wire and loaded by SGLang while N + 1 is checked,
+cast and copied; one bucket is in flight at most (the next `send`, and `end`, wait for it). The owner
+therefore holds three buckets at most: the export's N + 2 being built or checked
+(`sync.weights.stream_buckets`) and two send buffers of `sync.bucket_mb` in the engine's dtype each
+(`flatten`), the one in flight and the one being filled; a blocking send would need one. At the engine:
+one received bucket beside its weights.
 
 Safety. Names and shapes are checked against the engine's checkpoint before the first byte is sent, the
 values were checked on the learner's shards (`trainer.weights.check_learner_weights`), and each bucket is
@@ -22,6 +27,7 @@ Every wait (the group's set-up, each bucket, the checksum) has the engine deadli
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import time
 from collections.abc import Iterable, Mapping
@@ -46,17 +52,37 @@ GROUP_PREFIX = "megagrpo-weights-"
 POLL_S = 0.002  # how often a broadcast in flight looks at the engine's answer
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A bucket whose broadcast was started by `send` and not yet waited for."""
+
+    work: Any  # the broadcast's `dist.Work`
+    announced: concurrent.futures.Future  # the engine's answer to the announcement
+    bucket: int  # 1-based, in this sync
+    buffer: int | None  # which of the two send buffers holds its bytes (None: a fresh one)
+    issued: float  # time.monotonic() when the broadcast started
+
+
 class BroadcastTransport:
     """Engine `remote`'s weights group, hosted by this rank (group rank 0)."""
 
-    def __init__(self, remote: RemoteEngine, *, timeout_s: float) -> None:
-        self.remote, self.timeout_s = remote, timeout_s
-        self.name = remote.name
-        self.group_name = f"{GROUP_PREFIX}{remote.index}"
+    def __init__(
+        self, remote: RemoteEngine, *, timeout_s: float, stage: int | None = None, session: bool = True
+    ) -> None:
+        """`stage`: the pipeline stage whose tensors this rank sends (its own group per stage; None: the
+        whole model, PP 1). `session`: whether this rank opens and closes the engine's weight-update
+        session (`begin`/`end`); with several stages only the engine's owner does, around every stage's
+        sends (`sync.stages`)."""
+        self.remote, self.timeout_s, self.session = remote, timeout_s, session
+        self.name = remote.name if stage is None else f"{remote.name}, pipeline stage {stage}"
+        self.group_name = f"{GROUP_PREFIX}{remote.index}" + ("" if stage is None else f"-stage{stage}")
         self.group: Any = None
         self._store: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weights-{remote.index}")
-        self._buf: torch.Tensor | None = None  # the send buffer (`flatten`)
+        self._bufs: list[torch.Tensor | None] = [None, None]  # the two send buffers (`flatten`)
+        self._next_buf = 0  # the one `flatten` fills next: never the bucket's in flight
+        self._in_flight: _InFlight | None = None  # the bucket `send` started and nobody waited for yet
+        self._sent = 0  # buckets started in this sync, to name the one that fails
         self.shapes: dict[str, tuple[int, ...]] | None = None  # the engine checkpoint's names and shapes
 
     def open(self) -> None:
@@ -107,9 +133,16 @@ class BroadcastTransport:
 
     def begin(self) -> None:
         self.open()
-        self._ok(self.remote.call("/begin_weight_update", {}), "/begin_weight_update")
+        if self.session:
+            self._ok(self.remote.call("/begin_weight_update", {}), "/begin_weight_update")
 
     def send(self, flat: Any, last: bool) -> None:
+        """Start bucket `flat`'s broadcast and return: its announcement goes to the pool's thread, its bytes
+        to an asynchronous broadcast, so the caller flattens the next bucket while the wire and SGLang's
+        load run. The bucket sent before it is waited for first (`_wait_in_flight`): one bucket in flight
+        at most, whose failure is raised here or by `end`. Cost: the bucket's bytes from this rank, once
+        (the broadcast reaches every TP rank of the engine), and one HTTP round trip."""
+        self._wait_in_flight()
         meta = flat.get_metadata()
         announced = self._pool.submit(
             self.remote.call,
@@ -123,28 +156,71 @@ class BroadcastTransport:
                 load_format="flattened_bucket",
             ),
         )
+        self._sent += 1
         try:
             work = dist.broadcast(flat.get_flattened_tensor(), group=self.group, group_src=0, async_op=True)
+        except Exception as e:
+            raise self._broadcast_failed(self._sent, e) from e
+        ptr = flat.get_flattened_tensor().data_ptr()
+        buffer = next((i for i, b in enumerate(self._bufs) if b is not None and b.data_ptr() == ptr), None)
+        self._in_flight = _InFlight(work, announced, self._sent, buffer, time.monotonic())
+
+    def _wait_in_flight(self) -> None:
+        """Wait for the bucket in flight, if any: its broadcast done and its announcement answered with
+        success, each within `timeout_s`. It is forgotten before anything is raised, so that `end` after a
+        failed `send` does not wait for it again."""
+        f, self._in_flight = self._in_flight, None
+        if f is None:
+            return
+        deadline = f.issued + self.timeout_s
+        try:
             # An engine that answers the announcement without joining the broadcast (no update session, an
             # unknown group, a failed receive buffer) never will: its answer is the error, not the deadline.
-            while not work.is_completed():
-                if announced.done() and not self._succeeded(announced):
+            while not f.work.is_completed():
+                if f.announced.done() and not self._succeeded(f.announced):
                     break
+                if time.monotonic() > deadline:
+                    raise MegagrpoError(
+                        f"{self.name}: bucket {f.bucket} of this sync was not received within "
+                        f"rollout.placement.engine_timeout_s={self.timeout_s:.0f} s; the engine is partly "
+                        "updated or hung. The run stops; resume from the last checkpoint"
+                    )
                 time.sleep(POLL_S)
             else:
-                work.wait()
+                f.work.wait()
+        except MegagrpoError:
+            raise
         except Exception as e:
+            raise self._broadcast_failed(f.bucket, e) from e
+        if not f.work.is_completed():
             raise MegagrpoError(
-                f"{self.name}: the weight broadcast failed ({type(e).__name__}: {e}); the engine is partly "
-                "updated or gone. The run stops; resume from the last checkpoint"
-            ) from e
-        if not work.is_completed():
-            raise MegagrpoError(
-                f"{self.name}: /update_weights_from_distributed answered without receiving the bucket: "
-                f"{self._answer(announced)}; its weights group is unusable. The run stops; resume from the "
-                "last checkpoint"
+                f"{self.name}: /update_weights_from_distributed answered without receiving the bucket "
+                f"({f.bucket} of this sync): {self._answer(f.announced)}; its weights group is unusable and "
+                "the engine is partly updated. The run stops; resume from the last checkpoint"
             )
-        self._ok(announced.result(), "/update_weights_from_distributed")
+        try:
+            result = f.announced.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            result = (
+                f"no answer within rollout.placement.engine_timeout_s={self.timeout_s:.0f} s after the "
+                "broadcast"
+            )
+        except MegagrpoError as e:  # the call's own error (SGLang answers a failed load with HTTP 400)
+            raise MegagrpoError(
+                f"{e} (bucket {f.bucket} of this sync); the engine is partly updated. The run stops; resume "
+                "from the last checkpoint"
+            ) from e
+        if not (isinstance(result, dict) and result.get("success", False)):
+            raise MegagrpoError(
+                f"{self.name}: /update_weights_from_distributed failed: {result} (bucket {f.bucket} of this "
+                "sync); the engine is partly updated. The run stops; resume from the last checkpoint"
+            )
+
+    def _broadcast_failed(self, bucket: int, e: Exception) -> MegagrpoError:
+        return MegagrpoError(
+            f"{self.name}: the weight broadcast failed ({type(e).__name__}: {e}) at bucket {bucket} of this "
+            "sync; the engine is partly updated or gone. The run stops; resume from the last checkpoint"
+        )
 
     @staticmethod
     def _succeeded(announced: concurrent.futures.Future) -> bool:
@@ -159,11 +235,14 @@ class BroadcastTransport:
         return f"{type(e).__name__}: {e}" if e is not None else str(announced.result())
 
     def flatten(self, bucket: list[NamedTensor], cast: torch.dtype | None, *, fresh: bool = False) -> Any:
-        """The bucket in SGLang's flattened layout, cast on the copy, in one buffer reused from bucket to
-        bucket and, on the CPU, from sync to sync (a fresh buffer per bucket costs its page faults every
-        time: 0.11 s of 0.52 at 205 MB here). On a GPU it is dropped at the end of the sync: torch's
-        caching allocator reuses the block without faults, and training gets it back. `fresh`: a buffer of
-        the bucket's own, which outlives the next one (a checksum keeps every bucket sent)."""
+        """The bucket in SGLang's flattened layout, cast on the copy, in one of TWO buffers used in turn
+        from bucket to bucket and, on the CPU, kept from sync to sync (a fresh buffer per bucket costs its
+        page faults every time: 0.11 s of 0.52 at 205 MB here). Two, because the bucket sent last may still
+        be on the wire while this one is built (`send` returns once its broadcast has started): the owner
+        holds one bucket more than a blocking send would, 2 x `sync.bucket_mb` in the engine's dtype. On a
+        GPU both are dropped at the end of the sync: torch's caching allocator reuses the blocks without
+        faults, and training gets them back. `fresh`: a buffer of the bucket's own, which outlives the next
+        one (a checksum keeps every bucket sent)."""
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
         from megagrpo.sync.weights import _flatten
@@ -174,32 +253,60 @@ class BroadcastTransport:
         dtypes = [cast or t.dtype for _, t in bucket]
         total = sum(t.numel() * d.itemsize for (_, t), d in zip(bucket, dtypes, strict=True))
         device = bucket[0][1].device
-        if self._buf is None or self._buf.numel() < total or self._buf.device != device:
-            self._buf = None  # the old one goes before the new one is made
-            self._buf = torch.empty(total, dtype=torch.uint8, device=device)
+        i = self._next_buf
+        if self._in_flight is not None and self._in_flight.buffer == i:
+            self._wait_in_flight()  # a second flatten before a send: the overlap is lost, not the bytes
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < total or buf.device != device:
+            self._bufs[i] = buf = None  # the old one goes before the new one is made
+            self._bufs[i] = buf = torch.empty(total, dtype=torch.uint8, device=device)
         meta, off = [], 0
         for (name, t), dtype in zip(bucket, dtypes, strict=True):
             n = t.numel() * dtype.itemsize
             if off % dtype.itemsize:  # SGLang's receive refuses unaligned tensors (mixed dtypes, no cast)
                 raise MegagrpoError(f"{self.name}: tensor {name!r} would be unaligned in its bucket")
-            self._buf[off : off + n].view(dtype).view(t.shape).copy_(t)
+            buf[off : off + n].view(dtype).view(t.shape).copy_(t)
             meta.append(FlattenedTensorMetadata(name, t.shape, dtype, off, off + n, n))
             off += n
-        return FlattenedTensorBucket(flattened_tensor=self._buf[:off], metadata=meta)
+        self._next_buf = 1 - i
+        return FlattenedTensorBucket(flattened_tensor=buf[:off], metadata=meta)
 
     def dropped(self) -> None:
         pass
 
     def end(self) -> None:
-        if self._buf is not None and self._buf.is_cuda:
-            self._buf = None
-        self._ok(self.remote.call("/end_weight_update", {}), "/end_weight_update")
+        """Wait for the last bucket in flight, drop the GPU send buffers and close the engine's update
+        session, also after a failed bucket (as `stream_buckets` does after a failed send); the bucket's
+        failure is then what is raised."""
+        failure: MegagrpoError | None = None
+        try:
+            self._wait_in_flight()
+        except MegagrpoError as e:
+            failure = e
+        finally:
+            self._sent = 0
+            if any(b is not None and b.is_cuda for b in self._bufs):
+                self._bufs = [None, None]
+        if self.session:
+            try:
+                self._ok(self.remote.call("/end_weight_update", {}), "/end_weight_update")
+            except MegagrpoError as e:
+                if failure is None:
+                    raise
+                failure.add_note(f"then: {e}")
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        """Finish a bucket still in flight (raising its failure once the group is gone), then release the
+        group and the pool."""
+        try:
+            self._wait_in_flight()
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            if self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None
 
 
 def engine_dtype(remote: RemoteEngine) -> torch.dtype:

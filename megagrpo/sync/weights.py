@@ -604,7 +604,8 @@ def stream_buckets(
     bucket is flattened as soon as the one before it is sent, and its own tensors are dropped then, so
     this rank holds two buckets at most: the flattened N waiting, and N + 1 being built by the export or
     checked; during a send, the flattened N and the checked N + 1; while N + 1 is flattened, N + 1 and
-    its flattened copy. That holds when the export keeps no bucket it has yielded (`bridge.export`,
+    its flattened copy; plus, with a transport whose send returns before the bucket is received (a
+    disaggregated engine's `BroadcastTransport`), the bucket still on the wire. That holds when the export keeps no bucket it has yielded (`bridge.export`,
     `_nonempty`); tensors that alias the learner's parameters (no gather, no cast) are the learner's
     memory, not a bucket's. `cast`: the engine's dtype, applied as the bucket is flattened (a bf16 engine
     receives half an fp32 learner's bytes), by `transport.flatten(bucket, cast, fresh=)`, which may reuse a
@@ -640,10 +641,13 @@ def stream_buckets(
             del bucket  # only its flattened copy is held while the export builds the next bucket
         checker.finish()
         send(pending, last=True)
+        begun = False  # ended here, so that a failure of the last bucket (seen by `end`) is reported below
+        transport.end()
     except MegagrpoError as e:
         if calls:
             raise MegagrpoError(
-                f"{e} ({calls} bucket(s) were already sent: {transport.name} is partly updated)"
+                f"{e} ({calls} bucket(s) were already sent, the last possibly not received: "
+                f"{transport.name} is partly updated)"
             ) from e
         raise
     finally:

@@ -106,6 +106,7 @@ class Session:
         self.engine = None
         self.engine_store = None  # disaggregated owners: the launch's store, where the engines are found
         self.weights_transport = None  # disaggregated owners: the engine's weights broadcast group
+        self.stage_routes: list = []  # disaggregated, PP > 1: (route, transport) of this rank's stage
         self.rewards = None  # the reward functions run where the completions are: on engine owners
         # Run-long reward error/timeout totals over every engine, the same on every rank (checkpointed).
         self.reward_totals = {"reward/errors_total": 0.0, "reward/timeouts_total": 0.0}
@@ -184,6 +185,7 @@ class Session:
         if not self.own_devices:
             self.learner.offload()
         barrier()  # every rank's learner is off its device before any engine process sizes itself
+        routes = self.pipeline_routes() if self.disaggregated else []
         # An owner that cannot start or reach its engine stops every rank here, not at the next collective.
         with agreed("the engines' start (an engine owner could not start or reach its engine)"):
             if self.engines.engine is not None:
@@ -192,6 +194,8 @@ class Session:
                     if self.disaggregated
                     else self.start_local_engine(placement)
                 )
+            if routes:
+                self.connect_stages(routes)
             if placement and (self.disaggregated or self.engine is None):
                 from megagrpo.rollout.placement import pin_learner
 
@@ -242,6 +246,43 @@ class Session:
             flush=True,
         )
         return engine
+
+    def pipeline_routes(self) -> list:
+        """Disaggregated with PP > 1: the engines this rank feeds with its own pipeline stage's weights
+        (`sync.stages`); empty with PP 1 (the owner sends the whole model). Collective (one all-gather of
+        each rank's pipeline group)."""
+        if self.cfg.mesh.pp == 1:
+            return []
+        from megatron.core import parallel_state as ps
+
+        from megagrpo.config.mesh_rules import stage_routes
+
+        mine = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+        every = self.engines.gather(mine)
+        return stage_routes(self.engines.owners, dict(enumerate(every)), self.engines.rank)
+
+    def connect_stages(self, routes: list) -> None:
+        """A weights group per engine this rank feeds with its stage; the owner's own engine included."""
+        from megagrpo.learner.mesh import DistEnv
+        from megagrpo.rollout import rendezvous
+        from megagrpo.rollout.remote import RemoteEngine
+        from megagrpo.sync.broadcast import BroadcastTransport
+
+        timeout = self.cfg.rollout.placement.engine_timeout_s
+        if self.engine_store is None:
+            env = DistEnv.from_environ()
+            self.engine_store = rendezvous.connect(env.master_addr, env.master_port, timeout)
+        rc = rollout_config(self.cfg, self.model_path)
+        for r in routes:
+            if r.owner:
+                remote = self.engine
+            else:  # control requests only: the owner generates
+                url, where = rendezvous.wait_for(self.engine_store, r.engine, timeout)
+                remote = RemoteEngine(rc, index=r.engine, url=url, where=where, timeout_s=timeout)
+            t = BroadcastTransport(remote, timeout_s=timeout, stage=r.stage, session=False)
+            self.stage_routes.append((r, t))
+        stages = ", ".join(f"engine {r.engine} stage {r.stage}" for r in routes)
+        print(f"rank {self.engines.rank} sends its pipeline stage's weights: {stages}", flush=True)
 
     def core_placement(self):
         """The CPU cores of the engines and the learners (`rollout.placement`), or None: on GPUs, and
@@ -451,44 +492,82 @@ class Session:
 
         Metrics are per engine (every engine receives the same model): `sync/bytes` is one engine's,
         `sync/seconds` the slowest engine's, `sync/checksum_ok` true only if every engine's is.
+        Disaggregated with PP > 1, each pipeline stage sends its own part instead (`sync_stages`).
         """
-        from megagrpo.sync.weights import sync_weights
-
         check_learner_weights(self.learner)
         mine: dict[str, float] | None = None
+        staged = None  # disaggregated with PP > 1: this rank's stats per engine it feeds with its stage
         # An owner's failure (its async worker, or its sync's checks) stops every rank here, not in the
         # next barrier; a failing owner still runs the export to its end (its gathers are collectives).
         with agreed("the weight sync (an engine owner's export or update failed)"):
             if self.async_rollout is not None:  # weights change only between requests (request boundaries)
                 self.sync_wait_seconds += self.async_rollout.queue.drain()
-            buckets = export_buckets(
-                self.learner, self.cfg.sync.bucket_mb << 20, receive=self.engine is not None
-            )
-            if self.engine is not None and self.disaggregated:
-                from megagrpo.sync.broadcast import sync_remote
-
-                stats = sync_remote(
-                    self.weights_transport,
-                    buckets,
-                    announced=self.export_shapes,
-                    checksum=self.checksum_due(),
-                )
-                mine = stats.metrics()
-            elif self.engine is not None:
-                stats = sync_weights(
-                    self.engine,
-                    buckets,
-                    checksum=self.checksum_due(),
-                    pack=self.cfg.sync.pack,
-                    before_send=None if self.asynchronous else (lambda: self.engine.resume(["weights"])),
-                    announced=self.export_shapes,
-                )
-                mine = stats.metrics()
+            if self.by_stage:
+                staged = self.sync_stages()
             else:
-                for _ in buckets:
-                    pass
+                mine = self.sync_whole()
         self.sampler_phase()
+        if self.by_stage:
+            from megagrpo.sync.stages import merge_stage_stats
+
+            return merge_engine_metrics(
+                merge_stage_stats(self.engines.gather(staged), self.engines.num_engines)
+            )
         return merge_engine_metrics(self.engines.gather_from_engines(mine))
+
+    @property
+    def by_stage(self) -> bool:
+        """Disaggregated with PP > 1: each pipeline stage sends its own weights (`sync.stages`)."""
+        return self.disaggregated and self.cfg.mesh.pp > 1
+
+    def sync_whole(self) -> dict[str, float] | None:
+        """Each engine owner receives the whole export from its replica and sends it to its engine (a
+        colocated engine, or a disaggregated one with PP 1); the owner's sync metrics."""
+        from megagrpo.sync.weights import sync_weights
+
+        mine = None
+        buckets = export_buckets(self.learner, self.cfg.sync.bucket_mb << 20, receive=self.engine is not None)
+        if self.engine is not None and self.disaggregated:
+            from megagrpo.sync.broadcast import sync_remote
+
+            stats = sync_remote(
+                self.weights_transport,
+                buckets,
+                announced=self.export_shapes,
+                checksum=self.checksum_due(),
+            )
+            mine = stats.metrics()
+        elif self.engine is not None:
+            stats = sync_weights(
+                self.engine,
+                buckets,
+                checksum=self.checksum_due(),
+                pack=self.cfg.sync.pack,
+                before_send=None if self.asynchronous else (lambda: self.engine.resume(["weights"])),
+                announced=self.export_shapes,
+            )
+            mine = stats.metrics()
+        else:
+            for _ in buckets:
+                pass
+        return mine
+
+    def sync_stages(self):
+        """Every pipeline stage sends its own weights to the engines its rank feeds (`sync.stages`):
+        nothing is funnelled through the owner. Collective over the learners; this rank's stats per
+        engine."""
+        from megagrpo.sync.stages import sync_stages
+
+        buckets = export_buckets(
+            self.learner, self.cfg.sync.bucket_mb << 20, receive=bool(self.stage_routes), stage_only=True
+        )
+        return sync_stages(
+            self.stage_routes,
+            buckets,
+            num_engines=self.engines.num_engines,
+            announced=self.export_shapes,
+            checksum=self.checksum_due(),
+        )
 
     def checksum_due(self) -> bool:
         """`sync.checksum` on this sync: the first of the process (after the start or a resume) and then
@@ -716,6 +795,8 @@ class Session:
             self.engine = None
         if self.weights_transport is not None:
             self.weights_transport.close()
+        for _, t in self.stage_routes:
+            t.close()
         if self.engine_store is not None:
             from megagrpo.rollout import rendezvous
 

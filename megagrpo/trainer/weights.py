@@ -112,19 +112,24 @@ def load_hf_into_learner(learner: Any, hf_dir: str | Path) -> ModelArch:
 
 
 def export_buckets(
-    learner: Any, bucket_bytes: int, *, receive: bool | None = None
+    learner: Any, bucket_bytes: int, *, receive: bool | None = None, stage_only: bool = False
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """HF-named buckets of the live policy; every model-parallel rank must iterate this to the end.
 
     receive: whether this rank gets the buckets (an engine owner); None = the replica's first rank
-    (`bridge.export`'s default exporter)."""
+    (`bridge.export`'s default exporter). stage_only: only its own pipeline stage's tensors."""
     from megatron.core import parallel_state as ps
 
     for chunk in learner.chunks:
         chunk = _unwrap(chunk)
         groups = ExportGroups.from_parallel_state(ps, layer_offset=_layer_offset(chunk))
         yield from iter_hf_buckets(
-            chunk.named_parameters(), learner.arch, bucket_bytes=bucket_bytes, groups=groups, receive=receive
+            chunk.named_parameters(),
+            learner.arch,
+            bucket_bytes=bucket_bytes,
+            groups=groups,
+            receive=receive,
+            stage_only=stage_only,
         )
 
 

@@ -143,6 +143,34 @@ def _check_export(model, arch, hf_dir: Path, layer_offset: int) -> dict:
         mismatched=[n for n in ref if n in got and not torch.equal(got[n], ref[n])][:5],
     )
     res["traffic"] = dict(received=received[0], model=sum(t.numel() * t.element_size() for t in ref.values()))
+    # a pipeline stage's own tensors only (disaggregated PP > 1: each stage feeds its own weights group)
+    real_send, real_recv = dist.send, dist.recv
+
+    def crossing(*a, **kw):
+        raise AssertionError("a stage-only export moved a tensor over the pipeline group")
+
+    dist.send = dist.recv = crossing
+    try:
+        own = {
+            n: t.clone()
+            for b in iter_hf_buckets(
+                model.named_parameters(),
+                arch,
+                bucket_bytes=RECEIVE_BUCKET,
+                groups=groups,
+                receive=True,
+                stage_only=True,
+            )
+            for n, t in b
+        }
+    finally:
+        dist.send, dist.recv = real_send, real_recv
+    res["stage"] = dict(
+        pp_rank=groups.pp.rank() if groups.pp is not None else 0,
+        names=sorted(own),
+        mismatched=[n for n in own if n not in ref or not torch.equal(own[n], ref[n])][:5],
+        of=len(ref),
+    )
     return res
 
 
@@ -250,6 +278,18 @@ def test_streaming_export_is_the_hf_state_dict(results, case):
         t = exp["traffic"]
         assert 0 < t["received"] <= t["model"] + 2 * RECEIVE_BUCKET, f"{case}: rank {rank} received {t}"
     assert exports[0]["exporter"], f"{case}: rank 0 is not an exporter"
+    # stage-only exports: every rank of a stage yields the same names, the stages' are disjoint and together
+    # the whole state dict, each tensor equal to HF's
+    by_stage: dict[int, set] = {}
+    for rank, exp in enumerate(exports):
+        st = exp["stage"]
+        assert st["mismatched"] == [], f"{case}: rank {rank} stage-only tensors differ: {st['mismatched']}"
+        assert by_stage.setdefault(st["pp_rank"], set(st["names"])) == set(st["names"]), (
+            f"{case}: rank {rank}"
+        )
+    stages = list(by_stage.values())
+    assert sum(len(n) for n in stages) == len(set().union(*stages)), f"{case}: a tensor sent by two stages"
+    assert len(set().union(*stages)) == exports[0]["stage"]["of"], f"{case}: a tensor sent by no stage"
     for rank, exp in enumerate(exports):
         if not exp["exporter"]:
             assert all(exp[str(b)]["buckets"] == 0 for b in BUCKETS), (

@@ -1,11 +1,12 @@
 """`megagrpo train` with `rollout.multi_turn` end to end (issue 26): 3-turn trajectories from a user's
-environment (imported by path), R3 on the tiny Qwen3-MoE, on 2 processes with one engine and with two.
+environment (imported by path), R3 on the tiny Qwen3-MoE, on 2 learner processes (DP2) with one colocated
+engine, and with two disaggregated engine ranks (issue 27: trajectories and evaluation over HTTP).
 
-* Engine-count invariance holds for trajectories: both runs sample the same trajectories and log the same
-  metrics (`run_metrics.engine_count_differences`' tolerances, for the reasons given there).
-* R3 is exact across turns in the trainer: the learner's replayed pass reproduces the sampler's logprobs on
-  the model tokens of every turn (mismatch/turn_<k>/ at fp32 round-off), and the learner's own routing
-  agrees with the sampler's per turn (moe/agreement_rollout_old/turn_<k>).
+* Engine-count and placement invariance hold for trajectories: both runs sample the same trajectories and
+  log the same metrics (`run_metrics.engine_count_differences`' tolerances, for the reasons given there).
+* R3 is exact across turns in the trainer, in both runs: the learner's replayed pass reproduces the
+  sampler's logprobs on the model tokens of every turn (mismatch/turn_<k>/ at fp32 round-off), and the
+  learner's own routing agrees with the sampler's per turn (moe/agreement_rollout_old/turn_<k>).
 * The multi-turn metrics reach metrics.jsonl and report.png's data.
 """
 
@@ -32,7 +33,10 @@ OVER = {
         "max_tokens": 96,
     },
 }
-NPROC = ("--nproc", "2")
+RUNS = {  # name: extra arguments
+    "one": ("rollout.num_engines=1", "--nproc", "2"),
+    "two": ("rollout.num_engines=2", "rollout.placement.kind=disaggregated", "--nproc", "4"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +58,19 @@ def _sampled(record_dir: Path) -> list:
 def runs(tmp_path_factory, moe_model):
     tmp = tmp_path_factory.mktemp("agentic")
     out = {}
-    for name, engines in (("one", "1"), ("two", "2")):
+    for name, extra in RUNS.items():
         rec = tmp / name / "sampled"
         rec.mkdir(parents=True)
         cfg = write_config(tmp / name, moe_model, **OVER)
-        res = cli(
-            "train",
-            str(cfg),
-            f"rollout.num_engines={engines}",
-            *NPROC,
-            env={"MEGAGRPO_TEST_RECORD_DIR": str(rec)},
-        )
+        res = cli("train", str(cfg), *extra, env={"MEGAGRPO_TEST_RECORD_DIR": str(rec)})
         assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
         out[name] = (last_record_per_step(tmp / name / "run"), _sampled(rec), tmp / name)
     return out
 
 
-def test_multi_turn_metrics_and_r3_exact_on_every_turn(runs):
-    m, sampled, _ = runs["one"]
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_multi_turn_metrics_and_r3_exact_on_every_turn(runs, run):
+    m, sampled, _ = runs[run]
     assert sorted(m) == [0, 1, 2]
     for step in (1, 2):
         r = m[step]
@@ -95,5 +94,6 @@ def test_multi_turn_metrics_and_r3_exact_on_every_turn(runs):
 def test_one_and_two_engines_sample_the_same_trajectories_and_log_the_same_metrics(runs):
     (ma, sa, _), (mb, sb, dir_b) = runs["one"], runs["two"]
     assert sa == sb, f"{len(set(sa) ^ set(sb))} trajectories differ"
-    assert len(list((dir_b / "sampled").glob("*.jsonl"))) == 2, "both engines ran trajectories"
+    # both disaggregated engines ran trajectories: the environments run on their owners, learner ranks 0, 1
+    assert len(list((dir_b / "sampled").glob("*.jsonl"))) == 2
     assert engine_count_differences(ma, mb) == {}

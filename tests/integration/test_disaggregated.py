@@ -142,3 +142,29 @@ def test_async_disaggregated_resumes_trains_and_every_sync_is_bit_exact(fault_ru
         assert rec["rollout/staleness_max"] <= 1 and rec["rollout/dropped_stale"] == 0
     assert any(rec["rollout/lag_1_frac"] > 0 for rec in steps.values())  # one-step-off reached
     assert steps[reached + 2]["rollout/regenerated"] == 0
+
+
+def test_pipeline_stages_send_their_own_weights_bit_exact(tmp_path):
+    """PP 2 learners + 1 engine rank: each pipeline stage feeds the engine over a weights group of its own
+    (no stage's tensors pass through the owner), and after every sync the engine's parameters hash like the
+    stages' exports together."""
+    from megagrpo.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", "qwen3_moe", seed=1)
+    shipped = yaml.safe_load(SHIPPED.read_text())
+    res = cli(
+        "train", str(SHIPPED),
+        *size_overrides(tmp_path, model), *data_overrides(shipped, tmp_path), reward_override(shipped),
+        "rollout.num_engines=1", "mesh.pp=2", "mesh.ep=1", "sync.checksum=true", "schedule.steps=2",
+        "schedule.save_every=0", "--nproc", "3",
+    )  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    for stage in (0, 1):
+        assert f"weights group megagrpo-weights-0-stage{stage} over gloo, 2 ranks" in out, out[-4000:]
+    assert "rank 1 sends its pipeline stage's weights: engine 0 stage 1" in out
+    steps = last_record_per_step(tmp_path / "run")
+    assert sorted(steps) == [1, 2]
+    for step, rec in steps.items():
+        assert rec["sync/checksum_ok"] == 1.0, step
+        assert rec["sync/bytes"] > 0 and rec["loss/grad_norm"] > 0, step

@@ -6,6 +6,10 @@ in a subprocess, tiny Qwen3-MoE, fp32 on the CPU), fed over its gloo weights gro
   hashes like the checkpoint and generates the same greedy ids;
 - perturbed weights arrive (the checksum holds, the checkpoint's hashes no longer match, generation changes);
 - a bucket that breaks its checks after a first one was sent names the engine and says it is partly updated;
+- a sync of many buckets in the two reused send buffers (each sent while the next is copied) arrives bit
+  for bit, without the checksum's buffer per bucket;
+- a bucket that the engine fails to load while the owner copies the next is reported by the next send,
+  naming the engine, the bucket and that it is partly updated;
 - the server exits 0 when the store says stop, and leaves no SGLang process behind.
 
 One server start for the module (20 s of the 33 s the module takes here); tests that change the weights put
@@ -144,6 +148,35 @@ def test_a_bucket_broken_after_a_send_names_the_partly_updated_engine(served, re
     assert "engine 0" in message and "partly updated" in message, message
     assert name in message and "1 bucket(s) were already sent" in message, message
     assert not verify_remote(served.engine, [served.original])  # the first bucket did arrive
+
+
+def test_many_buckets_in_the_reused_send_buffers_arrive_bit_for_bit(served, restore):
+    from megagrpo.sync.broadcast import sync_remote, verify_remote
+
+    perturbed = _perturbed(served.original, seed=2)
+    stats = sync_remote(served.transport, bucketize(perturbed, SMALL_BUCKET))  # no checksum: no fresh buffers
+    assert stats.buckets >= 3 and stats.checksum_ok is None
+    # a bucket overwritten in flight by the next one's copy would arrive with the next one's bytes
+    assert verify_remote(served.engine, [perturbed])
+    assert not verify_remote(served.engine, [served.original])
+
+
+def test_a_bucket_the_engine_fails_to_load_is_reported_by_the_next_send(served, restore):
+    t = served.transport
+    buckets = list(bucketize(served.original, SMALL_BUCKET))
+    name, norm = next((n, x) for n, x in served.original if n == "model.norm.weight")
+    wrong = [(name, torch.ones(2 * norm.numel()))]  # the receive takes it, SGLang's load refuses its shape
+    t.begin()
+    try:
+        t.send(t.flatten(buckets[0], torch.float32), last=False)
+        t.send(t.flatten(wrong, torch.float32), last=False)  # returns while the engine receives and loads
+        with pytest.raises(MegagrpoError) as err:
+            t.send(t.flatten(buckets[1], torch.float32), last=False)
+    finally:
+        t.end()
+    message = str(err.value)
+    assert "engine 0" in message and "partly updated" in message, message
+    assert "bucket 2 of this sync" in message and "Failed to update parameter online" in message, message
 
 
 def test_the_server_exits_0_when_the_store_says_stop(served):

@@ -1,16 +1,19 @@
 """The pure parts of tools/bench_disagg_sync.py: the parameter count of a Qwen3-MoE config against
 transformers' own model, the per-rank traffic arithmetic, the line fit, the breakdown of a sync and the
-engine timers' file format."""
+engine timers' file format; the clocked transport that `sync_remote` is given."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tools.bench_disagg_sync import (
+    _TimedTransport,
     breakdown,
     broadcast_traffic,
     fit_line,
@@ -86,3 +89,37 @@ def test_engine_timers_are_summed_per_kind_and_cleared(tmp_path):
     (tmp_path / "12.txt").write_text("receive 0.125\n")
     assert read_engine_seconds(tmp_path) == {"receive": 0.375, "load": 0.5}
     assert read_engine_seconds(tmp_path) == {}
+
+
+def test_an_overlapped_sync_breaks_down_with_negative_http_and_still_adds_up():
+    # the engine's receive and load ran while the owner copied the next bucket: more engine time than waits
+    parts = breakdown(1.0, 0.4, {"receive": 0.3, "load": 0.2})
+    assert parts["http_other_s"] == pytest.approx(-0.1)
+    assert sum(parts.values()) == pytest.approx(1.0)
+
+
+def test_the_timed_transport_clocks_the_transport_calls_only_and_shares_the_shapes():
+    calls = []
+    inner = SimpleNamespace(
+        remote="r",
+        name="engine 0",
+        shapes=None,
+        begin=lambda: calls.append("begin"),
+        send=lambda flat, last: time.sleep(0.05) or calls.append(("send", flat, last)),
+        flatten=lambda bucket, cast, fresh=False: time.sleep(0.05) or ("flat", bucket, cast, fresh),
+        dropped=lambda: calls.append("dropped"),
+        end=lambda: calls.append("end"),
+    )
+    t = _TimedTransport(inner)
+    assert t.shapes is None
+    t.shapes = {"w": (2,)}  # what sync_remote does once: the inner transport keeps it for the next rep
+    assert inner.shapes == {"w": (2,)} and _TimedTransport(inner).shapes == {"w": (2,)}
+    t.begin()
+    flat = t.flatten(["b"], "f32", fresh=True)
+    assert flat == ("flat", ["b"], "f32", True)
+    assert t.seconds < 0.04  # the flattening is the owner's own work, not the transport's
+    t.send(flat, True)
+    t.dropped()
+    t.end()
+    assert 0.05 <= t.seconds < 1.0
+    assert calls == ["begin", ("send", flat, True), "dropped", "end"]

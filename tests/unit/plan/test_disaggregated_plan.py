@@ -20,7 +20,7 @@ from megagrpo.plan.memory import (
     plan_memory,
     rows_wire_bytes,
 )
-from megagrpo.plan.pools import DisaggregatedPlan
+from megagrpo.plan.pools import DisaggregatedPlan, plan_disaggregated
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "disaggregated_qwen3_moe.yaml"
@@ -42,13 +42,14 @@ def test_the_shipped_config_plans_two_pools_that_fit():
     assert p.kv_tokens >= cfg.data.max_prompt_tokens + cfg.rollout.response_tokens
 
 
-def test_learner_pool_holds_no_engine_share_and_two_export_buckets():
+def test_learner_pool_holds_no_engine_share_and_three_export_buckets():
     cfg, p = plan()
     lp = p.learner
     bucket = cfg.sync.bucket_mb << 20
     state = learner_state_bytes(QWEN3_30B, cfg.mesh, 16)
     assert (lp.params, lp.grads, lp.optimizer) == (state.params, state.grads, state.optimizer)
-    assert lp.sync_peak == state.total + 2 * bucket  # no engine weights beside it
+    # no engine weights beside it; the bucket the export builds, the one on the wire, the one filled meanwhile
+    assert lp.sync_peak == state.total + 3 * bucket
     assert lp.rows_in_flight == rows_wire_bytes(16, 2, 32, 8, 1)  # rows from the 2 engines
     assert lp.train_peak == state.total + lp.activations + lp.logits + lp.rows_in_flight
     assert lp.total == max(lp.train_peak, lp.sync_peak)
@@ -56,7 +57,12 @@ def test_learner_pool_holds_no_engine_share_and_two_export_buckets():
     colocated = load_config(CONFIG, ["rollout.placement.kind=colocated"], check_paths=False)
     c = plan_memory(colocated, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
     assert isinstance(c, MemoryPlan)
-    assert c.sync_peak - lp.sync_peak == engine_weight_bytes(QWEN3_30B, 4)
+    assert c.sync_peak - lp.sync_peak == engine_weight_bytes(QWEN3_30B, 4) - bucket
+    # with PP 2 the owners of the 2 engines (learner ranks 0 and 8) share a pipeline group: 2 engines fed
+    piped = load_config(CONFIG, ["mesh.pp=2", "mesh.ep=4"], check_paths=False)
+    lp2 = plan_disaggregated(piped, QWEN3_30B, nodes=3, gpus_per_node=8, gpu_mem_gib=80).learner
+    assert lp2.engines_fed == 2 and lp2.export_buckets == 5 * bucket
+    assert "export buckets (5, weight sync)" in "\n".join(lp2.lines())
 
 
 def test_engine_pool_is_weights_kv_and_one_received_bucket_of_the_whole_gpu():
@@ -80,7 +86,7 @@ def test_the_cli_prints_both_pools_and_one_verdict(capsys):
     for line in (
         "learner pool: 16 GPUs (ranks 0-15), tp=2 pp=1 ep=8",
         "engine pool: 8 GPUs (ranks 16-23), 2 engine(s) of engine_tp=4",
-        "export buckets (2, weight sync)",
+        "export buckets (3, weight sync)",
         "received bucket (weight sync)",
         "engine KV cache",
         "learner pool verdict: FITS",

@@ -47,8 +47,9 @@ def test_an_engine_that_answers_without_receiving_fails_the_send_at_once(monkeyp
         {"success": False, "message": "must run between begin_weight_update() and end_weight_update()"}
     )
     t0 = time.monotonic()
+    t.send(flat_bucket(), last=False)  # returns once the broadcast started; the wait finds the answer
     with pytest.raises(MegagrpoError, match="answered without receiving the bucket.*must run between"):
-        t.send(flat_bucket(), last=False)
+        t._wait_in_flight()
     assert time.monotonic() - t0 < 5  # not the 1800 s deadline
     t._pool.shutdown()
 
@@ -57,6 +58,8 @@ def test_a_send_waits_for_the_broadcast_and_checks_the_answer(monkeypatch):
     monkeypatch.setattr(broadcast.dist, "broadcast", lambda *a, **k: FakeWork(0.05))
     t = transport({"success": True, "message": "ok"})
     t.send(flat_bucket(), last=True)
+    t._wait_in_flight()
+    assert t._in_flight is None
     t._pool.shutdown()
 
 
@@ -67,7 +70,8 @@ def test_the_send_buffer_is_reused_and_cast_on_the_copy():
     (nx, x), (ny, y) = flat.reconstruct_tensors()
     assert (nx, ny) == ("x", "y") and x.dtype == y.dtype == torch.float32
     assert torch.equal(x, a[0][1].float()) and torch.equal(y, a[1][1].float())
-    buf = t._buf
+    first = t._bufs[0]
+    t.flatten([("z", torch.zeros(3))], None)  # the second buffer (the first may be on the wire)
     t.flatten([("z", torch.zeros(3))], None)
-    assert t._buf is buf  # smaller: the same buffer
+    assert t._bufs[0] is first  # smaller: the same buffer, in turn
     t._pool.shutdown()

@@ -1,0 +1,226 @@
+"""Weights to disaggregated engines from every pipeline stage: one broadcast group per engine and stage.
+
+With PP > 1 an engine owner's replica holds the model in P stages. Funnelling them to the owner (over the
+pipeline group) and then out to the engine moves the whole model into and out of one rank. Instead every
+rank of the owner's pipeline group sends its own stage's tensors to the engine over a weights group of
+its own (`BroadcastTransport(stage=s)`, group `megagrpo-weights-<e>-stage<s>`), as slime and miles do.
+
+Per-rank cost per sync, M the model's bytes in the engine's dtype: a stage sender sends its stage's share
+(about M / P) once per engine it feeds and receives nothing over the pipeline group; the engine receives M,
+one group at a time (SGLang takes one update request at a time, so the stages' sends interleave by
+bucket). Several engines are fed by the same rank when their owners share a replica (owners are spread
+over the learner ranks, `rollout.groups`): each bucket is then flattened and sent once per engine.
+
+Order, per sync (every learner rank takes part; three all-reduces of one int64 and one of E int64 over
+the learner WORLD, the collectives of `trainer.agree`):
+1. each engine's owner opens its weight-update session; all agree that every session opened;
+2. every stage sender streams its stage's buckets (checked one by one, as `sync.weights.stream_buckets`:
+   names, shapes, finite values); all agree that every stage succeeded, and sum per engine the tensors
+   sent, which must be the whole checkpoint;
+3. the owners close the sessions; with `sync.checksum`, every sender compares the engine's hashes of the
+   parameters it sent with its own.
+A failure before any send leaves every engine its old weights. One after a send stops the run with an
+error naming the engine and stage, which is then partly updated; the last checkpoint resumes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.config.mesh_rules import StageRoute
+from megagrpo.errors import MegagrpoError
+from megagrpo.sync.buckets import NamedTensor
+from megagrpo.sync.weights import SyncStats, _Checker, check_announced, checkpoint_shapes, stream_buckets
+
+
+class _StageChecker(_Checker):
+    """One stage's share of the checkpoint: every tensor checked as it comes, none required here (the
+    tensors sent are counted over the stages once every stage is done)."""
+
+    def finish(self) -> None:
+        pass
+
+
+class FanOut:
+    """`stream_buckets`' transport for the engines one rank feeds: each bucket flattened (in the engine's
+    dtype) and sent once per engine; the errors name every engine it feeds."""
+
+    def __init__(self, transports: Sequence[Any]) -> None:
+        self.transports = list(transports)
+        self.name = "; ".join(t.name for t in self.transports)
+
+    def begin(self) -> None:
+        for t in self.transports:
+            t.begin()
+
+    def flatten(
+        self, bucket: list[NamedTensor], cast: torch.dtype | None, *, fresh: bool = False
+    ) -> list[Any]:
+        return [t.flatten(bucket, cast, fresh=fresh) for t in self.transports]
+
+    def send(self, flats: list[Any], last: bool) -> None:
+        for t, flat in zip(self.transports, flats, strict=True):
+            t.send(flat, last)
+
+    def dropped(self) -> None:
+        for t in self.transports:
+            t.dropped()
+
+    def end(self) -> None:
+        errors = []
+        for t in self.transports:  # every one, so no group is left with a buffer or a session open
+            try:
+                t.end()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def _failed(err: BaseException | None) -> int | None:
+    from megagrpo.trainer.agree import failed_rank
+
+    return failed_rank(err is not None)
+
+
+def _raise(err: BaseException | None, rank: int, what: str) -> None:
+    from megagrpo.trainer.agree import PeerFailed
+
+    if err is not None:
+        raise err
+    raise PeerFailed(rank, what)
+
+
+def sync_stages(
+    routes: Sequence[tuple[StageRoute, Any]],
+    buckets: Iterable[list[NamedTensor]],
+    *,
+    num_engines: int,
+    announced: Mapping[str, tuple[int, ...]] | None = None,
+    checksum: bool = False,
+) -> dict[int, SyncStats]:
+    """Collective over the learner WORLD (module doc): this rank's stage of the export (`buckets`, from
+    `export_buckets(stage_only=True)`, empty unless it has routes) to the engines of its `routes`
+    (`(route, BroadcastTransport(stage=, session=False))` pairs). Returns this rank's stats per engine."""
+    from megagrpo.sync.broadcast import engine_dtype, verify_remote
+
+    it = iter(buckets)
+    t0 = time.perf_counter()
+    owned = [t for r, t in routes if r.owner]
+    err: BaseException | None = None
+
+    opened = []
+    try:
+        for t in owned:
+            t.open()
+            _session(t, "/begin_weight_update")
+            opened.append(t)
+    except Exception as e:
+        err = e
+    failed = _failed(err)
+    if failed is not None:
+        for _ in it:
+            pass
+        _close(opened)
+        _raise(err, failed, "opening the engines' weight-update sessions")
+
+    transports = [t for _, t in routes]
+    kept: list[Any] | None = [] if checksum and transports else None
+    stats: SyncStats | None = None
+    try:
+        if transports:
+            fan = FanOut(transports)
+            if transports[0].shapes is None:
+                shapes = checkpoint_shapes(transports[0].remote.cfg.model_path)
+                for t in transports:
+                    t.shapes = shapes
+            shapes = transports[0].shapes
+            if announced is not None:
+                check_announced(shapes, announced)
+            cast = engine_dtype(transports[0].remote)
+            stats = stream_buckets(it, _StageChecker(shapes), fan, None, t0, cast=cast, keep=kept)
+        else:
+            for _ in it:
+                pass
+    except Exception as e:
+        err = e
+        for _ in it:  # the rest of the export: its gathers are collectives the stage is in
+            pass
+    counts = torch.zeros(num_engines, dtype=torch.int64)
+    if stats is not None:
+        for r, _ in routes:
+            counts[r.engine] = stats.tensors
+    failed = _failed(err)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from megagrpo.rollout.groups import wire_device
+
+        counts = counts.to(wire_device(None))
+        dist.all_reduce(counts)
+        counts = counts.cpu()
+    closing = _close(opened)
+    if failed is not None:
+        _raise(err, failed, "the weight sync of a pipeline stage")
+    if closing is not None:
+        raise closing
+    for t in owned:
+        index = next(r.engine for r, tt in routes if tt is t)
+        if int(counts[index]) != len(t.shapes):
+            raise MegagrpoError(
+                f"{t.remote.name}: the pipeline stages sent {int(counts[index])} of the checkpoint's "
+                f"{len(t.shapes)} tensors; the engine is partly updated. Check the bridge's parameter map "
+                "for this architecture; resume from the last checkpoint"
+            )
+
+    out: dict[int, SyncStats] = {}
+    for i, (r, t) in enumerate(routes):
+        ok = None
+        if kept is not None:
+            ok = verify_remote(t.remote, [flats[i].reconstruct_tensors() for flats in kept])
+        s = stats or SyncStats(0, 0.0, 0, 0, None)
+        out[r.engine] = SyncStats(s.bytes, s.seconds, s.buckets, s.tensors, ok)
+    return out
+
+
+def _session(t: Any, path: str) -> None:
+    result = t.remote.call(path, {})
+    if not (isinstance(result, dict) and result.get("success", False)):
+        raise MegagrpoError(f"{t.remote.name}: {path} failed: {result}")
+
+
+def _close(opened: Sequence[Any]) -> BaseException | None:
+    """End the sessions this rank opened, every one; the first failure, if any."""
+    first = None
+    for t in opened:
+        try:
+            _session(t, "/end_weight_update")
+        except Exception as e:
+            first = first or e
+    return first
+
+
+def merge_stage_stats(
+    per_rank: Sequence[Mapping[int, SyncStats] | None], num_engines: int
+) -> list[dict[str, float] | None]:
+    """Each engine's sync metrics from every rank's per-stage stats: bytes summed over the stages, the
+    time the slowest stage's, the checksum true only if every stage's is."""
+    out: list[dict[str, float] | None] = []
+    for e in range(num_engines):
+        parts = [p[e] for p in per_rank if p and e in p]
+        if not parts:
+            out.append(None)
+            continue
+        checks = [p.checksum_ok for p in parts if p.checksum_ok is not None]
+        merged = SyncStats(
+            bytes=sum(p.bytes for p in parts),
+            seconds=max(p.seconds for p in parts),
+            buckets=sum(p.buckets for p in parts),
+            tensors=sum(p.tensors for p in parts),
+            checksum_ok=all(checks) if checks else None,
+        )
+        out.append(merged.metrics())
+    return out

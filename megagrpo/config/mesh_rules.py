@@ -10,7 +10,7 @@ built without a config (distributed tests, tools, `launch/mesh_check.py`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megagrpo.errors import MegagrpoError
@@ -160,34 +160,30 @@ def rank_roles(
 @dataclass(frozen=True)
 class StageRoute:
     """A learner rank sends pipeline stage `stage` of the model to engine `engine` (disaggregated, PP > 1:
-    `sync.stages`); `owner`: it also owns the engine (generates with it, opens its weight-update sessions)."""
+    `sync.stages`)."""
 
     engine: int
     stage: int
-    owner: bool
 
 
-def stage_routes(
-    owners: Sequence[int], pipeline_of: Mapping[int, Sequence[int]], rank: int
-) -> list[StageRoute]:
-    """The routes of `rank`: engine e is fed by every rank of its owner's pipeline group, each with its own
-    stage (`pipeline_of[r]`: the global ranks of rank r's pipeline group, in stage order)."""
+def stage_routes(num_engines: int, pipeline_groups: Sequence[Sequence[int]], rank: int) -> list[StageRoute]:
+    """The routes of `rank`. Engine e is fed by one pipeline group, `pipeline_groups[e * G // num_engines]`
+    (G groups, each the global ranks of one model replica's stages in stage order), every rank with its
+    own stage: the engines are spread over the replicas, so no rank feeds two engines while G >= the
+    engine count. Any replica will do (every one holds the same weights), so the engine's owner need not
+    be among its senders."""
+    groups = sorted((list(g) for g in pipeline_groups), key=lambda g: g[0])
     routes = []
-    for e, owner in enumerate(owners):
-        stages = list(pipeline_of[owner])
-        if rank in stages:
-            routes.append(StageRoute(engine=e, stage=stages.index(rank), owner=rank == owner))
+    for e in range(num_engines):
+        group = groups[e * len(groups) // num_engines]
+        if rank in group:
+            routes.append(StageRoute(engine=e, stage=group.index(rank)))
     return routes
 
 
 def engines_fed(learners: int, pp: int, engines: int) -> int:
     """The most engines one learner rank sends weights to: 1 with PP 1 (each owner feeds its own engine);
-    with PP > 1 every rank of an owner's pipeline group feeds that engine, so owners that share a replica
-    share their senders. Megatron's rank order puts the pipeline outermost: rank r's pipeline group is
-    r mod (learners / pp) + s * (learners / pp); owners are spread as `rollout.groups` spreads them."""
+    with PP > 1 the engines are spread over the learners / pp pipeline groups (`stage_routes`)."""
     if pp == 1:
         return 1
-    per_stage = learners // pp
-    pipeline_of = {r: [r % per_stage + s * per_stage for s in range(pp)] for r in range(learners)}
-    owners = [e * learners // engines for e in range(engines)]
-    return max(len(stage_routes(owners, pipeline_of, r)) for r in range(learners))
+    return -(-engines // (learners // pp))

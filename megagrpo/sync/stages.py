@@ -1,19 +1,23 @@
 """Weights to disaggregated engines from every pipeline stage: one broadcast group per engine and stage.
 
-With PP > 1 an engine owner's replica holds the model in P stages. Funnelling them to the owner (over the
+With PP > 1 a replica holds the model in P stages. Funnelling them to the engine's owner (over the
 pipeline group) and then out to the engine moves the whole model into and out of one rank. Instead every
-rank of the owner's pipeline group sends its own stage's tensors to the engine over a weights group of
+rank of one replica's pipeline group sends its own stage's tensors to the engine over a weights group of
 its own (`BroadcastTransport(stage=s)`, group `megagrpo-weights-<e>-stage<s>`), as slime and miles do.
+The engines are spread over the replicas (`config.mesh_rules.stage_routes`): every replica holds the same
+weights, so engine e's senders are the pipeline group e * G / E of the G replicas, not necessarily its
+owner's, and no rank feeds two engines while there are at least as many replicas as engines.
 
 Per-rank cost per sync, M the model's bytes in the engine's dtype: a stage sender sends its stage's share
 (about M / P) once per engine it feeds and receives nothing over the pipeline group; the engine receives M,
 one group at a time (SGLang takes one update request at a time, so the stages' sends interleave by
-bucket). Several engines are fed by the same rank when their owners share a replica (owners are spread
-over the learner ranks, `rollout.groups`): each bucket is then flattened and sent once per engine.
+bucket). With more engines than replicas a rank feeds several engines: each bucket is then flattened and
+sent once per engine (`FanOut`).
 
-Order, per sync (every learner rank takes part; three all-reduces of one int64 and one of E int64 over
-the learner WORLD, the collectives of `trainer.agree`):
-1. each engine's owner opens its weight-update session; all agree that every session opened;
+Order, per sync (every learner rank takes part; two all-reduces of one int64 and one of E int64 over
+the learner WORLD, beside the export's own collectives):
+1. each engine's owner opens its weight-update session (over HTTP, whether or not it is one of the
+   engine's senders); all agree that every session opened;
 2. every stage sender streams its stage's buckets (checked one by one, as `sync.weights.stream_buckets`:
    names, shapes, finite values); all agree that every stage succeeded, and sum per engine the tensors
    sent, which must be the whole checkpoint;
@@ -101,25 +105,27 @@ def sync_stages(
     buckets: Iterable[list[NamedTensor]],
     *,
     num_engines: int,
-    announced: Mapping[str, tuple[int, ...]] | None = None,
+    owned: tuple[int, Any] | None = None,
+    announced: Mapping[str, tuple[int, ...]],
     checksum: bool = False,
 ) -> dict[int, SyncStats]:
     """Collective over the learner WORLD (module doc): this rank's stage of the export (`buckets`, from
     `export_buckets(stage_only=True)`, empty unless it has routes) to the engines of its `routes`
-    (`(route, BroadcastTransport(stage=, session=False))` pairs). Returns this rank's stats per engine."""
+    (`(route, BroadcastTransport(stage=, session=False))` pairs). `owned`: (index, RemoteEngine) of the
+    engine this rank owns, whose weight-update session it opens and closes. `announced`: the export's
+    names and shapes, the whole model (each engine must receive exactly these). Returns this rank's stats
+    per engine it feeds."""
     from megagrpo.sync.broadcast import engine_dtype, verify_remote
 
     it = iter(buckets)
     t0 = time.perf_counter()
-    owned = [t for r, t in routes if r.owner]
     err: BaseException | None = None
 
-    opened = []
+    opened = None
     try:
-        for t in owned:
-            t.open()
-            _session(t, "/begin_weight_update")
-            opened.append(t)
+        if owned is not None:
+            _session(owned[1], "/begin_weight_update")
+            opened = owned[1]
     except Exception as e:
         err = e
     failed = _failed(err)
@@ -134,16 +140,16 @@ def sync_stages(
     stats: SyncStats | None = None
     try:
         if transports:
-            fan = FanOut(transports)
             if transports[0].shapes is None:
                 shapes = checkpoint_shapes(transports[0].remote.cfg.model_path)
                 for t in transports:
                     t.shapes = shapes
             shapes = transports[0].shapes
-            if announced is not None:
-                check_announced(shapes, announced)
+            check_announced(shapes, announced)
             cast = engine_dtype(transports[0].remote)
-            stats = stream_buckets(it, _StageChecker(shapes), fan, None, t0, cast=cast, keep=kept)
+            stats = stream_buckets(
+                it, _StageChecker(shapes), FanOut(transports), None, t0, cast=cast, keep=kept
+            )
         else:
             for _ in it:
                 pass
@@ -167,14 +173,12 @@ def sync_stages(
         _raise(err, failed, "the weight sync of a pipeline stage")
     if closing is not None:
         raise closing
-    for t in owned:
-        index = next(r.engine for r, tt in routes if tt is t)
-        if int(counts[index]) != len(t.shapes):
-            raise MegagrpoError(
-                f"{t.remote.name}: the pipeline stages sent {int(counts[index])} of the checkpoint's "
-                f"{len(t.shapes)} tensors; the engine is partly updated. Check the bridge's parameter map "
-                "for this architecture; resume from the last checkpoint"
-            )
+    if owned is not None and int(counts[owned[0]]) != len(announced):
+        raise MegagrpoError(
+            f"{owned[1].name}: the pipeline stages sent {int(counts[owned[0]])} of the model's "
+            f"{len(announced)} tensors; the engine is partly updated. Check the bridge's parameter map for "
+            "this architecture; resume from the last checkpoint"
+        )
 
     out: dict[int, SyncStats] = {}
     for i, (r, t) in enumerate(routes):
@@ -186,21 +190,21 @@ def sync_stages(
     return out
 
 
-def _session(t: Any, path: str) -> None:
-    result = t.remote.call(path, {})
+def _session(remote: Any, path: str) -> None:
+    result = remote.call(path, {})
     if not (isinstance(result, dict) and result.get("success", False)):
-        raise MegagrpoError(f"{t.remote.name}: {path} failed: {result}")
+        raise MegagrpoError(f"{remote.name}: {path} failed: {result}")
 
 
-def _close(opened: Sequence[Any]) -> BaseException | None:
-    """End the sessions this rank opened, every one; the first failure, if any."""
-    first = None
-    for t in opened:
-        try:
-            _session(t, "/end_weight_update")
-        except Exception as e:
-            first = first or e
-    return first
+def _close(opened: Any) -> BaseException | None:
+    """End the session this rank opened, if any; its failure, if any."""
+    if opened is None:
+        return None
+    try:
+        _session(opened, "/end_weight_update")
+    except Exception as e:
+        return e
+    return None
 
 
 def merge_stage_stats(

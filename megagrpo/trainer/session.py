@@ -249,8 +249,8 @@ class Session:
 
     def pipeline_routes(self) -> list:
         """Disaggregated with PP > 1: the engines this rank feeds with its own pipeline stage's weights
-        (`sync.stages`); empty with PP 1 (the owner sends the whole model). Collective (one all-gather of
-        each rank's pipeline group)."""
+        (`sync.stages`, `config.mesh_rules.stage_routes`); empty with PP 1 (the owner sends the whole
+        model). Collective (one all-gather of each rank's pipeline group)."""
         if self.cfg.mesh.pp == 1:
             return []
         from megatron.core import parallel_state as ps
@@ -258,11 +258,11 @@ class Session:
         from megagrpo.config.mesh_rules import stage_routes
 
         mine = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-        every = self.engines.gather(mine)
-        return stage_routes(self.engines.owners, dict(enumerate(every)), self.engines.rank)
+        groups = {tuple(g) for g in self.engines.gather(mine)}
+        return stage_routes(self.engines.num_engines, sorted(groups), self.engines.rank)
 
     def connect_stages(self, routes: list) -> None:
-        """A weights group per engine this rank feeds with its stage; the owner's own engine included."""
+        """A weights group per engine this rank feeds with its stage (its URL from the launch's store)."""
         from megagrpo.learner.mesh import DistEnv
         from megagrpo.rollout import rendezvous
         from megagrpo.rollout.remote import RemoteEngine
@@ -274,7 +274,7 @@ class Session:
             self.engine_store = rendezvous.connect(env.master_addr, env.master_port, timeout)
         rc = rollout_config(self.cfg, self.model_path)
         for r in routes:
-            if r.owner:
+            if r.engine == self.engines.engine:
                 remote = self.engine
             else:  # control requests only: the owner generates
                 url, where = rendezvous.wait_for(self.engine_store, r.engine, timeout)
@@ -565,6 +565,7 @@ class Session:
             self.stage_routes,
             buckets,
             num_engines=self.engines.num_engines,
+            owned=None if self.engine is None else (self.engines.engine, self.engine),
             announced=self.export_shapes,
             checksum=self.checksum_due(),
         )

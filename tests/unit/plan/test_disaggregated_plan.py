@@ -58,9 +58,9 @@ def test_learner_pool_holds_no_engine_share_and_three_export_buckets():
     c = plan_memory(colocated, QWEN3_30B, nodes=2, gpus_per_node=8, gpu_mem_gib=80)
     assert isinstance(c, MemoryPlan)
     assert c.sync_peak - lp.sync_peak == engine_weight_bytes(QWEN3_30B, 4) - bucket
-    # with PP 2 the owners of the 2 engines (learner ranks 0 and 8) share a pipeline group: 2 engines fed
-    piped = load_config(CONFIG, ["mesh.pp=2", "mesh.ep=4"], check_paths=False)
-    lp2 = plan_disaggregated(piped, QWEN3_30B, nodes=3, gpus_per_node=8, gpu_mem_gib=80).learner
+    # PP 8 x TP 2 on 16 learner GPUs is 2 replicas for 4 engines: each stage's rank feeds 2 engines
+    piped = load_config(CONFIG, ["mesh.pp=8", "mesh.ep=1", "rollout.num_engines=4"], check_paths=False)
+    lp2 = plan_disaggregated(piped, QWEN3_30B, nodes=4, gpus_per_node=8, gpu_mem_gib=80).learner
     assert lp2.engines_fed == 2 and lp2.export_buckets == 5 * bucket
     assert "export buckets (5, weight sync)" in "\n".join(lp2.lines())
 

@@ -11,21 +11,26 @@ from megagrpo.sync.stages import FanOut, merge_stage_stats
 from megagrpo.sync.weights import SyncStats
 
 
-def test_every_rank_of_the_owners_pipeline_group_feeds_its_engine_with_its_own_stage():
-    # 4 learners, PP 2 x DP 2 (megatron's order: pipeline groups [0, 2] and [1, 3]); owners of 2 engines: 0, 2
-    pipeline_of = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
-    assert stage_routes([0, 2], pipeline_of, 0) == [StageRoute(0, 0, True), StageRoute(1, 0, False)]
-    assert stage_routes([0, 2], pipeline_of, 2) == [StageRoute(0, 1, False), StageRoute(1, 1, True)]
-    assert stage_routes([0, 2], pipeline_of, 1) == []  # the other replica sends nothing
-    # one engine owned by rank 1: its replica is the other pipeline group
-    assert stage_routes([1], pipeline_of, 3) == [StageRoute(0, 1, False)]
-    assert stage_routes([1], pipeline_of, 0) == []
-    # the plan's count of the same rule over megatron's rank order
-    assert engines_fed(4, 2, 2) == 2  # ranks 0 and 2 feed both engines
-    assert engines_fed(4, 1, 2) == 1
-    assert engines_fed(8, 2, 2) == 2  # owners 0 and 4 share the pipeline group [0, 4]
-    assert engines_fed(8, 2, 4) == 2  # owners 0, 2, 4, 6: groups [0, 4] and [2, 6]
-    assert engines_fed(16, 2, 4) == 2  # owners 0, 4, 8, 12: pipeline groups [0, 8] and [4, 12]
+def test_the_engines_are_spread_over_the_replicas_each_rank_with_its_own_stage():
+    # 4 learners, PP 2 x DP 2 (megatron's order: pipeline groups [0, 2] and [1, 3])
+    groups = [[1, 3], [0, 2]]  # in any order
+    assert stage_routes(2, groups, 0) == [StageRoute(0, 0)]
+    assert stage_routes(2, groups, 2) == [StageRoute(0, 1)]
+    assert stage_routes(2, groups, 1) == [StageRoute(1, 0)]  # engine 1 from the other replica
+    assert stage_routes(2, groups, 3) == [StageRoute(1, 1)]
+    # more engines than replicas: a rank feeds several
+    assert stage_routes(3, groups, 0) == [StageRoute(0, 0), StageRoute(1, 0)]
+    assert stage_routes(3, groups, 3) == [StageRoute(2, 1)]
+    # one engine: one replica sends, the other does nothing
+    assert stage_routes(1, groups, 1) == []
+    # the plan's count of the same rule
+    assert engines_fed(4, 2, 2) == 1 and engines_fed(4, 2, 3) == 2
+    assert engines_fed(16, 2, 4) == 1 and engines_fed(16, 1, 4) == 1
+    for learners, pp, engines in ((8, 2, 3), (8, 4, 5), (16, 2, 8), (12, 3, 7)):
+        per_stage = learners // pp
+        groups = [[g + s * per_stage for s in range(pp)] for g in range(per_stage)]
+        most = max(len(stage_routes(engines, groups, r)) for r in range(learners))
+        assert engines_fed(learners, pp, engines) == most, (learners, pp, engines)
 
 
 def test_one_engines_metrics_sum_the_stages_bytes_and_take_the_slowest_stage():
@@ -94,7 +99,11 @@ class _StageTransport(_Transport):
 def _sync(transport, buckets, owner=True):
     from megagrpo.sync.stages import sync_stages
 
-    return sync_stages([(StageRoute(0, 1, owner), transport)], buckets, num_engines=1)
+    announced = transport.shapes
+    owned = (0, transport.remote) if owner else None
+    return sync_stages(
+        [(StageRoute(0, 1), transport)], buckets, num_engines=1, owned=owned, announced=announced
+    )
 
 
 def test_a_bad_bucket_before_the_first_send_sends_nothing_and_closes_the_session():
@@ -111,14 +120,12 @@ def test_stages_that_miss_a_tensor_report_the_engine_partly_updated():
     import torch
 
     t = _StageTransport({"a": (2,), "b": (2,)})
-    with pytest.raises(
-        MegagrpoError, match="sent 1 of the checkpoint's 2 tensors; the engine is partly updated"
-    ):
+    with pytest.raises(MegagrpoError, match="sent 1 of the model's 2 tensors; the engine is partly updated"):
         _sync(t, [[("a", torch.ones(2))]])
     assert t.remote.calls == ["/begin_weight_update", "/end_weight_update"]
     stats = _sync(t, [[("a", torch.ones(2))], [("b", torch.ones(2))]])
     assert stats[0].tensors == 2 and stats[0].bytes == 16 and stats[0].checksum_ok is None
-    # a stage sender that does not own the engine neither opens nor closes its session
-    other = _StageTransport({"a": (2,)})
+    # a sender that does not own the engine neither opens nor closes its session, nor counts
+    other = _StageTransport({"a": (2,), "b": (2,)})
     _sync(other, [[("a", torch.ones(2))]], owner=False)
     assert other.remote.calls == []

@@ -23,10 +23,10 @@ pinned runs, and its figures are its own metrics.jsonl's, with the same steps le
 the in-process async run:
 - the weights go over HTTP and a gloo broadcast group per sync (`sync/broadcast.py`), not through shared
   memory inside one process, and every request crosses HTTP;
-- the learner is a process of its own (a torchrun rank), and neither role is pinned: each process runs
-  one thread (OMP_NUM_THREADS=1, as in the pinned runs) and the OS places them on the two cores (megagrpo
-  does not pin disaggregated CPU ranks; on a 2-core machine that, not HTTP or gloo, made most of the
-  gap to the pinned async run: docs/scaling.md);
+- the learner is a process of its own (a torchrun rank), pinned like the other roles: the engine rank
+  and its server's processes to `rollout.placement.engine_cores`, the learner rank to the other core,
+  each process one thread (OMP_NUM_THREADS=1, as in the pinned runs); unpinned, the OS shared both cores
+  between them, which, not HTTP or gloo, made most of the gap to the pinned async run (docs/scaling.md);
 - the launch itself (torchrun, the rendezvous, the server's start) is outside every measured step.
 
     python -m tools.bench_async [--steps 8] [--k 1] [--prompts 8] [--group-size 8] [--new-tokens 48]

@@ -5,7 +5,8 @@
 
 `engine` is also the workload `megagrpo bundle trace engine` traces: start the engine on a tiny Qwen3-MoE
 built here (on the CPU through the compat layer, or on CUDA), generate with token logprobs and routes,
-release and resume its memory, generate again, shut down. It prints one JSON line (`{"smoke": ...}`) and
+release and resume its memory, generate again, shut down; and import SGLang's HTTP server, which a
+disaggregated engine rank serves (`rollout.server`), so that its imports are in the closure too. It prints one JSON line (`{"smoke": ...}`) and
 exits non-zero if any part failed. Only the standard library is imported before the work starts, so a
 node without the bundle still gets a report rather than a traceback.
 """
@@ -19,6 +20,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+SERVER = "sglang.srt.entrypoints.http_server"  # what a disaggregated engine rank runs (`rollout.server`)
 
 
 def check_imports(modules: list[str]) -> dict[str, str]:
@@ -71,7 +75,13 @@ def run_engine(out: Path) -> dict:
             report["released_gib"] = round((torch.cuda.mem_get_info()[0] - free0) / 2**30, 3)
     finally:
         engine.shutdown()
-    report["ok"] = bool(report["logprobs_finite"] and report["same_after_resume"] and report["tokens"])
+    report["server"] = check_imports([SERVER])[SERVER]
+    report["ok"] = bool(
+        report["logprobs_finite"]
+        and report["same_after_resume"]
+        and report["tokens"]
+        and report["server"].startswith("ok")
+    )
     return report
 
 

@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 SERVER = "sglang.srt.entrypoints.http_server"  # what a disaggregated engine rank runs (`rollout.server`)
 
 

@@ -38,7 +38,7 @@ mem_fraction_static x GPU memory, and the KV cache is that pool minus the weight
 2 x layers x max(1, kv_heads / engine_tp) x head_dim x dtype bytes (kv heads are replicated when the
 engine TP exceeds them).
 
-Phases (`trainer/session.py`): the learner and the engine take turns on the device. The engine
+Phases (`trainer/samplers.py`): the learner and the engine take turns on the device. The engine
 releases its weights and KV cache before the learner reloads; the learner offloads all of its state to
 host memory (`Learner.offload`) before the engine resumes. The weight sync resumes the engine's weights
 beside the reloaded learner. So a GPU must hold

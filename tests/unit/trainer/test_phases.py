@@ -12,6 +12,7 @@ import torch
 
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.groups import EngineGroups
+from megagrpo.trainer import samplers as samplers_module
 from megagrpo.trainer import session as session_module
 from megagrpo.trainer.session import Session
 
@@ -65,7 +66,7 @@ def session(log, monkeypatch) -> Session:
     import megagrpo.rollout.engine as engine_module
 
     monkeypatch.setattr(engine_module, "RolloutEngine", lambda cfg: FakeEngine(log, cfg))
-    monkeypatch.setattr(session_module, "rollout_config", lambda cfg, path: RolloutConfig(model_path=path))
+    monkeypatch.setattr(samplers_module, "rollout_config", lambda cfg, path: RolloutConfig(model_path=path))
     s = object.__new__(Session)
     s.cfg = SimpleNamespace(
         sync=SimpleNamespace(bucket_mb=1, checksum=False, pack=True),
@@ -115,8 +116,8 @@ def test_a_step_and_its_weight_sync(session, log, monkeypatch):
         log.append("sync.write")
         return SimpleNamespace(metrics=lambda: {"sync/bytes": 4.0})
 
-    monkeypatch.setattr(session_module, "export_buckets", fake_export)
-    monkeypatch.setattr(session_module, "check_learner_weights", lambda learner: log.append("check"))
+    monkeypatch.setattr(samplers_module, "export_buckets", fake_export)
+    monkeypatch.setattr(samplers_module, "check_learner_weights", lambda learner: log.append("check"))
     monkeypatch.setattr(sync_module, "sync_weights", fake_sync)
     monkeypatch.setattr(maps_module, "hf_shapes", lambda arch: {"w": (1,)})
     session.arch = None
@@ -155,9 +156,9 @@ def test_async_swaps_no_memory_and_syncs_at_a_request_boundary(session, log, mon
         return SimpleNamespace(metrics=lambda: {"sync/bytes": 4.0})
 
     monkeypatch.setattr(
-        session_module, "export_buckets", lambda learner, nbytes, *, receive: iter([[("w", torch.zeros(1))]])
+        samplers_module, "export_buckets", lambda learner, nbytes, *, receive: iter([[("w", torch.zeros(1))]])
     )
-    monkeypatch.setattr(session_module, "check_learner_weights", lambda learner: log.append("check"))
+    monkeypatch.setattr(samplers_module, "check_learner_weights", lambda learner: log.append("check"))
     monkeypatch.setattr(sync_module, "sync_weights", fake_sync)
     monkeypatch.setattr(maps_module, "hf_shapes", lambda arch: {"w": (1,)})
     monkeypatch.setattr(session_module.Session, "core_placement", lambda self: None)
@@ -190,7 +191,7 @@ def test_a_checkpoint_between_steps_keeps_the_engine_weights(session, log, monke
 
 
 def test_sync_metrics_are_one_engines_the_slowest_time_and_every_checksum():
-    from megagrpo.trainer.session import merge_engine_metrics
+    from megagrpo.trainer.samplers import merge_engine_metrics
 
     a = {"sync/bytes": 100.0, "sync/seconds": 1.0, "sync/gbps": 1e-7, "sync/checksum_ok": 1.0}
     b = {"sync/bytes": 100.0, "sync/seconds": 2.0, "sync/gbps": 5e-8, "sync/checksum_ok": 0.0}

@@ -66,14 +66,12 @@ class _InFlight:
 class BroadcastTransport:
     """Engine `remote`'s weights group, hosted by this rank (group rank 0)."""
 
-    def __init__(
-        self, remote: RemoteEngine, *, timeout_s: float, stage: int | None = None, session: bool = True
-    ) -> None:
+    def __init__(self, remote: RemoteEngine, *, timeout_s: float, stage: int | None = None) -> None:
         """`stage`: the pipeline stage whose tensors this rank sends (its own group per stage; None: the
-        whole model, PP 1). `session`: whether this rank opens and closes the engine's weight-update
-        session (`begin`/`end`); with several stages only the engine's owner does, around every stage's
-        sends (`sync.stages`)."""
-        self.remote, self.timeout_s, self.session = remote, timeout_s, session
+        whole model, PP 1). With a stage, `begin`/`end` leave the engine's weight-update session alone:
+        the engine's owner opens and closes it around every stage's sends (`sync.stages`)."""
+        self.remote, self.timeout_s = remote, timeout_s
+        self.session = stage is None  # whether `begin`/`end` open and close the engine's session
         self.name = remote.name if stage is None else f"{remote.name}, pipeline stage {stage}"
         self.group_name = f"{GROUP_PREFIX}{remote.index}" + ("" if stage is None else f"-stage{stage}")
         self.group: Any = None
@@ -134,7 +132,7 @@ class BroadcastTransport:
     def begin(self) -> None:
         self.open()
         if self.session:
-            self._ok(self.remote.call("/begin_weight_update", {}), "/begin_weight_update")
+            engine_call(self.remote, "/begin_weight_update")
 
     def send(self, flat: Any, last: bool) -> None:
         """Start bucket `flat`'s broadcast and return: its announcement goes to the pool's thread, its bytes
@@ -289,7 +287,7 @@ class BroadcastTransport:
                 self._bufs = [None, None]
         if self.session:
             try:
-                self._ok(self.remote.call("/end_weight_update", {}), "/end_weight_update")
+                engine_call(self.remote, "/end_weight_update")
             except MegagrpoError as e:
                 if failure is None:
                     raise
@@ -307,6 +305,14 @@ class BroadcastTransport:
             if self.group is not None:
                 dist.destroy_process_group(self.group)
                 self.group = None
+
+
+def engine_call(remote: RemoteEngine, path: str) -> None:
+    """A control request without a body (`/begin_weight_update`, `/end_weight_update`); MegagrpoError
+    naming the engine unless SGLang answers success."""
+    result = remote.call(path, {})
+    if not (isinstance(result, dict) and result.get("success", False)):
+        raise MegagrpoError(f"{remote.name}: {path} failed: {result}")
 
 
 def engine_dtype(remote: RemoteEngine) -> torch.dtype:

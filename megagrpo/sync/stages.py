@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megagrpo.config.mesh_rules import StageRoute
 from megagrpo.errors import MegagrpoError
+from megagrpo.sync.broadcast import engine_call, engine_dtype, verify_remote
 from megagrpo.sync.buckets import NamedTensor
 from megagrpo.sync.weights import SyncStats, _Checker, check_announced, checkpoint_shapes, stream_buckets
 
@@ -111,12 +112,10 @@ def sync_stages(
 ) -> dict[int, SyncStats]:
     """Collective over the learner WORLD (module doc): this rank's stage of the export (`buckets`, from
     `export_buckets(stage_only=True)`, empty unless it has routes) to the engines of its `routes`
-    (`(route, BroadcastTransport(stage=, session=False))` pairs). `owned`: (index, RemoteEngine) of the
+    (`(route, BroadcastTransport(stage=))` pairs). `owned`: (index, RemoteEngine) of the
     engine this rank owns, whose weight-update session it opens and closes. `announced`: the export's
     names and shapes, the whole model (each engine must receive exactly these). Returns this rank's stats
     per engine it feeds."""
-    from megagrpo.sync.broadcast import engine_dtype, verify_remote
-
     it = iter(buckets)
     t0 = time.perf_counter()
     err: BaseException | None = None
@@ -124,7 +123,7 @@ def sync_stages(
     opened = None
     try:
         if owned is not None:
-            _session(owned[1], "/begin_weight_update")
+            engine_call(owned[1], "/begin_weight_update")
             opened = owned[1]
     except Exception as e:
         err = e
@@ -190,18 +189,12 @@ def sync_stages(
     return out
 
 
-def _session(remote: Any, path: str) -> None:
-    result = remote.call(path, {})
-    if not (isinstance(result, dict) and result.get("success", False)):
-        raise MegagrpoError(f"{remote.name}: {path} failed: {result}")
-
-
 def _close(opened: Any) -> BaseException | None:
     """End the session this rank opened, if any; its failure, if any."""
     if opened is None:
         return None
     try:
-        _session(opened, "/end_weight_update")
+        engine_call(opened, "/end_weight_update")
     except Exception as e:
         return e
     return None

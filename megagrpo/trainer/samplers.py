@@ -131,7 +131,8 @@ class SamplerMixin:
         engine = RemoteEngine(
             rc, index=index, url=url, where=where, timeout_s=timeout, reported_failure=reported_failure
         ).start()
-        self.weights_transport = BroadcastTransport(engine, timeout_s=timeout)
+        if not self.by_stage:  # with PP > 1 the stages send (`connect_stages`)
+            self.weights_transport = BroadcastTransport(engine, timeout_s=timeout)
         print(
             f"engine {index} of {self.engines.num_engines}: {where}, owned by rank {self.engines.rank} on "
             f"{node_name()}",
@@ -171,7 +172,7 @@ class SamplerMixin:
             else:  # control requests only: the owner generates
                 url, where = rendezvous.wait_for(self.engine_store, r.engine, timeout)
                 remote = RemoteEngine(rc, index=r.engine, url=url, where=where, timeout_s=timeout)
-            t = BroadcastTransport(remote, timeout_s=timeout, stage=r.stage, session=False)
+            t = BroadcastTransport(remote, timeout_s=timeout, stage=r.stage)
             self.stage_routes.append((r, t))
         stages = ", ".join(f"engine {r.engine} stage {r.stage}" for r in routes)
         print(f"rank {self.engines.rank} sends its pipeline stage's weights: {stages}", flush=True)

@@ -528,7 +528,11 @@ class RolloutEngine:
             routed_experts_start_len=cached,
         )
         meta = got["meta_info"]
-        return {"start": cached, "routed_experts": meta["routed_experts"], "cached_tokens": meta["cached_tokens"]}
+        return {
+            "start": cached,
+            "routed_experts": meta["routed_experts"],
+            "cached_tokens": meta["cached_tokens"],
+        }
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Engine log p(token t | tokens < t) for t = 1 .. L-1 of each sequence: float32 `[L - 1]` each.

@@ -83,7 +83,6 @@ from torch import Tensor
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import NO_ROUTE, Completion, finish_reason_of
 
-
 PREFIX_REREAD = "megagrpo_prefix_reread"
 """The key under which `RolloutEngine.generate_turn` adds, to SGLang's result, the route rows of a prefix that
 the turn recomputed: `{"start": c, "routed_experts": base64 int32 rows of positions [c, s + 1),

@@ -34,10 +34,11 @@ yet held: `s = routed_experts_start_len` = the number of route rows held, which 
     that first consumed them), then the decode-time routes of this turn's tokens but its last;
   * rows are appended, never rewritten (while the prefix stays cached; below): the rows returned at turn k
     are rows `[s_k, s_k + n_k)` of the final table, byte for byte.
-Rows received per trajectory: exactly `T - 1` while no prefix is recomputed, whatever the number of turns (a resend-every-turn design
-receives the sum over turns of the sequence length - 1). The table holds T rows: the received ones plus the
-final NO_ROUTE row, filled here, so its size is `T x layers x topk x itemsize` of the stored dtype; the
-received ones are counted in `route_rows_received` and `route_bytes_received` (the same dtype, as stored).
+Rows received per trajectory: exactly `T - 1` whatever the number of turns, while no prefix is recomputed (a
+resend-every-turn design receives the sum over turns of the sequence length - 1). The table holds T rows: the
+received ones plus the final NO_ROUTE row, filled here, so its size is `T x layers x topk x itemsize` of the
+stored dtype; the received ones (read-backs of recomputed prefixes included) are counted in
+`route_rows_received` and `route_bytes_received` (the same dtype, as stored).
 Routes are stored in the narrowest signed integer type that holds every expert index and NO_ROUTE
 (`route_dtype`); the wire format is int32.
 

@@ -358,8 +358,7 @@ def test_a_recomputed_prefix_without_its_read_back_is_refused():
         t.add_engine_output(out, [7], version=1)
     assert t.turns == 1
     dense = Trajectory([1, 2, 3])  # no routes: a recompute changes nothing to replay
-    dense.add_engine_output({"output_ids": [9], "meta_info": {**meta, "output_token_logprobs": [(-0.5, 0, None)]}},
-                            version=0)  # fmt: skip
-    dense.add_engine_output({"output_ids": [9], "meta_info": {**meta, "cached_tokens": 0,
-                                                              "output_token_logprobs": [(-0.5, 0, None)]}}, [4], version=0)  # fmt: skip
+    one = {**meta, "output_token_logprobs": [(-0.5, 0, None)]}
+    dense.add_engine_output({"output_ids": [9], "meta_info": one}, version=0)
+    dense.add_engine_output({"output_ids": [9], "meta_info": {**one, "cached_tokens": 0}}, [4], version=0)
     assert dense.prefix_recomputed_turns == 0

@@ -41,6 +41,7 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import Completion, completion_from_output
 from megagrpo.rollout.config import DTYPES, RolloutConfig, SamplingConfig
 from megagrpo.rollout.startup import only_the_served_model_imported
+from megagrpo.rollout.trajectory import PREFIX_REREAD
 
 logger = logging.getLogger(__name__)
 
@@ -473,7 +474,11 @@ class RolloutEngine:
         One turn of a multi-turn trajectory: each trajectory sends its own requests, because SGLang takes one
         `routed_experts_start_len` per call. `max_new_tokens` overrides `sampling.max_new_tokens` (the
         trajectory's remaining budget). Raises MegagrpoError when the engine sleeps, for an empty request, a
-        start outside `[0, len(input_ids)]`, or a request past the engine's context."""
+        start outside `[0, len(input_ids)]`, or a request past the engine's context.
+
+        When the engine recomputed part of the held prefix (`meta_info["cached_tokens"]` below the start: the
+        radix cache evicted it since the last turn), the routes of that recompute are read back at once and
+        added under `trajectory.PREFIX_REREAD` (`_reread_prefix_routes`; `rollout.trajectory` module doc)."""
         if self.asleep:
             raise MegagrpoError(
                 f"the rollout engine has released {sorted(self._released)}; call resume() first"
@@ -497,13 +502,37 @@ class RolloutEngine:
                 "max_tokens or raise the context"
             )
         want_routes = self.routes_num_experts is not None
-        return await self._request(
+        out = await self._request(
             input_ids=ids,
             sampling_params=self._sampling_params(sampling, seed),
             return_logprob=True,
             return_routed_experts=want_routes,
             routed_experts_start_len=routed_experts_start_len if want_routes else 0,
         )
+        cached = out["meta_info"].get("cached_tokens")
+        if want_routes and cached is not None and int(cached) < routed_experts_start_len:
+            out[PREFIX_REREAD] = await self._reread_prefix_routes(ids, routed_experts_start_len, int(cached))
+        return out
+
+    async def _reread_prefix_routes(self, ids: list[int], held: int, cached: int) -> dict[str, Any]:
+        """The routes of positions `[cached, held)` as the turn that just recomputed them left them in the
+        cache: a greedy one-token request over `ids[: held + 1]` whose prefix match reuses the turn's KV slots
+        (at most `held` tokens: SGLang computes the last one), returning the rows of `[cached, held + 1)`.
+
+        Cost: one forward over the tokens its cache lacks (1 on a hit) and `held + 1 - cached` rows of
+        layers x topk int32 back, only on a turn whose prefix was recomputed."""
+        got = await self._request(
+            input_ids=ids[: held + 1],
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_routed_experts=True,
+            routed_experts_start_len=cached,
+        )
+        meta = got["meta_info"]
+        return {
+            "start": cached,
+            "routed_experts": meta["routed_experts"],
+            "cached_tokens": meta["cached_tokens"],
+        }
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Engine log p(token t | tokens < t) for t = 1 .. L-1 of each sequence: float32 `[L - 1]` each.

@@ -9,7 +9,8 @@ trajectory:
   per turn k = 0, 1, ...:
     engine.generate_turn(ids so far + the environment's ids, routed_experts_start_len = the rows held)
       -> Trajectory.add_engine_output: the model segment (ids as generated, sampler logprobs, the policy
-         version, the new route rows only; `rollout.trajectory` module doc)
+         version, the new route rows only; and, when the engine recomputed an evicted prefix, the rows of
+         that recompute in place of the held ones, counted: `rollout.trajectory` module doc)
     ChatDeltas.close_model_turn -> the template's glue; ToolCallParser (SGLang's) -> the assistant message
     env.step(assistant message) -> done / reward, or messages -> ChatDeltas.append -> the next environment ids
   until the environment says done, `max_turns` model turns, or `max_tokens`.
@@ -138,6 +139,9 @@ class MultiTurnStats:
     route_bytes_received: int = 0
     route_rows_received: int = 0
     route_rows_if_resent: int = 0
+    r3_prefix_recomputed: int = 0  # turns whose held prefix the engine recomputed (`rollout.trajectory`)
+    r3_prefix_recomputed_rows: int = 0  # held route rows those turns replaced
+    r3_prefix_inexact: int = 0  # turns whose recomputed rows could not be read back as the turn used them
     unscored: int = 0  # episodes whose environment gave no reward
 
     def add(self, e: Episode) -> None:
@@ -153,6 +157,9 @@ class MultiTurnStats:
         self.route_bytes_received += t.route_bytes_received
         self.route_rows_received += t.route_rows_received
         self.route_rows_if_resent += t.route_rows_if_resent
+        self.r3_prefix_recomputed += t.prefix_recomputed_turns
+        self.r3_prefix_recomputed_rows += t.prefix_recomputed_rows
+        self.r3_prefix_inexact += t.prefix_inexact_turns
 
     def counts(self) -> dict[str, float]:
         """The counters as `multi_turn/<name>` floats: they add up over engines and rounds
@@ -183,6 +190,9 @@ class MultiTurnStats:
             "rollout/truncated_max_tokens_frac": self.truncated_max_tokens / n,
             "rollout/env_token_frac": self.env_tokens / max(self.env_tokens + self.model_tokens, 1),
             "rollout/route_bytes_per_traj": self.route_bytes_received / n,
+            "rollout/r3_prefix_recomputed": float(self.r3_prefix_recomputed),
+            "rollout/r3_prefix_recomputed_rows": float(self.r3_prefix_recomputed_rows),
+            "rollout/r3_prefix_inexact": float(self.r3_prefix_inexact),
             "rollout/unscored_frac": self.unscored / n,
         }
 

@@ -23,7 +23,7 @@ returns (base64 of int32, `meta_info["routed_experts"]`) the rows of sequence po
 shape `[seqlen - 1 - s, layers, topk]`, the first row being the route of token s. `s` must lie in
 `[0, len(input_ids)]` (else the request is aborted), and it is ONE int for a whole batched call, so each
 trajectory sends its own request. A token whose KV came from the prefix cache keeps the slot, so the row of
-the forward pass that first computed it.
+the forward pass that computed that KV.
 
 Each turn sends the whole sequence so far (`ids` + the new environment ids) and asks only for the rows not
 yet held: `s = routed_experts_start_len` = the number of route rows held, which is 0 before the first turn and
@@ -32,14 +32,43 @@ yet held: `s = routed_experts_start_len` = the number of route rows held, which 
   * turn 1 returns `P + O_1 - 1` rows: the prompt's prefill and the decode-time routes of its tokens;
   * turn k > 1 returns `E_k + O_k` rows: the previous turn's last token and the inserted tokens (the prefill
     that first consumed them), then the decode-time routes of this turn's tokens but its last;
-  * rows are appended, never rewritten: the rows returned at turn k are rows
-    `[s_k, s_k + n_k)` of the final table, byte for byte.
-Rows received per trajectory: exactly `T - 1`, whatever the number of turns (a resend-every-turn design
-receives the sum over turns of the sequence length - 1). The table holds T rows: the received ones plus the
-final NO_ROUTE row, filled here, so its size is `T x layers x topk x itemsize` of the stored dtype; the
-received ones are counted in `route_rows_received` and `route_bytes_received` (the same dtype, as stored).
+  * rows are appended, never rewritten (while the prefix stays cached; below): the rows returned at turn k
+    are rows `[s_k, s_k + n_k)` of the final table, byte for byte.
+Rows received per trajectory: exactly `T - 1` whatever the number of turns, while no prefix is recomputed (a
+resend-every-turn design receives the sum over turns of the sequence length - 1). The table holds T rows: the
+received ones plus the final NO_ROUTE row, filled here, so its size is `T x layers x topk x itemsize` of the
+stored dtype; the received ones (read-backs of recomputed prefixes included) are counted in
+`route_rows_received` and `route_bytes_received` (the same dtype, as stored).
 Routes are stored in the narrowest signed integer type that holds every expert index and NO_ROUTE
 (`route_dtype`); the wire format is int32.
+
+When the engine recomputed the prefix (R3's limit). All of the above holds while the prefix stays in SGLang's
+radix cache between turns. When it was evicted (memory pressure, `flush_cache`, and every weight update,
+which flushes the cache), turn k's prefill computes positions `[c, s)` again, `c` = the request's
+`meta_info["cached_tokens"]`, possibly with other routes (prefill vs decode kernels, another batch, other
+weights); the KV that turn k's tokens attend to is that recompute's. A row is an input token's experts in
+one forward pass, and the learner's single forward over the row can replay only one row per position, so
+the rows held from the earlier computation and the recomputed ones cannot both be honoured. The table takes
+the recomputed ones: row t is the route of the LATEST forward pass the engine ran over token t, which is the
+computation whose KV every later token of the trajectory attended to (this turn's tokens and, while the
+cache then holds, every later turn's). That is also SGLang's own rule inside one request (a slot's row is
+overwritten by each pass that writes it, e.g. a retracted request's re-prefill). What it costs: the tokens
+generated before the recompute (positions in `(c, s]`) are replayed with routes other than the ones their
+decode used where the two computations routed differently; their mismatch is measured per token by
+`mismatch/` and weighted by TIS/MIS like any other. Keeping the old rows instead would make every token
+from the recompute on inexact, the final turn's included, and silently so: the next turns hit the cache
+of the recompute, so nothing would mark them.
+
+The request of turn k cannot ask for rows it does not know it needs (`cached_tokens` is known only after
+it ran), so `RolloutEngine.generate_turn` reads them back at once with one more request over the prefix
+(`PREFIX_REREAD`), which hits the KV the turn just cached; `add_engine_output` replaces rows `[c, s)` with
+them and counts the turn (`prefix_recomputed_turns`, `prefix_recomputed_rows`). A read-back that finds the
+prefix evicted again returns rows of its own prefill, not of the turn's: they are kept (the next turn
+attends to that KV when the cache holds) and the turn is counted as inexact (`prefix_inexact_turns`).
+Limits that remain: an engine that does not report `cached_tokens` (a test's fake) is taken as a full
+cache hit; a request that SGLang retracts under memory pressure and prefills again does not change its
+`cached_tokens`; and the radix cache shares a prefix between requests with the same tokens, so a row can
+be another trajectory's computation of the same tokens under the same weights.
 """
 
 from __future__ import annotations
@@ -54,6 +83,11 @@ from torch import Tensor
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import NO_ROUTE, Completion, finish_reason_of
+
+PREFIX_REREAD = "megagrpo_prefix_reread"
+"""The key under which `RolloutEngine.generate_turn` adds, to SGLang's result, the route rows of a prefix that
+the turn recomputed: `{"start": c, "routed_experts": base64 int32 rows of positions [c, s + 1),
+"cached_tokens": the read-back request's own cache hit}` (module doc)."""
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -99,6 +133,18 @@ class EnvSegment:
 Segment = ModelSegment | EnvSegment
 
 
+@dataclass(frozen=True)
+class PrefixRecompute:
+    """At one turn, the engine computed positions `[start, start + len(rows))` of the held prefix again (its
+    cache held only `start` of them): `rows` int `[n, L, K]` are that recompute's routes, which replace the
+    held ones (module doc). `exact` is False when they were read back after a second eviction, so they are
+    the read-back's own prefill, not the turn's."""
+
+    start: int
+    rows: Tensor
+    exact: bool = True
+
+
 def _ids(x: Sequence[int] | Tensor) -> Tensor:
     return torch.as_tensor(x, dtype=torch.int64).reshape(-1)
 
@@ -117,8 +163,13 @@ class Trajectory:
     prompt_index: int = 0
     sample_index: int = 0
     segments: list[Segment] = field(default_factory=list)
-    route_blocks: list[Tensor] = field(default_factory=list)  # rows received per turn, in order
+    route_blocks: list[Tensor] = field(default_factory=list)  # the table's rows so far, in order
+    route_rows_received: int = 0  # rows received over all turns (T - 1, plus the rows of prefix read-backs)
+    route_bytes_received: int = 0  # those rows in the stored dtype
     route_rows_if_resent: int = 0  # rows a design resending the whole prefix every turn would receive
+    prefix_recomputed_turns: int = 0  # turns whose held prefix the engine recomputed (module doc)
+    prefix_recomputed_rows: int = 0  # held rows those turns replaced
+    prefix_inexact_turns: int = 0  # of them, turns whose recomputed rows could not be read back as used
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)
@@ -155,13 +206,16 @@ class Trajectory:
         version: int | Sequence[int] | Tensor,
         routes_rows: Tensor | None = None,
         finish_reason: str = "stop",
+        recomputed: PrefixRecompute | None = None,
     ) -> None:
         """Append one turn: the ids inserted before it (empty on the first turn), then the generated ids.
 
         `routes_rows` int `[n, L, K]` are the rows the engine returned for a request of `next_input_ids(
         new_env_ids)` with `routed_experts_start_len` read BEFORE this call: n = tokens after the turn - 1 -
-        that start. They are appended as they are; earlier rows are never touched. `version` is the policy
-        version that generated the turn (an int), or one per generated token."""
+        that start. They are appended as they are. Earlier rows are touched only by `recomputed`: the rows
+        of the held prefix that the engine computed again at this turn, ending at that start, which replace
+        the held ones (module doc). `version` is the policy version that generated the turn (an int), or
+        one per generated token."""
         env, gen = _ids(new_env_ids), _ids(generated_ids)
         if gen.numel() == 0:
             raise ValueError("a model turn has at least one generated token")
@@ -179,16 +233,41 @@ class Trajectory:
         start = self.routed_experts_start_len
         tokens_after = self.num_tokens + env.numel() + gen.numel()
         block = self._check_rows(routes_rows, tokens_after - 1 - start)
+        redo = None
+        if recomputed is not None:
+            if block is None:
+                raise ValueError("recomputed prefix rows given for a trajectory without routes")
+            if not 0 <= recomputed.start < start:
+                raise ValueError(
+                    f"a recomputed prefix starts at {recomputed.start}; it must lie in [0, {start}) (the rows held)"
+                )
+            redo = self._check_rows(recomputed.rows, start - recomputed.start)
         if env.numel():
             self.segments.append(EnvSegment(env))
         self.segments.append(ModelSegment(gen, lp, versions, finish_reason))
-        if block is not None:
-            self.route_blocks.append(block)
-            self.route_rows_if_resent += tokens_after - 1
+        if block is None:
+            return
+        if redo is not None:
+            table = torch.cat(self.route_blocks)
+            table[recomputed.start :] = redo
+            self.route_blocks = [table]
+            self._count_received(redo)
+            self.prefix_recomputed_turns += 1
+            self.prefix_recomputed_rows += redo.shape[0]
+            self.prefix_inexact_turns += not recomputed.exact
+        self.route_blocks.append(block)
+        self._count_received(block)
+        self.route_rows_if_resent += tokens_after - 1
+
+    def _count_received(self, rows: Tensor) -> None:
+        self.route_rows_received += int(rows.shape[0])
+        self.route_bytes_received += rows.numel() * rows.element_size()
 
     def add_engine_output(self, out: dict, new_env_ids: Sequence[int] | Tensor = (), *, version: int) -> None:
         """`add_turn` from one result of `sglang.Engine.async_generate` (input_ids = `next_input_ids(
-        new_env_ids)`, `return_logprob=True`, and with routes `routed_experts_start_len` as above)."""
+        new_env_ids)`, `return_logprob=True`, and with routes `routed_experts_start_len` as above), as
+        `RolloutEngine.generate_turn` returns it: when `meta_info["cached_tokens"]` says the engine recomputed
+        part of the held prefix, the rows it read back (`PREFIX_REREAD`) replace the held ones."""
         meta = out["meta_info"]
         gen = out["output_ids"]
         lp = meta.get("output_token_logprobs")
@@ -202,7 +281,25 @@ class Trajectory:
                 raise RuntimeError("the request returned no routed_experts; send return_routed_experts=True")
             n = self.num_tokens + len(_ids(new_env_ids)) + len(gen) - 1 - self.routed_experts_start_len
             rows = route_rows_from_b64(meta["routed_experts"], n, self.num_layers, self.topk)
-        self.add_turn(new_env_ids, gen, [float(x[0]) for x in lp], version, rows, finish_reason_of(meta))
+        lps = [float(x[0]) for x in lp]
+        redo = self._recomputed_prefix(out)
+        self.add_turn(new_env_ids, gen, lps, version, rows, finish_reason_of(meta), redo)
+
+    def _recomputed_prefix(self, out: dict) -> PrefixRecompute | None:
+        """The rows of the held prefix that this turn's engine pass computed again, when it did (module doc)."""
+        held, cached = self.routed_experts_start_len, out["meta_info"].get("cached_tokens")
+        if self.route_dtype is None or cached is None or int(cached) >= held:
+            return None
+        got = out.get(PREFIX_REREAD)
+        if got is None or int(got["start"]) != int(cached):
+            raise RuntimeError(
+                f"the engine recomputed positions [{int(cached)}, {held}) of the trajectory's prefix (its cache "
+                f"held {int(cached)} tokens) and the result carries no read-back of their routes from "
+                f"{int(cached)}; RolloutEngine.generate_turn adds them under {PREFIX_REREAD!r}"
+            )
+        n = held + 1 - int(cached)  # the read-back's rows run to the prefix's next token, which it recomputes
+        rows = route_rows_from_b64(got["routed_experts"], n, self.num_layers, self.topk)[: n - 1]
+        return PrefixRecompute(int(cached), rows, exact=int(got["cached_tokens"]) >= held)
 
     def _check_rows(self, rows: Tensor | None, expect: int) -> Tensor | None:
         if self.route_dtype is None:
@@ -312,12 +409,3 @@ class Trajectory:
             return None
         last = torch.full((1, self.num_layers, self.topk), NO_ROUTE, dtype=self.route_dtype)
         return torch.cat([*self.route_blocks, last])
-
-    @property
-    def route_rows_received(self) -> int:
-        return sum(int(b.shape[0]) for b in self.route_blocks)
-
-    @property
-    def route_bytes_received(self) -> int:
-        """Bytes of the route rows received over all turns, in the stored dtype: (T - 1) x L x K x itemsize."""
-        return sum(b.numel() * b.element_size() for b in self.route_blocks)

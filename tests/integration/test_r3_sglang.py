@@ -10,6 +10,12 @@
    the R3 forward reproduces the sampler's logprobs on every model token; with the fp8 routers replay brings
    them closer than no replay; the rows returned at turn 1 are the final table's, and the route bytes are
    linear in the tokens.
+4. A prefix evicted between turns: turn 1 of 3 under the fp8 routers, then the weights put back (a weight
+   update flushes SGLang's radix cache; the test flushes it too), so turn 2 prefills every earlier token again
+   under other routes. The engine reports it (`cached_tokens`), the recomputed rows are read back and replace
+   turn 1's, and the turn is counted (`rollout/r3_prefix_recomputed`); turn 3 hits the cache and is not. The
+   learner, with the weights that produced turns 2-3, then agrees with every row and reproduces the sampler
+   on every token of those turns: it replays the routes that produced them, not turn 1's.
 
 Generation runs here (the session engine); the learner runs in one forked process (tests/dist harness),
 which keeps megatron's CPU patches out of the engine's process.
@@ -123,6 +129,75 @@ def _multi_turn_batch(engine, tmp: Path, name: str, seed: int) -> tuple[Path, di
     return path, facts
 
 
+EVICT_ENV = [11, 12, 13]  # the ids inserted before turns 2 and 3
+
+
+async def _turn(engine, trajs, sampling, turn: int, version: int) -> None:
+    """One turn of every trajectory, concurrently, through `generate_turn` (the read-back included)."""
+    import asyncio
+
+    from megagrpo.rollout.multi_turn import turn_seed
+
+    env = [] if turn == 0 else EVICT_ENV
+    outs = await asyncio.gather(*(
+        engine.generate_turn(t.next_input_ids(env), sampling, seed=turn_seed(sampling.seed, i, turn),
+                             routed_experts_start_len=t.routed_experts_start_len)
+        for i, t in enumerate(trajs)
+    ))  # fmt: skip
+    for t, out in zip(trajs, outs):
+        t.add_engine_output(out, env, version=version)
+
+
+def _flush(engine, timeout_s: float = 120.0) -> None:
+    """Evict every prefix from the engine's radix cache (SGLang refuses while its last batch is in flight)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not engine.engine.flush_cache().success:
+        assert time.monotonic() < deadline, "the engine did not become idle to flush its cache"
+        time.sleep(0.02)
+
+
+def _evicted_turn_one(engine):
+    """Turn 1 of one trajectory per prompt, under the engine's current (fp8-router) weights: version 0."""
+    from megagrpo.rollout.config import SamplingConfig
+    from megagrpo.rollout.trajectory import Trajectory
+
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=3)
+    trajs = [
+        Trajectory(p, engine.num_layers, engine.topk, engine.routes_num_experts, i)
+        for i, p in enumerate(PROMPTS)
+    ]
+    engine.loop.run_until_complete(_turn(engine, trajs, sampling, 0, version=0))
+    return trajs, sampling, [t.routes[:-1].clone() for t in trajs]
+
+
+def _evicted_turns_two_three(engine, turn_one, tmp: Path) -> tuple[Path, dict]:
+    """Turns 2 and 3 after the cache was flushed, under the restored weights (version 1): the batch and facts."""
+    from megagrpo.rollout.multi_turn import Episode, MultiTurnStats
+    from megagrpo.trainer.batch import trajectory_batch
+
+    trajs, sampling, rows_one = turn_one
+    _flush(engine)
+    engine.loop.run_until_complete(_turn(engine, trajs, sampling, 1, version=1))
+    engine.loop.run_until_complete(_turn(engine, trajs, sampling, 2, version=1))
+    stats = MultiTurnStats()
+    for t in trajs:
+        stats.add(Episode(t))
+    m = stats.metrics()
+    facts = {
+        "recomputed": m["rollout/r3_prefix_recomputed"],
+        "recomputed_rows": m["rollout/r3_prefix_recomputed_rows"],
+        "inexact": m["rollout/r3_prefix_inexact"],
+        "rows_held_at_turn_two": [len(r) for r in rows_one],
+        "turn_one_rows_replaced": [not torch.equal(t.routes[: len(r)], r) for t, r in zip(trajs, rows_one)],
+    }
+    batch = trajectory_batch([[t] for t in trajs], torch.zeros(len(trajs)), pad_id=0)
+    path = tmp / "mt_evicted.pt"
+    torch.save(batch, path)
+    return path, facts
+
+
 def _batch(engine, tmp: Path, name: str) -> Path:
     from megagrpo.rollout.config import SamplingConfig
     from megagrpo.trainer.batch import rollout_batch
@@ -149,15 +224,19 @@ def measured(sglang_engine, sglang_model_dir, hf_reference, tmp_path_factory):
         sync_weights(sglang_engine, bucketize([(n, _fp8_round_trip(t)) for n, t in routers]), partial=True)
         noisy = _batch(sglang_engine, tmp, "noisy")
         mt_noisy, mt_noisy_facts = _multi_turn_batch(sglang_engine, tmp, "mt_noisy", seed=2)
+        turn_one = _evicted_turn_one(sglang_engine)
     finally:
         sync_weights(sglang_engine, bucketize(routers), partial=True)
+    mt_evicted, mt_evicted_facts = _evicted_turns_two_three(sglang_engine, turn_one, tmp)
     launch(
         "tests.integration.test_r3_sglang:worker", 1, tmp, timeout=900,
         model_dir=str(sglang_model_dir),
-        batches={"same": str(same), "noisy": str(noisy), "mt_same": str(mt_same), "mt_noisy": str(mt_noisy)},
+        batches={"same": str(same), "noisy": str(noisy), "mt_same": str(mt_same), "mt_noisy": str(mt_noisy),
+                 "mt_evicted": str(mt_evicted)},
     )  # fmt: skip
     res = json.loads((tmp / "rank0.json").read_text())
     res["mt_same"]["engine"], res["mt_noisy"]["engine"] = mt_same_facts, mt_noisy_facts
+    res["mt_evicted"]["engine"] = mt_evicted_facts
     print("R3 end to end (learner vs engine):", json.dumps(res, indent=1))  # the figures, with pytest -s
     return res
 
@@ -208,6 +287,21 @@ def test_multi_turn_without_replay_the_noisy_sampler_is_not_reproduced(measured)
     assert m["replay_unconsumed"] == 0 and m["replay_fallback_tokens"] == 0
 
 
+@pytest.mark.slow
+def test_an_evicted_prefix_is_replayed_with_the_routes_that_produced_the_later_turns(measured):
+    m, e = measured["mt_evicted"], measured["mt_evicted"]["engine"]
+    n = len(PROMPTS)
+    # turn 2 of every trajectory found its prefix evicted and took the recomputed rows; turn 3 hit the cache
+    assert (e["recomputed"], e["inexact"]) == (n, 0)
+    assert e["recomputed_rows"] == sum(e["rows_held_at_turn_two"])
+    assert any(e["turn_one_rows_replaced"]), "the fp8 routers routed no prefix token differently; vacuous"
+    # the learner has the weights of turns 2-3: every row of the table is its own route (turn 1's fp8-router
+    # rows would not be), and its R3 logprobs reproduce the sampler on every token of those turns
+    assert m["agreement_rollout_old"] == 1.0
+    assert m["r3_vs_sampler_max_version_1"] < 1e-3
+    assert m["replay_unconsumed"] == 0 and m["replay_fallback_tokens"] == 0
+
+
 def worker(rank: int, world: int, outdir: Path, model_dir: str, batches: dict[str, str]) -> None:
     from megagrpo.bridge.hf_config import arch_from_hf
     from megagrpo.learner.learner import Learner, LearnerConfig
@@ -237,5 +331,9 @@ def worker(rank: int, world: int, outdir: Path, model_dir: str, batches: dict[st
             "free_vs_sampler_max": float((free - sampler)[mask].abs().max()),
             "tokens": int(mask.sum()),
         }
+        if "versions" in batch:  # per policy version: the tokens generated under each weight set
+            for v in batch["versions"][mask].unique().tolist():
+                on = mask & (batch["versions"] == v)
+                out[name][f"r3_vs_sampler_max_version_{v}"] = float((r3 - sampler)[on].abs().max())
     (outdir / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
     learner.close(process_group=True)

@@ -20,8 +20,8 @@ from megagrpo.envs.tools import Tool, ToolExecutor
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import NO_ROUTE, completion_from_output
 from megagrpo.rollout.config import SamplingConfig
-from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes, turn_seed
-from megagrpo.rollout.trajectory import EnvSegment, ModelSegment, Trajectory
+from megagrpo.rollout.multi_turn import MultiTurnLimits, MultiTurnStats, rollout_episodes, turn_seed
+from megagrpo.rollout.trajectory import PREFIX_REREAD, EnvSegment, ModelSegment, Trajectory
 from megagrpo.trainer.batch import rollout_batch, trajectory_batch
 
 L, K, E = 3, 2, 8
@@ -43,12 +43,14 @@ class ScriptedEngine:
     """SGLang's side of a turn, faked: the output is the script's text for the request's question and turn
     (encoded, then the end-of-turn token unless cut at `max_new_tokens`); each request computes a fresh route
     for every input position (as if the prefix cache were evicted, so a re-read prefix would differ) and
-    returns the rows `[routed_experts_start_len, seqlen - 1)` as base64 int32, as SGLang 0.5.23 does."""
+    returns the rows `[routed_experts_start_len, seqlen - 1)` as base64 int32, as SGLang 0.5.23 does. With
+    `evicted=True` it also says so, as `RolloutEngine.generate_turn` does: `cached_tokens` 0 and the
+    recomputed prefix's rows read back (`PREFIX_REREAD`)."""
 
     num_layers, topk, routes_num_experts, context_len = L, K, E, 4096
 
-    def __init__(self, tok, scripts: dict[str, list[str]]) -> None:
-        self.tokenizer, self.scripts = tok, scripts
+    def __init__(self, tok, scripts: dict[str, list[str]], evicted: bool = False) -> None:
+        self.tokenizer, self.scripts, self.evicted = tok, scripts, evicted
         self.loop = asyncio.new_event_loop()
         self.rng = np.random.default_rng(0)
         self.requests: list[dict] = []  # per request: question, turn, ids, start, seed, output ids, rows
@@ -72,24 +74,34 @@ class ScriptedEngine:
         rows = table[routed_experts_start_len:]
         self.requests.append(
             dict(question=question, turn=turn, ids=ids, start=routed_experts_start_len, seed=seed,
-                 out=gen, rows=torch.from_numpy(rows).to(torch.int32))
+                 out=gen, rows=torch.from_numpy(rows).to(torch.int32), table=list(table))
         )  # fmt: skip
         lps = (-self.rng.random(len(gen))).astype(np.float32)
-        return {
+        out = {
             "output_ids": gen,
             "meta_info": {
                 "output_token_logprobs": [(float(lp), t, None) for lp, t in zip(lps, gen)],
                 "finish_reason": {"type": finish},
-                "routed_experts": base64.b64encode(np.ascontiguousarray(rows, np.int32).tobytes()).decode(),
+                "routed_experts": _b64(rows),
             },
         }
+        if self.evicted:
+            out["meta_info"]["cached_tokens"] = 0
+            if routed_experts_start_len:  # the read-back runs to the held prefix's next token
+                reread = _b64(table[: routed_experts_start_len + 1])
+                out[PREFIX_REREAD] = {"start": 0, "routed_experts": reread, "cached_tokens": len(ids) - 1}
+        return out
 
     def close(self) -> None:
         self.loop.close()
 
 
-def _run(tok, scripts, rows, make_env, limits=None, **kw):
-    eng = ScriptedEngine(tok, scripts)
+def _b64(a) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, np.int32).tobytes()).decode()
+
+
+def _run(tok, scripts, rows, make_env, limits=None, evicted=False, **kw):
+    eng = ScriptedEngine(tok, scripts, evicted)
     try:
         groups, stats = rollout_episodes(eng, rows, make_env, SAMPLING, limits or MultiTurnLimits(), **kw)
     finally:
@@ -142,6 +154,23 @@ def test_three_turn_calculator_episode(tok):
     m = stats.metrics()
     assert m["rollout/turns_mean"] == 3 and m["rollout/tool_calls_per_traj"] == 2
     assert m["rollout/env_token_frac"] == pytest.approx(ep.env_tokens / (ep.env_tokens + t.num_model_tokens))
+
+
+def test_an_evicted_prefix_takes_the_recomputed_rows_and_is_counted(tok):
+    rows = [{"prompt": Q1, "answer": "97406785"}]
+    eng, [[ep]], stats = _run(tok, {Q1: SCRIPT1}, rows, CalculatorEnv, evicted=True)
+    t, last = ep.trajectory, eng.requests[-1]
+    # the whole table, as the last turn's pass computed it (it recomputed the prefix), not as turn 1 did
+    want = torch.cat([torch.from_numpy(np.stack(last["table"][: last["start"]])).int(), last["rows"]])
+    assert t.turns == 3 and torch.equal(t.routes[:-1].to(torch.int32), want)
+    assert not torch.equal(t.routes[: len(eng.requests[0]["rows"])].to(torch.int32), eng.requests[0]["rows"])
+    held = sum(r["start"] for r in eng.requests)
+    assert (t.prefix_recomputed_turns, t.prefix_recomputed_rows) == (2, held)
+    m = stats.metrics()
+    assert (m["rollout/r3_prefix_recomputed"], m["rollout/r3_prefix_recomputed_rows"]) == (2.0, float(held))
+    assert m["rollout/r3_prefix_inexact"] == 0.0
+    # the counters add up over engines like the others
+    assert MultiTurnStats.from_counts(stats.counts()).r3_prefix_recomputed_rows == held
 
 
 def test_malformed_call_and_unknown_tool_are_answered_counted_and_the_trajectory_goes_on(tok):

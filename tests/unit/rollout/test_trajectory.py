@@ -11,7 +11,7 @@ import torch
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import NO_ROUTE, completion_from_output
-from megagrpo.rollout.trajectory import Trajectory, route_dtype
+from megagrpo.rollout.trajectory import PrefixRecompute, Trajectory, route_dtype
 
 L, K, E = 3, 2, 8
 
@@ -25,8 +25,9 @@ class FakeEngine:
     forward pass that computes a token as an input, and `routes[start_len : seqlen - 1]` returned.
 
     With `evict=True` the prefix cache is dropped between requests, so each request's prefill computes every
-    earlier token again, under that turn's weights/batch: a different route than the one that generated it
-    (the case where re-reading the prefix's routes is wrong). `first` keeps each position's first route."""
+    earlier token again, under that turn's weights/batch: a different route than the one that generated it.
+    The engine then reports what it recomputed (`PrefixRecompute` of the held positions), as
+    `RolloutEngine.generate_turn` reads it back. `first` keeps each position's first route."""
 
     def __init__(self, evict: bool) -> None:
         self.evict = evict
@@ -48,7 +49,12 @@ class FakeEngine:
                 self.first.setdefault(pos, self.table[pos])
         rows = np.stack([self.table[p] for p in range(start_len, seqlen - 1)])
         logprobs = (-self.rng.random(n_new)).astype(np.float32)
-        return gen, logprobs, torch.from_numpy(rows).int()
+        redo = None
+        if self.evict and start_len > 0:  # the whole held prefix was computed again
+            redo = PrefixRecompute(
+                0, torch.from_numpy(np.stack([self.table[p] for p in range(start_len)])).int()
+            )
+        return gen, logprobs, torch.from_numpy(rows).int(), redo
 
 
 def _run(turns: int, *, evict: bool = True, env_len: int = 4, gen_len: int = 5):
@@ -58,8 +64,8 @@ def _run(turns: int, *, evict: bool = True, env_len: int = 4, gen_len: int = 5):
     for k in range(turns):
         env = [] if k == 0 else [200 + k] * env_len
         start = t.routed_experts_start_len
-        gen, lp, rows = eng.generate(t.next_input_ids(env), start, gen_len)
-        t.add_turn(env, gen, lp, version=k // 2, routes_rows=rows, finish_reason="stop")
+        gen, lp, rows, redo = eng.generate(t.next_input_ids(env), start, gen_len)
+        t.add_turn(env, gen, lp, version=k // 2, routes_rows=rows, finish_reason="stop", recomputed=redo)
         returned.append((start, rows))
     return t, eng, returned
 
@@ -81,22 +87,31 @@ def test_route_dtype_rejects_no_experts():
 
 
 @pytest.mark.parametrize("turns", [1, 2, 3, 5])
-def test_routes_across_turns_are_the_first_computed_rows_and_the_payload_is_linear(turns):
+def test_routes_across_turns_are_the_latest_computed_rows_and_the_payload_is_linear(turns):
     t, eng, returned = _run(turns)
     T = t.num_tokens
     routes = t.routes
     assert routes.dtype == torch.int8 and routes.shape == (T, L, K)
-    # each token's row is the route of the forward pass that first consumed it (decode-time for model
-    # tokens, the inserting turn's prefill for environment tokens), though the engine recomputed the prefix
-    want = torch.from_numpy(np.stack([eng.first[p] for p in range(T - 1)])).to(torch.int8)
+    # the engine recomputed the whole prefix at every turn after the first: each token's row is the route
+    # of the LAST forward pass over it, whose KV the last turn's tokens attended to (not the first pass's)
+    want = torch.from_numpy(np.stack([eng.table[p] for p in range(T - 1)])).to(torch.int8)
     assert torch.equal(routes[:-1], want) and bool((routes[-1] == NO_ROUTE).all())
-    # the rows returned at turn k are rows [start_k, start_k + n_k) of the final table, untouched
-    for start, rows in returned:
-        assert torch.equal(routes[start : start + rows.shape[0]], rows.to(torch.int8))
+    first = torch.from_numpy(np.stack([eng.first[p] for p in range(T - 1)])).to(torch.int8)
+    assert turns == 1 or not torch.equal(routes[:-1], first)  # the case is not vacuous
+    # the rows returned at turn k are rows [start_k, start_k + n_k) of the final table at the last turn only
+    start, rows = returned[-1]
+    assert torch.equal(routes[start : start + rows.shape[0]], rows.to(torch.int8))
     assert returned[0][0] == 0 and returned[0][1].shape[0] == 7 + 5 - 1
-    # payload: T - 1 rows received whatever the turns; the table adds the final NO_ROUTE row
-    assert t.route_rows_received == T - 1
-    assert t.route_bytes_received == (T - 1) * L * K * 1
+    # counted: every later turn replaced all the rows it held
+    held = sum(s for s, _ in returned[1:])
+    assert (t.prefix_recomputed_turns, t.prefix_recomputed_rows, t.prefix_inexact_turns) == (
+        turns - 1,
+        held,
+        0,
+    )
+    # payload: T - 1 new rows whatever the turns, plus the recomputed rows read back
+    assert t.route_rows_received == T - 1 + held
+    assert t.route_bytes_received == (T - 1 + held) * L * K * 1
     assert routes.numel() * routes.element_size() == T * L * K * 1
     resent = sum(start + rows.shape[0] for start, rows in returned)  # rows = seqlen_k - 1 each turn
     assert t.route_rows_if_resent == resent
@@ -104,9 +119,16 @@ def test_routes_across_turns_are_the_first_computed_rows_and_the_payload_is_line
 
 
 def test_without_eviction_the_engine_table_and_the_trajectory_agree():
-    t, eng, _ = _run(3, evict=False)
+    t, eng, returned = _run(3, evict=False)
     want = torch.from_numpy(np.stack([eng.table[p] for p in range(t.num_tokens - 1)])).to(torch.int8)
     assert torch.equal(t.routes[:-1], want)
+    for start, rows in returned:  # rows are appended, never rewritten
+        assert torch.equal(t.routes[start : start + rows.shape[0]], rows.to(torch.int8))
+    assert (t.prefix_recomputed_turns, t.prefix_recomputed_rows, t.route_rows_received) == (
+        0,
+        0,
+        t.num_tokens - 1,
+    )
 
 
 def test_loss_mask_logprobs_and_versions_per_token():
@@ -182,3 +204,161 @@ def test_rows_that_do_not_fit_the_model_are_refused():
     with pytest.raises(MegagrpoError, match=r"\(3, 3, 2\)"):
         t.add_turn([], [3, 4], [0.0, 0.0], 0, torch.zeros(3, L, K + 1))
     assert t.turns == 0
+
+
+class SlotSGLang:
+    """SGLang 0.5.23's side of a request, with its radix cache (page size 1): a request reuses the KV slots of
+    its longest cached prefix (at most all its tokens but the last: `cached_tokens`), computes new slots for
+    the rest (prefill, then one per decode step), writes each computed slot's route (a fresh draw: another
+    pass routes differently) and returns the rows of `[routed_experts_start_len, seqlen - 1)` by slot; a
+    finished request's tokens but the last enter the cache. `flush_before` lists the request numbers
+    before which the cache is dropped. `used[i]` = the rows of every input position of request i: the
+    routes that produced its tokens."""
+
+    def __init__(self, flush_before=()) -> None:
+        self.tree: dict[tuple[int, ...], int] = {}  # a prefix's last token -> its KV slot
+        self.host: dict[int, np.ndarray] = {}  # slot -> the route of the pass that computed it
+        self.flush_before, self.rng = set(flush_before), np.random.default_rng(3)
+        self.requests: list[dict] = []
+        self.used: list[np.ndarray] = []
+
+    def _compute(self) -> int:
+        slot = len(self.host)
+        self.host[slot] = self.rng.integers(0, E, (L, K))
+        return slot
+
+    def request(self, *, input_ids, sampling_params, return_routed_experts, routed_experts_start_len, **_):
+        if len(self.requests) in self.flush_before:
+            self.tree.clear()
+        self.requests.append(
+            dict(ids=list(input_ids), start=routed_experts_start_len, params=sampling_params)
+        )
+        ids = list(input_ids)
+        cached = 0
+        while cached < len(ids) - 1 and tuple(ids[: cached + 1]) in self.tree:
+            cached += 1
+        slots = [self.tree[tuple(ids[: p + 1])] for p in range(cached)]
+        slots += [self._compute() for _ in range(cached, len(ids))]  # prefill
+        n = sampling_params["max_new_tokens"]
+        gen = [int(x) for x in self.rng.integers(10, 100, n)]
+        slots += [self._compute() for _ in range(n - 1)]  # each decode step consumes the previous token
+        seq = ids + gen
+        for p, slot in enumerate(slots):
+            self.tree.setdefault(tuple(seq[: p + 1]), slot)
+        self.used.append(np.stack([self.host[s] for s in slots]))
+        rows = self.used[-1][routed_experts_start_len:] if return_routed_experts else None
+        return {
+            "output_ids": gen,
+            "meta_info": {
+                "output_token_logprobs": [(-0.5, g, None) for g in gen],
+                "finish_reason": {"type": "length"},
+                "cached_tokens": cached,
+                "routed_experts": None if rows is None else _b64(rows),
+            },
+        }
+
+
+@pytest.fixture
+def slot_engine(tmp_path):
+    """`RolloutEngine.generate_turn` over `SlotSGLang` (the engine's transport replaced, as RemoteEngine does)."""
+    import asyncio
+    import json
+
+    from megagrpo.rollout import RolloutConfig
+    from megagrpo.rollout.engine import RolloutEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": K}))
+
+    class SlotEngine(RolloutEngine):
+        routes_num_experts = E
+
+        async def _request(self, **request):
+            return self.sgl.request(**request)
+
+    def make(flush_before=()):
+        eng = SlotEngine(RolloutConfig(str(tmp_path)))
+        eng.num_layers, eng.topk, eng.num_experts, eng.context_len = L, K, E, 4096
+        eng.sgl = SlotSGLang(flush_before)
+        return eng
+
+    def drive(eng, turns: int) -> Trajectory:
+        from megagrpo.rollout.config import SamplingConfig
+
+        t = Trajectory(list(range(1, 8)), num_layers=L, topk=K, num_experts=E)
+        for k in range(turns):
+            env = [] if k == 0 else [200 + k] * 3
+            out = asyncio.run(
+                eng.generate_turn(t.next_input_ids(env), SamplingConfig(max_new_tokens=4), seed=k,
+                                  routed_experts_start_len=t.routed_experts_start_len)
+            )  # fmt: skip
+            t.add_engine_output(out, env, version=k)
+        return t
+
+    return make, drive
+
+
+def test_an_evicted_prefix_is_read_back_and_replayed_as_the_last_turn_computed_it(slot_engine):
+    make, drive = slot_engine
+    # the cache is dropped before turns 2 and 3 (requests 1 and 3: request 2 is turn 2's read-back)
+    eng = make(flush_before={1, 3})
+    t = drive(eng, 3)
+    reqs = [(len(r["ids"]), r["start"], r["params"]["max_new_tokens"]) for r in eng.sgl.requests]
+    held2, held3 = 7 + 4 - 1, 7 + 4 + 3 + 4 - 1
+    # turn, read-back of [0, held) over the prefix + 1 token (greedy, one new token), turn, read-back
+    assert reqs == [
+        (7, 0, 4),
+        (held2 + 3 + 1, held2, 4),
+        (held2 + 1, 0, 1),
+        (held3 + 4, held3, 4),
+        (held3 + 1, 0, 1),
+    ]
+    assert [r["params"].get("temperature") for r in eng.sgl.requests[2::2]] == [0.0, 0.0]
+    # the table is, at every position, the route of the pass that produced the last turn's tokens
+    last = torch.from_numpy(eng.sgl.used[3]).to(torch.int8)
+    assert torch.equal(t.routes[:-1], last)
+    assert not torch.equal(t.routes[:held2], torch.from_numpy(eng.sgl.used[0][:held2]).to(torch.int8))
+    assert (t.prefix_recomputed_turns, t.prefix_recomputed_rows, t.prefix_inexact_turns) == (
+        2,
+        held2 + held3,
+        0,
+    )
+    assert t.route_rows_received == t.num_tokens - 1 + held2 + held3
+
+
+def test_a_cached_prefix_sends_no_read_back_and_keeps_every_turns_rows(slot_engine):
+    make, drive = slot_engine
+    eng = make()
+    t = drive(eng, 3)
+    assert [r["start"] for r in eng.sgl.requests] == [0, 10, 17]  # three turns, nothing else
+    for used in eng.sgl.used:  # every turn attended to the rows the trajectory holds
+        assert torch.equal(t.routes[: len(used)], torch.from_numpy(used).to(torch.int8))
+    assert (t.prefix_recomputed_turns, t.route_rows_received) == (0, t.num_tokens - 1)
+
+
+def test_a_read_back_that_finds_the_prefix_evicted_again_is_counted_inexact(slot_engine):
+    make, drive = slot_engine
+    eng = make(flush_before={1, 2})  # evicted before turn 2, and again before its read-back
+    t = drive(eng, 2)
+    assert eng.sgl.requests[2]["start"] == 0 and len(eng.sgl.requests) == 3
+    # the read-back's own prefill: what the next turn would attend to from the cache, kept and counted
+    assert torch.equal(t.routes[:10], torch.from_numpy(eng.sgl.used[2][:10]).to(torch.int8))
+    assert (t.prefix_recomputed_turns, t.prefix_inexact_turns) == (1, 1)
+
+
+def test_a_recomputed_prefix_without_its_read_back_is_refused():
+    t = Trajectory([1, 2, 3], num_layers=L, topk=K, num_experts=E)
+    meta = {"finish_reason": {"type": "stop"}, "output_token_logprobs": [(-0.5, 0, None)] * 2}
+    t.add_engine_output({"output_ids": [9, 9], "meta_info": {**meta, "routed_experts": _b64(np.ones((4, L, K)))}},
+                        version=0)  # fmt: skip
+    out = {
+        "output_ids": [8, 8],
+        "meta_info": {**meta, "cached_tokens": 2, "routed_experts": _b64(np.ones((3, L, K)))},
+    }
+    with pytest.raises(RuntimeError, match=r"recomputed positions \[2, 4\)"):
+        t.add_engine_output(out, [7], version=1)
+    assert t.turns == 1
+    dense = Trajectory([1, 2, 3])  # no routes: a recompute changes nothing to replay
+    one = {**meta, "output_token_logprobs": [(-0.5, 0, None)]}
+    dense.add_engine_output({"output_ids": [9], "meta_info": one}, version=0)
+    dense.add_engine_output({"output_ids": [9], "meta_info": {**one, "cached_tokens": 0}}, [4], version=0)
+    assert dense.prefix_recomputed_turns == 0

@@ -117,6 +117,10 @@ PYTHON_SYSTEM_PROMPT = (
 )
 
 
+# The boot process and the PID namespace's init: two Python interpreters with the preloaded modules.
+SANDBOX_OVERHEAD_MB = 64
+
+
 class PythonEnv(AnswerToolEnv):
     """Questions worked out with the sandboxed python tool (`AnswerToolEnv`'s rules); the sandbox limits
     are `SandboxConfig`'s fields (docs/sandbox.md says what they isolate). `sandbox_config` is what the
@@ -151,3 +155,10 @@ class PythonEnv(AnswerToolEnv):
             answer_key=answer_key,
             system_prompt=system_prompt,
         )
+
+    @staticmethod
+    def host_bytes_per_call(memory_mb: int = 512, scratch_mb: int = 64, **_: object) -> int:
+        """Host memory one running call holds, for the memory plan's host side (`plan/host.py`): the code's
+        memory limit, its private tmpfs (RAM), and the boot and init processes. A program that forks can
+        hold more (`memory_mb` is per process, up to `max_processes` of them; docs/sandbox.md)."""
+        return (memory_mb + scratch_mb + SANDBOX_OVERHEAD_MB) << 20

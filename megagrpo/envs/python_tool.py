@@ -54,7 +54,7 @@ def python_call(code: str, cfg: SandboxConfig) -> ToolOutput:
         return ToolOutput(f"Error: `code` must be a string, got {type(code).__name__}.")
     try:
         result = sandbox.run(code, cfg)
-    except OSError as e:  # the sandbox could not start (no scratch space, no interpreter): not the code's fault
+    except OSError as e:  # no scratch space, no interpreter: not the code's fault
         return ToolOutput(f"Error: the sandbox could not start: {e}")
     if result.interrupted:
         raise ToolInterrupted(

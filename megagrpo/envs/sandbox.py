@@ -356,7 +356,9 @@ def probe(network: bool = False) -> Isolation:
         r = run("", SandboxConfig(wall_seconds=30.0, network=network))
         reason = next((n.split("(", 1)[1].rstrip(")") for n in r.notes if "unavailable (" in n), "")
         if r.interrupted or r.exit_code != 0:
-            raise OSError(f"the sandbox's probe run failed: exit {r.exit_code}, signal {r.signal}: {r.stderr}")
+            raise OSError(
+                f"the sandbox's probe run failed: exit {r.exit_code}, signal {r.signal}: {r.stderr}"
+            )
         _PROBES[network] = Isolation(r.missing, reason or "not reported")
     return _PROBES[network]
 

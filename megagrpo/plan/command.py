@@ -95,7 +95,12 @@ def plan_for(
     path = model_config_path(cfg, model_config)
     arch = arch_from_hf(path)
     plan = plan_memory(
-        cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib, host_mem_gib=host_mem_gib
+        cfg,
+        arch,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu_mem_gib=gpu_mem_gib,
+        host_mem_gib=host_mem_gib,
     )
     return plan, path
 

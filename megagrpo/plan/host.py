@@ -83,5 +83,7 @@ def host_plan(
         owners = min(engines, gpus_per_node)
     else:
         owners = max(1, gpus_per_node // cfg.rollout.engine_tp)
-    call = tool_call_host_bytes(mt.environment, mt.environment_options, where="rollout.multi_turn.environment")
+    call = tool_call_host_bytes(
+        mt.environment, mt.environment_options, where="rollout.multi_turn.environment"
+    )
     return HostPlan(owners, mt.max_concurrent_tools, call, host_mem_gib)

@@ -687,7 +687,9 @@ def plan_memory(
     if cfg.rollout.placement.disaggregated:
         from megagrpo.plan.pools import plan_disaggregated
 
-        plan = plan_disaggregated(cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib)
+        plan = plan_disaggregated(
+            cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib
+        )
         host = host_plan(
             cfg, gpus_per_node=gpus_per_node, engines=plan.engine.engines, disaggregated=True,
             host_mem_gib=host_mem_gib,

@@ -22,7 +22,7 @@ import pytest
 from megagrpo.envs import python_tool, sandbox
 from megagrpo.envs.python_tool import PythonEnv
 from megagrpo.envs.sandbox import SandboxConfig
-from megagrpo.envs.tools import ToolCounters, ToolExecutor
+from megagrpo.envs.tools import ToolCounters
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.multi_turn import MultiTurnStats
 
@@ -205,7 +205,6 @@ def test_python_tool_answers_the_model_in_text_and_never_raises(monkeypatch):
     assert python_tool.run_python("print(1)", CFG).startswith("Error: the sandbox could not start")
 
 
-
 # ------------------------------------------------------------------ the file system: a private /tmp per run
 
 
@@ -279,13 +278,22 @@ print(json.dumps({"refused": refused, "contents": [r.content for r in results], 
 """
 
 
-@pytest.mark.skipif(not ROOT, reason="dropping a capability from the bounding set needs root (CI runs as root)")
+@pytest.mark.skipif(
+    not ROOT, reason="dropping a capability from the bounding set needs root (CI runs as root)"
+)
 def test_without_cap_sys_admin_the_probe_refuses_in_one_line_or_best_effort_counts_every_call():
     """Docker's default root: CAP_SYS_ADMIN gone, so every namespace is refused (util-linux's setpriv drops
     it from the bounding set, as a container runtime does)."""
     setpriv = shutil.which("setpriv")
     assert setpriv, "util-linux's setpriv is needed to drop a capability"
-    cmd = [setpriv, "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-c", _CONTAINER_CHILD]
+    cmd = [
+        setpriv,
+        "--bounding-set=-sys_admin",
+        "--inh-caps=-sys_admin",
+        sys.executable,
+        "-c",
+        _CONTAINER_CHILD,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -374,7 +382,9 @@ def test_a_call_killed_from_outside_is_interrupted_counted_and_ends_its_trajecto
     msg = {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}],
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+        ],
     }
     stop = threading.Event()
     killer = threading.Thread(target=_kill_boot_when_running, args=(stop,), daemon=True)

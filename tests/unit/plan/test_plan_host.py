@@ -22,7 +22,9 @@ MIB = 1 << 20
 
 def _plan(path=AGENTIC, overrides=(), host_mem_gib=None, nodes=2):
     cfg = load_config(path, list(overrides), check_paths=False)
-    return plan_memory(cfg, QWEN3_30B, nodes=nodes, gpus_per_node=8, gpu_mem_gib=80, host_mem_gib=host_mem_gib)
+    return plan_memory(
+        cfg, QWEN3_30B, nodes=nodes, gpus_per_node=8, gpu_mem_gib=80, host_mem_gib=host_mem_gib
+    )
 
 
 def test_a_node_holds_its_owners_times_the_bound_times_one_sandbox():

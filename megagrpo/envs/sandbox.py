@@ -1,14 +1,23 @@
 """Run model-written Python in a child process that cannot hurt the trainer: the code sandbox.
 
 `run(code, cfg)` starts `sys.executable -I -S -c _BOOT` (no `preexec_fn`, so it is safe from the threads
-that run tools). The boot process B joins a fresh `pids` cgroup, enters new network and PID namespaces,
-preloads a set of stdlib modules, and forks C, the init of the new PID namespace. C forks D, which sets
+that run tools) with the job's stop signals blocked. The boot process B ignores them (`JOB_SIGNALS`), joins
+a fresh `pids` cgroup, enters new network, PID and mount namespaces, mounts a private size-bounded tmpfs on
+/tmp (its work directory inside, /dev/shm and /var/tmp bound to it), preloads a set of stdlib modules, and
+forks C, the init of the new PID namespace. C forks D, which sets
 the resource limits, drops root to a fresh unprivileged uid and runs the code in-process; C reaps orphans
 and reports D's wait status on a private pipe. The trainer reads stdout and stderr with a byte cap,
 enforces the wall time, and on any exit kills everything that is left (C, the cgroup, the process group),
 then removes the scratch directory. When C exits the kernel kills every process of its PID namespace, so
 a forked child that called setsid() cannot outlive the run. D is not the init because an init ignores
 SIGXCPU and SIGXFSZ, the signals of the CPU and file-size limits.
+
+`probe` says once per process what the host's kernel refuses (a container without CAP_SYS_ADMIN refuses
+every namespace) and `require_isolation` turns that into a one-line refusal unless the config accepts it.
+A run killed from outside (B or C by SIGKILL) is `interrupted`: its outcome is not the code's.
+
+Host cost per run: 3 processes (B, C, D) plus what D forks, up to `max_processes`; up to `max_processes` x
+`memory_mb` of address space and `scratch_mb` of RAM (the tmpfs); one host scratch directory with main.py.
 
 What is isolated, what is not, and the root / non-root differences: docs/sandbox.md.
 """

@@ -8,7 +8,9 @@ generated text and marks a call it could not parse with a `"malformed"` reason.
 Failure policy: a malformed call (bad JSON, arguments that do not match the schema), an unknown tool, a tool
 that raises, a tool past its deadline and a result over the size limit are each answered to the model with
 a `role: tool` message that says what went wrong, and counted in `ToolCounters`; the trajectory goes on.
-`ToolExecutor.call` never raises for any of them.
+`ToolExecutor.call` never raises for any of them. A tool that raises `ToolInterrupted` (something outside
+the call ended it) is answered "interrupted" and counted: its answer is not the model's doing, and the
+environment ends that trajectory, which the trainer drops.
 
 Threads and deadlines. Each call runs on a daemon thread of its own, off the event loop, so that one
 trajectory waiting on a tool never stalls the others' decoding, and a hung tool never holds a pool slot

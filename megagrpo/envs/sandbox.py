@@ -376,7 +376,10 @@ def require_isolation(cfg: SandboxConfig, accept: bool, where: str) -> Isolation
     """`probe` this host for `cfg`; raise a one-line `MegagrpoError` naming what cannot be enforced unless
     `accept` (then every such run is counted: `SandboxResult.missing`, rollout/sandbox_unisolated_calls).
     `where` is the config field that accepts it. Run once at start, before any rollout."""
-    iso = probe(cfg.network)
+    try:
+        iso = probe(cfg.network)
+    except OSError as e:  # no scratch space, no interpreter, or a boot that failed: say so, not a traceback
+        raise MegagrpoError(f"{where}: the code sandbox could not run its start-up probe: {e}") from None
     if iso.missing and not accept:
         raise MegagrpoError(
             f"{iso.line()}: run where namespaces are allowed (a container needs CAP_SYS_ADMIN, e.g. docker "

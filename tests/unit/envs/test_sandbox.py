@@ -368,10 +368,11 @@ def _kill_boot_when_running(stop: threading.Event) -> None:
     """SIGKILL the sandbox's boot process once its code runs: a kill from outside that cannot be ignored."""
     while not stop.is_set():
         for p in psutil.Process().children():
-            if "-S" in p.cmdline() and len(p.children(recursive=True)) >= 2:
-                time.sleep(0.2)
-                p.kill()
-                return
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "-S" in p.cmdline() and len(p.children(recursive=True)) >= 2:
+                    time.sleep(0.2)
+                    p.kill()
+                    return
         time.sleep(0.02)
 
 

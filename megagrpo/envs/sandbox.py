@@ -363,7 +363,7 @@ def probe(network: bool = False) -> Isolation:
     `missing` then names them all."""
     if network not in _PROBES:
         r = run("", SandboxConfig(wall_seconds=30.0, network=network))
-        reason = next((n.split("(", 1)[1].rstrip(")") for n in r.notes if "unavailable (" in n), "")
+        reason = next((n.split(" unavailable (", 1)[1][:-1] for n in r.notes if " unavailable (" in n), "")
         if r.interrupted or r.exit_code != 0:
             raise OSError(
                 f"the sandbox's probe run failed: exit {r.exit_code}, signal {r.signal}: {r.stderr}"

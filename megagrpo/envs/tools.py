@@ -161,7 +161,7 @@ class _Parsed:
 
 
 class ToolExecutor:
-    """Runs tool calls off the event loop with per-call deadlines; shared by all trajectories of a rollout.
+    """Runs tool calls off the event loop with per-call deadlines, for one trajectory or many.
 
     `max_result_chars` bounds each answer (a longer result is cut there, with a note saying how long it was);
     `max_concurrent` bounds the tool threads of this executor running at once per event loop (calls past

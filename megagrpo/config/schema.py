@@ -230,6 +230,22 @@ class MultiTurnConfig(Section):
         "rollout/unscored_frac). functions: rewards.functions score the final assistant message against "
         "the data row, as a single-turn completion is scored.",
     )
+    max_concurrent_tools: int = Field(
+        default=16,
+        ge=1,
+        description="Tool calls running at once on one engine owner, shared by all the trajectories it "
+        "samples (calls past it wait; a call's deadline starts when it runs). Each running python-tool "
+        "call is a sandbox: the memory plan counts this many sandboxes' memory on the host "
+        "(megagrpo plan; docs/sandbox.md gives one sandbox's cost).",
+    )
+    sandbox_isolation: Literal["require", "best_effort"] = Field(
+        default="require",
+        description="require: probe the code sandbox once at start (the CLI and each engine owner) and "
+        "refuse to run, in one line naming what it cannot enforce (network isolation, PID namespace, "
+        "private mounts), where the kernel denies namespaces (a container without CAP_SYS_ADMIN). "
+        "best_effort: run the code anyway, with that line printed at start and every such call counted "
+        "(rollout/sandbox_unisolated_calls). Only environments with a sandbox (python) read it.",
+    )
 
 
 class RolloutConfig(Section):

@@ -19,6 +19,7 @@ class AnswerToolEnv(ToolEnvironment):
     with an answer tag ends the episode and is scored (exact match after whitespace normalisation), even if
     it also calls tools; one with tool calls is answered with their results, unless it is the
     `max_turns`-th turn, which ends the episode with reward 0; one with neither ends it with reward 0.
+    A tool call interrupted from outside (`ToolInterrupted`) ends it unscored: the trainer drops it.
     """
 
     def __init__(
@@ -66,4 +67,8 @@ class AnswerToolEnv(ToolEnvironment):
             return StepResult([], True, 0.0, {**info, "finish": "no_answer"})
         if self.turns >= self.max_turns:
             return StepResult([], True, 0.0, {**info, "finish": "max_turns"})
-        return StepResult(await self.run_tools(assistant_message), False, None, {**info, "finish": None})
+        messages = await self.run_tools(assistant_message)
+        if any(r.status == "interrupted" for r in self.results[-len(messages) :]):
+            # an answer the model did not cause must not be trained on: end here, unscored (dropped)
+            return StepResult([], True, None, {**info, "finish": "interrupted"})
+        return StepResult(messages, False, None, {**info, "finish": None})

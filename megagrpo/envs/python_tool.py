@@ -2,7 +2,14 @@
 
 Each call is a fresh process with an empty scratch directory (no state carries over between calls), the
 standard library only, and no network. `run_python` never raises for anything the code does: a crash, a
-limit or a sandbox that could not start comes back as text the model can read.
+limit or a sandbox that could not start comes back as text the model can read. A run that something outside
+it ended (a SIGKILL to the sandbox's own processes; the job's stop signals are ignored by the sandbox) is
+not the code's doing: it raises `ToolInterrupted`, and the trajectory is dropped, counted.
+
+Host cost per call: one sandbox (docs/sandbox.md): 3 processes (boot, init, the code) plus what the code
+forks, up to `max_processes`; up to `max_processes` x `memory_mb` of address space and `scratch_mb` of
+RAM in its private tmpfs; one scratch directory on the host holding `main.py`, removed when the call ends.
+How many run at once on an engine owner: `rollout.multi_turn.max_concurrent_tools`.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from typing import Any
 from megagrpo.envs import sandbox
 from megagrpo.envs.answer import AnswerToolEnv
 from megagrpo.envs.sandbox import SandboxConfig, SandboxResult
-from megagrpo.envs.tools import Tool, ToolExecutor
+from megagrpo.envs.tools import Tool, ToolExecutor, ToolInterrupted, ToolOutput
 
 NAME = "python"
 DESCRIPTION = (
@@ -35,17 +42,25 @@ _STDERR_TAIL_CHARS = 1500  # the end of a traceback names the error; its start r
 
 def run_python(code: str, cfg: SandboxConfig | None = None) -> str:
     """Run `code` in the sandbox and return the text the model sees: stdout, then one error line (and the
-    end of stderr) if the program failed or hit a limit. Empty successful output reads "(no output)"."""
-    cfg = cfg or SandboxConfig()
+    end of stderr) if the program failed or hit a limit. Empty successful output reads "(no output)".
+    Raises `ToolInterrupted` when something outside the run ended it (module doc)."""
+    return python_call(code, cfg or SandboxConfig()).content
+
+
+def python_call(code: str, cfg: SandboxConfig) -> ToolOutput:
+    """`run_python`'s text, marked `unisolated` when the sandbox ran without some isolation (best-effort
+    mode, docs/sandbox.md) so that the executor counts the call."""
     if not isinstance(code, str):
-        return f"Error: `code` must be a string, got {type(code).__name__}."
+        return ToolOutput(f"Error: `code` must be a string, got {type(code).__name__}.")
     try:
         result = sandbox.run(code, cfg)
-    except (
-        OSError
-    ) as e:  # the sandbox could not start (no scratch space, no interpreter): not the code's fault
-        return f"Error: the sandbox could not start: {e}"
-    return format_result(result, cfg)
+    except OSError as e:  # no scratch space, no interpreter: not the code's fault
+        return ToolOutput(f"Error: the sandbox could not start: {e}")
+    if result.interrupted:
+        raise ToolInterrupted(
+            f"the sandbox's processes were killed from outside after {result.wall_seconds:.1f} s"
+        )
+    return ToolOutput(format_result(result, cfg), unisolated=bool(result.missing))
 
 
 def format_result(r: SandboxResult, cfg: SandboxConfig) -> str:
@@ -91,7 +106,7 @@ def python_tool(cfg: SandboxConfig | None = None) -> Tool:
         name=NAME,
         description=DESCRIPTION,
         parameters=PARAMETERS,
-        fn=lambda code: run_python(code, cfg),
+        fn=lambda code: python_call(code, cfg),
         timeout_s=cfg.wall_seconds + 5.0,
     )
 
@@ -102,9 +117,15 @@ PYTHON_SYSTEM_PROMPT = (
 )
 
 
+# The boot process and the PID namespace's init: two Python interpreters with the preloaded modules.
+SANDBOX_OVERHEAD_MB = 64
+
+
 class PythonEnv(AnswerToolEnv):
     """Questions worked out with the sandboxed python tool (`AnswerToolEnv`'s rules); the sandbox limits
-    are `SandboxConfig`'s fields (docs/sandbox.md says what they isolate)."""
+    are `SandboxConfig`'s fields (docs/sandbox.md says what they isolate). `sandbox_config` is what the
+    trainer probes at start (`trainer.episodes.check_multi_turn`, rollout.multi_turn.sandbox_isolation).
+    Per trajectory an executor of its own; the trainer gives them its owner's shared `ToolSlots`."""
 
     def __init__(
         self,
@@ -117,13 +138,16 @@ class PythonEnv(AnswerToolEnv):
         wall_seconds: float = 10.0,
         memory_mb: int = 512,
         max_processes: int = 16,
+        scratch_mb: int = 64,
     ) -> None:
         cfg = SandboxConfig(
             cpu_seconds=cpu_seconds,
             wall_seconds=wall_seconds,
             memory_mb=memory_mb,
             max_processes=max_processes,
+            scratch_mb=scratch_mb,
         )
+        self.sandbox_config = cfg
         super().__init__(
             ToolExecutor([python_tool(cfg)], cfg.wall_seconds + 5.0, max_result_chars),
             max_turns=max_turns,
@@ -131,3 +155,10 @@ class PythonEnv(AnswerToolEnv):
             answer_key=answer_key,
             system_prompt=system_prompt,
         )
+
+    @staticmethod
+    def host_bytes_per_call(memory_mb: int = 512, scratch_mb: int = 64, **_: object) -> int:
+        """Host memory one running call holds, for the memory plan's host side (`plan/host.py`): the code's
+        memory limit, its private tmpfs (RAM), and the boot and init processes. A program that forks can
+        hold more (`memory_mb` is per process, up to `max_processes` of them; docs/sandbox.md)."""
+        return (memory_mb + scratch_mb + SANDBOX_OVERHEAD_MB) << 20

@@ -62,3 +62,10 @@ def build_environment(name: str, kwargs: dict[str, Any] | None = None, where: st
         return cls(**kwargs)
     except ValueError as e:  # the environment's own check of an option's value
         raise MegagrpoError(f"{where}: options {kwargs!r} are not valid for {name!r}: {e}") from None
+
+
+def tool_call_host_bytes(name: str, kwargs: dict[str, Any] | None = None, where: str = FIELD) -> int:
+    """Host memory one running tool call of environment `name` holds (its class's `host_bytes_per_call`
+    with the environment's options, e.g. a python-tool sandbox); 0 for an environment that declares none."""
+    fn = getattr(resolve_environment(name, where), "host_bytes_per_call", None)
+    return int(fn(**(kwargs or {}))) if callable(fn) else 0

@@ -1,14 +1,23 @@
 """Run model-written Python in a child process that cannot hurt the trainer: the code sandbox.
 
 `run(code, cfg)` starts `sys.executable -I -S -c _BOOT` (no `preexec_fn`, so it is safe from the threads
-that run tools). The boot process B joins a fresh `pids` cgroup, enters new network and PID namespaces,
-preloads a set of stdlib modules, and forks C, the init of the new PID namespace. C forks D, which sets
+that run tools) with the job's stop signals blocked. The boot process B ignores them (`JOB_SIGNALS`), joins
+a fresh `pids` cgroup, enters new network, PID and mount namespaces, mounts a private size-bounded tmpfs on
+/tmp (its work directory inside, /dev/shm and /var/tmp bound to it), preloads a set of stdlib modules, and
+forks C, the init of the new PID namespace. C forks D, which sets
 the resource limits, drops root to a fresh unprivileged uid and runs the code in-process; C reaps orphans
 and reports D's wait status on a private pipe. The trainer reads stdout and stderr with a byte cap,
 enforces the wall time, and on any exit kills everything that is left (C, the cgroup, the process group),
 then removes the scratch directory. When C exits the kernel kills every process of its PID namespace, so
 a forked child that called setsid() cannot outlive the run. D is not the init because an init ignores
 SIGXCPU and SIGXFSZ, the signals of the CPU and file-size limits.
+
+`probe` says once per process what the host's kernel refuses (a container without CAP_SYS_ADMIN refuses
+every namespace) and `require_isolation` turns that into a one-line refusal unless the config accepts it.
+A run killed from outside (B or C by SIGKILL) is `interrupted`: its outcome is not the code's.
+
+Host cost per run: 3 processes (B, C, D) plus what D forks, up to `max_processes`; up to `max_processes` x
+`memory_mb` of address space and `scratch_mb` of RAM (the tmpfs); one host scratch directory with main.py.
 
 What is isolated, what is not, and the root / non-root differences: docs/sandbox.md.
 """
@@ -43,6 +52,9 @@ PRELOADED_MODULES = (  # noqa: SIM905 - one word list reads better than forty li
 _BOOT = r"""
 import json, os, sys, signal
 spec = json.loads(sys.argv[1])
+for sig in spec["ignore_signals"]:  # the job's stop signals: the trainer, not the signal, ends a run
+    signal.signal(sig, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, spec["ignore_signals"])  # blocked by `run` up to here
 rep = spec["report_fd"]
 def report(**kw):
     os.write(rep, (json.dumps(kw) + "\n").encode())
@@ -53,10 +65,11 @@ if spec["cgroup_procs"]:
     with open(spec["cgroup_procs"], "w") as f:
         f.write(str(os.getpid()))
 flags = 0 if spec["network"] else os.CLONE_NEWNET
-flags |= os.CLONE_NEWPID
+flags |= os.CLONE_NEWPID | os.CLONE_NEWNS
 uid, gid = os.getuid(), os.getgid()
 if uid != 0:
     flags |= os.CLONE_NEWUSER
+refused = None
 try:
     os.unshare(flags)
     if uid != 0:
@@ -64,8 +77,36 @@ try:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
     netns, pidns = not spec["network"], True
-except OSError:
+except OSError as e:
     netns = pidns = False
+    refused = f"unshare: {e.strerror}"
+mntns = False
+if pidns:  # a private /tmp (tmpfs, size-bounded) holding the work directory; /dev/shm, /var/tmp inside it
+    with open("main.py", "rb") as f:
+        source_bytes = f.read()
+    def mount(src, target, fstype, mflags, data):
+        if libc.mount(src.encode(), target.encode(), fstype and fstype.encode(), mflags, data and data.encode()):
+            raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
+    try:
+        mount("none", "/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing leaks to the host
+        mount("tmpfs", "/tmp", "tmpfs", 0x2 | 0x4, f"size={spec['scratch_bytes']},nr_inodes={spec['scratch_inodes']},mode=1777")
+        for target in spec["private_dirs"]:
+            if os.path.isdir(target):
+                inner = "/tmp/." + target.strip("/").replace("/", "-")
+                os.mkdir(inner)
+                os.chmod(inner, 0o1777)
+                mount(inner, target, None, 0x1000, None)  # MS_BIND: one size bound for all of them
+        work = os.path.join("/tmp", os.path.basename(os.getcwd()))
+        os.mkdir(work, 0o700)
+        with open(os.path.join(work, "main.py"), "wb") as f:
+            f.write(source_bytes)
+        if spec["run_uid"] is not None:
+            os.chown(work, spec["run_uid"], spec["run_uid"])
+        os.chdir(work)
+        os.environ["HOME"] = os.environ["TMPDIR"] = work
+        mntns = True
+    except OSError as e:
+        refused = str(e)
 for m in spec["preload"]:
     try:
         __import__(m)
@@ -75,7 +116,7 @@ import builtins, resource, traceback
 sys.stdout.flush(); sys.stderr.flush()
 child = os.fork()
 if child:  # B: report, wait for C, exit
-    report(netns=netns, pidns=pidns, child=child)
+    report(netns=netns, pidns=pidns, mntns=mntns, refused=refused, child=child)
     os.waitpid(child, 0)
     os._exit(0)
 libc.prctl(1, signal.SIGKILL)  # C dies with B
@@ -124,6 +165,25 @@ LIMITS = ("wall", "cpu", "memory", "output", "file_size", "processes")
 
 _MIN_UID, _MAX_UID = 1 << 20, (1 << 31) - 2  # far above any account's uid, below the overflow ids
 
+# The signals a job's scheduler sends to every process of a job step (Slurm: SIGTERM at preemption or the
+# time limit, SIGINT/SIGUSR1/SIGUSR2 by `scancel --signal`, SIGHUP, SIGQUIT). A run ignores them all: the
+# trainer decides when a run ends (its wall limit), so a stop request never becomes "killed by SIGTERM" in
+# a trajectory. SIGKILL cannot be ignored: a run whose boot process or init it kills is `interrupted`.
+JOB_SIGNALS = (
+    signal.SIGHUP,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGTERM,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+# Where the code may write on a stock Linux host, made private: /tmp is a tmpfs of the run's own (its work
+# directory inside), and these are bound to directories of that tmpfs, so one `scratch_mb` bounds them all.
+PRIVATE_DIRS = ("/dev/shm", "/var/tmp")
+SCRATCH_INODES = 4096  # files and directories on the run's tmpfs: bounds their number, not only their bytes
+# What `missing_isolation` names, in the order of the one-line refusal.
+ISOLATIONS = ("network isolation", "PID namespace", "private mounts (/tmp, /dev/shm, scratch size)")
+
 
 @dataclass(frozen=True)
 class SandboxConfig:
@@ -139,6 +199,7 @@ class SandboxConfig:
     max_open_files: int = 64  # RLIMIT_NOFILE
     max_output_bytes: int = 16384  # stdout and stderr, each; past it the run is killed and the text cut
     network: bool = False  # False: a new network namespace (loopback only, down); True: the host's network
+    scratch_mb: int = 64  # the run's private tmpfs (/tmp with its work directory, /dev/shm, /var/tmp): RAM
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -165,6 +226,8 @@ class SandboxResult:
     uid: int  # the uid the code ran as
     scratch_dir: str  # removed when `run` returns
     notes: list[str] = field(default_factory=list)  # isolation that was asked for and not in effect
+    missing: tuple[str, ...] = ()  # the `ISOLATIONS` that were not in effect (empty: fully isolated)
+    interrupted: bool = False  # something outside the run killed it: its outcome is not the code's
 
     @property
     def ok(self) -> bool:
@@ -203,9 +266,16 @@ def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
             "open_files": cfg.max_open_files,
             "nproc": _nproc_limit(cfg.max_processes, root),
             "run_uid": run_uid,
+            "ignore_signals": [int(x) for x in JOB_SIGNALS],
+            "scratch_bytes": cfg.scratch_mb << 20,
+            "scratch_inodes": SCRATCH_INODES,
+            "private_dirs": PRIVATE_DIRS,
         }
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
         start = time.monotonic()
+        # B starts with the job's signals blocked (the mask survives fork and exec) and ignores them before
+        # it unblocks them: a job-wide SIGTERM at any moment never ends a run, the wall limit does.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _BOOT, json.dumps(spec)],
@@ -218,9 +288,10 @@ def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
                 start_new_session=True,
             )
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             os.close(report_w)
         with os.fdopen(report_r, "rb") as report:
-            out, err, truncated, reports, stop = _collect(proc, report, cfg, start, cgroup)
+            out, err, truncated, reports, stop, boot_rc = _collect(proc, report, cfg, start, cgroup)
         wall = time.monotonic() - start
         events = cgroup.max_events() if cgroup else 0
     finally:
@@ -236,10 +307,11 @@ def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
         sig, exit_code = (-exit_code if exit_code is not None else signal.SIGKILL), None
     stdout, stderr = (b.decode("utf-8", errors="replace") for b in (out, err))
     limit = stop or _limit_from_status(sig, exit_code, stderr, events)
-    if not cfg.network and not setup.get("netns", False):
-        notes.append("network namespace unavailable: the code had the host's network")
-    if not setup.get("pidns", False):
-        notes.append("PID namespace unavailable: processes that left the process group may be missed")
+    # Something outside the run killed its boot process or its init (B exits 0 after C's report, and C
+    # reports unless killed): the code's status, if any, is not the code's doing.
+    interrupted = stop is None and (boot_rc != 0 or (bool(setup) and status is None))
+    missing = missing_isolation(setup, cfg)
+    notes += [f"{m} unavailable ({setup.get('refused') or 'not reported'})" for m in missing]
     if not root:
         notes.append("non-root: RLIMIT_NPROC is shared with this uid's other processes (approximate)")
     return SandboxResult(
@@ -255,14 +327,73 @@ def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
         uid=run_uid if run_uid is not None else os.getuid(),
         scratch_dir=scratch,
         notes=notes,
+        missing=missing,
+        interrupted=interrupted,
     )
+
+
+def missing_isolation(setup: dict, cfg: SandboxConfig) -> tuple[str, ...]:
+    """The `ISOLATIONS` a run asked for and did not get, from its boot process's report."""
+    got = (
+        cfg.network or bool(setup.get("netns")),
+        bool(setup.get("pidns")),
+        bool(setup.get("mntns")),
+    )
+    return tuple(name for name, ok in zip(ISOLATIONS, got, strict=True) if not ok)
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What the sandbox can enforce on this host: the `ISOLATIONS` it cannot, and the kernel's reason."""
+
+    missing: tuple[str, ...]
+    reason: str
+
+    def line(self) -> str:
+        """One line naming what cannot be enforced, and why."""
+        return f"the code sandbox cannot enforce {', '.join(self.missing)} on this host ({self.reason})"
+
+
+_PROBES: dict[bool, Isolation] = {}
+
+
+def probe(network: bool = False) -> Isolation:
+    """Run one empty program in the sandbox and say what it could not enforce; once per process (and per
+    `network`), about 0.2 s. A container without CAP_SYS_ADMIN (Docker's default) refuses every namespace:
+    `missing` then names them all."""
+    if network not in _PROBES:
+        r = run("", SandboxConfig(wall_seconds=30.0, network=network))
+        reason = next((n.split(" unavailable (", 1)[1][:-1] for n in r.notes if " unavailable (" in n), "")
+        if r.interrupted or r.exit_code != 0:
+            raise OSError(
+                f"the sandbox's probe run failed: exit {r.exit_code}, signal {r.signal}: {r.stderr}"
+            )
+        _PROBES[network] = Isolation(r.missing, reason or "not reported")
+    return _PROBES[network]
+
+
+def require_isolation(cfg: SandboxConfig, accept: bool, where: str) -> Isolation:
+    """`probe` this host for `cfg`; raise a one-line `MegagrpoError` naming what cannot be enforced unless
+    `accept` (then every such run is counted: `SandboxResult.missing`, rollout/sandbox_unisolated_calls).
+    `where` is the config field that accepts it. Run once at start, before any rollout."""
+    try:
+        iso = probe(cfg.network)
+    except OSError as e:  # no scratch space, no interpreter, or a boot that failed: say so, not a traceback
+        raise MegagrpoError(f"{where}: the code sandbox could not run its start-up probe: {e}") from None
+    if iso.missing and not accept:
+        raise MegagrpoError(
+            f"{iso.line()}: run where namespaces are allowed (a container needs CAP_SYS_ADMIN, e.g. docker "
+            f"run --cap-add SYS_ADMIN), or set {where}: best_effort to run the code without them, each such "
+            "call counted (docs/sandbox.md)"
+        )
+    return iso
 
 
 def _collect(proc, report, cfg: SandboxConfig, start: float, cgroup: _PidsCgroup | None):
     """Read stdout, stderr and B's reports until the run ends, its wall time passes or its output overflows.
 
-    Returns (stdout bytes, stderr bytes, truncated, reports, "wall" | "output" | None); both byte strings are
-    cut at max_output_bytes. Every process of the run is dead when it returns.
+    Returns (stdout bytes, stderr bytes, truncated, reports, "wall" | "output" | None, B's return code);
+    both byte strings are cut at max_output_bytes. Every process of the run is dead when it returns.
     """
     cap = cfg.max_output_bytes
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray(), report: bytearray()}
@@ -299,7 +430,8 @@ def _collect(proc, report, cfg: SandboxConfig, start: float, cgroup: _PidsCgroup
         f.close()
     reports = [json.loads(line) for line in bytes(bufs[report]).splitlines() if line.strip()]
     out, err = bufs[proc.stdout], bufs[proc.stderr]
-    return bytes(out[:cap]), bytes(err[:cap]), max(len(out), len(err)) > cap, reports, stop
+    truncated = max(len(out), len(err)) > cap
+    return bytes(out[:cap]), bytes(err[:cap]), truncated, reports, stop, proc.returncode
 
 
 def _fd_open(sel: selectors.BaseSelector, f) -> bool:

@@ -8,7 +8,9 @@ generated text and marks a call it could not parse with a `"malformed"` reason.
 Failure policy: a malformed call (bad JSON, arguments that do not match the schema), an unknown tool, a tool
 that raises, a tool past its deadline and a result over the size limit are each answered to the model with
 a `role: tool` message that says what went wrong, and counted in `ToolCounters`; the trajectory goes on.
-`ToolExecutor.call` never raises for any of them.
+`ToolExecutor.call` never raises for any of them. A tool that raises `ToolInterrupted` (something outside
+the call ended it) is answered "interrupted" and counted: its answer is not the model's doing, and the
+environment ends that trajectory, which the trainer drops.
 
 Threads and deadlines. Each call runs on a daemon thread of its own, off the event loop, so that one
 trajectory waiting on a tool never stalls the others' decoding, and a hung tool never holds a pool slot
@@ -33,7 +35,7 @@ from typing import Any, Literal
 from megagrpo.rewards.executor import raise_in_thread
 
 Message = dict[str, Any]
-Status = Literal["ok", "malformed", "unknown_tool", "error", "timeout", "oversize"]
+Status = Literal["ok", "malformed", "unknown_tool", "error", "timeout", "oversize", "interrupted"]
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
@@ -48,6 +50,48 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 class ToolDeadline(BaseException):  # noqa: N818 - raised asynchronously; BaseException so a tool's `except Exception` cannot swallow it
     """Raised inside a tool's thread once its call is past the deadline."""
+
+
+class ToolInterrupted(Exception):  # noqa: N818 - an outcome, like ToolDeadline, not a bug of the caller's
+    """Raised by a tool whose run something outside the call ended (a signal to the job, the OOM killer):
+    its answer would not be the model's doing, so the call is answered as "interrupted", counted
+    (`ToolCounters.interrupted_calls`), and the environment ends its trajectory, which takes no loss
+    (`AnswerToolEnv`, `trainer.episodes.episode_completion`)."""
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """A tool's answer with what the executor counts beside it: `unisolated`, the call ran without some
+    isolation it should have had (a sandbox in best-effort mode, docs/sandbox.md)."""
+
+    content: str
+    unisolated: bool = False
+
+
+class ToolSlots:
+    """A bound on the tool calls that run at once, shared by every executor given it.
+
+    One per engine owner (`rollout.multi_turn.max_concurrent_tools`, `trainer.episodes.EpisodeSampler`):
+    each trajectory has an executor of its own, and all of them take their slots here, so G x prompts
+    trajectories never start more than `limit` tools (sandboxes) at once. A call past the bound waits for
+    a slot, and its deadline starts when it gets one. Host cost per owner: at most `limit` tool threads,
+    and for the python tool `limit` sandboxes (docs/sandbox.md gives each one's processes, memory, files).
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"a tool concurrency bound must be >= 1, got {limit}")
+        self.limit = limit
+        self._sems: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    def slot(self) -> asyncio.Semaphore:
+        """The running loop's semaphore (an asyncio semaphore belongs to one loop)."""
+        loop = asyncio.get_running_loop()
+        for old in [lp for lp in self._sems if lp.is_closed()]:
+            del self._sems[old]
+        if loop not in self._sems:
+            self._sems[loop] = asyncio.Semaphore(self.limit)
+        return self._sems[loop]
 
 
 @dataclass(frozen=True)
@@ -83,6 +127,8 @@ class ToolCounters:
     malformed_calls: int = 0  # unparsable call, bad JSON arguments, or arguments against the schema
     unknown_tools: int = 0
     oversize_results: int = 0  # answered, truncated with a note
+    interrupted_calls: int = 0  # ended from outside (`ToolInterrupted`): the trajectory is dropped
+    unisolated_calls: int = 0  # ran without isolation the sandbox could not enforce (`ToolOutput`)
 
     def add(self, other: ToolCounters) -> None:
         for k, v in asdict(other).items():
@@ -115,11 +161,12 @@ class _Parsed:
 
 
 class ToolExecutor:
-    """Runs tool calls off the event loop with per-call deadlines; shared by all trajectories of a rollout.
+    """Runs tool calls off the event loop with per-call deadlines, for one trajectory or many.
 
     `max_result_chars` bounds each answer (a longer result is cut there, with a note saying how long it was);
-    `max_concurrent` bounds the tool threads running at once per event loop (calls past it wait their turn,
-    and their deadline starts when they start).
+    `max_concurrent` bounds the tool threads of this executor running at once per event loop (calls past
+    it wait their turn, and their deadline starts when they start), unless `slots` is given: then those
+    shared slots bound them together with every other executor's that shares them (`ToolSlots`).
     """
 
     def __init__(
@@ -128,6 +175,7 @@ class ToolExecutor:
         timeout_s: float = 10.0,
         max_result_chars: int = 16_000,
         max_concurrent: int = 16,
+        slots: ToolSlots | None = None,
     ) -> None:
         self.tools = {t.name: t for t in tools}
         if timeout_s <= 0 or max_result_chars < 1 or max_concurrent < 1:
@@ -136,7 +184,7 @@ class ToolExecutor:
         self.max_result_chars = max_result_chars
         self.max_concurrent = max_concurrent
         self.abandoned_threads = 0  # threads still running a timed-out call when it was answered
-        self._slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+        self.slots = slots or ToolSlots(max_concurrent)
 
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
@@ -171,7 +219,7 @@ class ToolExecutor:
                 p.call_id, p.name, f"Error: malformed call to {p.name!r}: {problem}", "malformed"
             )
         timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
-        async with self._slot():
+        async with self.slots.slot():
             start = time.monotonic()
             outcome, worker = await self._run(tool, p.args or {}, timeout)
             seconds = time.monotonic() - start
@@ -183,6 +231,11 @@ class ToolExecutor:
                 p.call_id, p.name, f"Error: tool {p.name!r} timed out after {timeout:g} s", "timeout", seconds
             )
         value, exc = outcome
+        if isinstance(exc, ToolInterrupted):
+            counters.interrupted_calls += 1
+            return ToolResult(
+                p.call_id, p.name, f"Error: tool {p.name!r} was interrupted: {exc}", "interrupted", seconds
+            )
         if exc is not None:
             counters.tool_errors += 1
             return ToolResult(
@@ -195,6 +248,9 @@ class ToolExecutor:
         return self._finish(p, value, seconds, counters)
 
     def _finish(self, p: _Parsed, value: Any, seconds: float, counters: ToolCounters) -> ToolResult:
+        if isinstance(value, ToolOutput):
+            counters.unisolated_calls += value.unisolated
+            value = value.content
         if isinstance(value, str):
             text = value
         else:
@@ -210,14 +266,6 @@ class ToolExecutor:
         counters.oversize_results += 1
         note = f"\n[truncated: the result has {len(text)} characters; only the first {self.max_result_chars} are shown]"
         return ToolResult(p.call_id, p.name, text[: self.max_result_chars] + note, "oversize", seconds)
-
-    def _slot(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        for old in [lp for lp in self._slots if lp.is_closed()]:
-            del self._slots[old]
-        if loop not in self._slots:
-            self._slots[loop] = asyncio.Semaphore(self.max_concurrent)
-        return self._slots[loop]
 
     async def _run(self, tool: Tool, args: dict[str, Any], timeout: float) -> tuple[Any, _ToolThread]:
         """Run `tool.fn(**args)` on a fresh daemon thread; (value, exception), or None past the deadline."""

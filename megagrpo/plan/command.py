@@ -1,4 +1,5 @@
-"""`megagrpo plan CONFIG --nodes N --gpus-per-node G [--gpu-mem-gib M]`: the per-GPU memory table.
+"""`megagrpo plan CONFIG --nodes N --gpus-per-node G [--gpu-mem-gib M] [--host-mem-gib H]`: the per-GPU
+memory table, and each node's host memory for multi-turn tools (`plan/host.py`).
 
 A colocated config gets one table (every GPU holds the learner and an engine's share, in turns); a
 disaggregated one (`rollout.placement.kind`) gets two, the learner pool and the engine pool, with a
@@ -45,6 +46,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
     add_gpu_mem_arg(p)
     p.add_argument(
+        "--host-mem-gib",
+        type=float,
+        default=None,
+        help="memory of one node in GiB: judge the host side (the multi-turn tools' sandboxes) against "
+        "it; default: printed, not judged",
+    )
+    p.add_argument(
         "--model-config",
         default=None,
         help="the model's config.json (or its directory); default: model.hf_path, else "
@@ -72,7 +80,13 @@ def model_config_path(cfg: Any, explicit: str | None = None) -> Path:
 
 
 def plan_for(
-    cfg: Any, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float, model_config: str | None = None
+    cfg: Any,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_mem_gib: float,
+    model_config: str | None = None,
+    host_mem_gib: float | None = None,
 ):
     """(MemoryPlan, or DisaggregatedPlan for a disaggregated config; config.json path) of a loaded config."""
     from megagrpo.bridge.hf_config import arch_from_hf
@@ -80,7 +94,14 @@ def plan_for(
 
     path = model_config_path(cfg, model_config)
     arch = arch_from_hf(path)
-    plan = plan_memory(cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib)
+    plan = plan_memory(
+        cfg,
+        arch,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu_mem_gib=gpu_mem_gib,
+        host_mem_gib=host_mem_gib,
+    )
     return plan, path
 
 
@@ -95,6 +116,7 @@ def run_plan(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         gpu_mem_gib=args.gpu_mem_gib,
         model_config=args.model_config,
+        host_mem_gib=args.host_mem_gib,
     )
     print(f"model: {path}")
     print(plan.table())

@@ -62,6 +62,7 @@ from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 
 if TYPE_CHECKING:
+    from megagrpo.plan.host import HostPlan
     from megagrpo.plan.pools import DisaggregatedPlan
 
 GIB = 1 << 30
@@ -477,6 +478,7 @@ class MemoryPlan:
     stage: int = 0  # the pipeline stage the bytes are of: the one with the highest training peak
     reasons: tuple[str, ...] = field(default=())
     rows_in_flight: int = 0  # the step's rows on their way to the learner ranks (rollout phase)
+    host: HostPlan | None = None  # the node's host memory for tool calls (`plan/host.py`)
 
     @property
     def margin(self) -> int:
@@ -520,6 +522,8 @@ class MemoryPlan:
             f"  {f'per GPU (pipeline stage {self.stage})':<32}{'GiB':>9}",
         ]
         rows += ["" if x is None else f"  {x[0]:<32}{x[1] / GIB:9.2f}{x[2]}" for x in lines]
+        if self.host is not None and self.host.lines():
+            rows += ["", *self.host.lines()]
         rows += [
             "",
             f"verdict: {'FITS' if self.fits else 'DOES NOT FIT'} "
@@ -665,16 +669,36 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
 
 
 def plan_memory(
-    cfg: Any, arch: ModelArch, *, nodes: int, gpus_per_node: int, gpu_mem_gib: float = 80.0
+    cfg: Any,
+    arch: ModelArch,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_mem_gib: float = 80.0,
+    host_mem_gib: float | None = None,
 ) -> MemoryPlan | DisaggregatedPlan:
     """The memory plan of megagrpo config `cfg` for `arch` on nodes x gpus_per_node GPUs: one per-GPU
-    plan when colocated, a learner pool and an engine pool (`plan/pools.py`) when disaggregated."""
+    plan when colocated, a learner pool and an engine pool (`plan/pools.py`) when disaggregated; both with
+    the host side of each node (`plan/host.py`), judged against `host_mem_gib` when given."""
+    from megagrpo.plan.host import host_plan
+
     if nodes < 1 or gpus_per_node < 1:
         raise MegagrpoError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be >= 1")
     if cfg.rollout.placement.disaggregated:
         from megagrpo.plan.pools import plan_disaggregated
 
-        return plan_disaggregated(
+        plan = plan_disaggregated(
             cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib
         )
-    return plan_workload(arch, workload_from_config(cfg, nodes * gpus_per_node), gpu_mem_gib=gpu_mem_gib)
+        host = host_plan(
+            cfg, gpus_per_node=gpus_per_node, engines=plan.engine.engines, disaggregated=True,
+            host_mem_gib=host_mem_gib,
+        )  # fmt: skip
+        return replace(plan, host=host)
+    w = workload_from_config(cfg, nodes * gpus_per_node)
+    plan = plan_workload(arch, w, gpu_mem_gib=gpu_mem_gib)
+    host = host_plan(
+        cfg, gpus_per_node=gpus_per_node, engines=max(1, nodes * gpus_per_node // w.engine_tp),
+        disaggregated=False, host_mem_gib=host_mem_gib,
+    )  # fmt: skip
+    return replace(plan, host=host, reasons=plan.reasons + host.reasons, fits=plan.fits and host.fits)

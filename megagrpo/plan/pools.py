@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megagrpo.config.mesh_rules import Roles, engines_fed, rank_roles
 from megagrpo.config.model import ModelArch
@@ -44,6 +44,9 @@ from megagrpo.plan.memory import (
     reference_bytes,
     workload_from_config,
 )
+
+if TYPE_CHECKING:
+    from megagrpo.plan.host import HostPlan
 
 W = 36  # the label column of the tables
 SEND_BUFFERS = 2  # per engine fed: the bucket on the wire and the one filled meanwhile (`sync.broadcast`)
@@ -195,10 +198,11 @@ class DisaggregatedPlan:
     gpu_mem_gib: float
     learner: LearnerPool
     engine: EnginePool
+    host: HostPlan | None = None  # each node's host memory for tool calls (`plan/host.py`)
 
     @property
     def fits(self) -> bool:
-        return self.learner.fits and self.engine.fits
+        return self.learner.fits and self.engine.fits and (self.host is None or self.host.fits)
 
     @property
     def margin(self) -> int:
@@ -214,8 +218,9 @@ class DisaggregatedPlan:
 
     @property
     def failing(self) -> list[str]:
-        """The pools that do not fit: 'learner pool', 'engine pool'."""
-        return [n for n, p in (("learner pool", self.learner), ("engine pool", self.engine)) if not p.fits]
+        """The pools that do not fit: 'learner pool', 'engine pool', and 'host' for the nodes' memory."""
+        out = [n for n, p in (("learner pool", self.learner), ("engine pool", self.engine)) if not p.fits]
+        return out + (["host"] if self.host is not None and not self.host.fits else [])
 
     def summary(self) -> str:
         """One line for `megagrpo submit`."""
@@ -240,6 +245,8 @@ class DisaggregatedPlan:
             *self.engine.lines(),
             "",
         ]
+        if self.host is not None and self.host.lines():
+            rows += [*self.host.lines(), *(f"    - {r}" for r in self.host.reasons), ""]
         verdict = "FITS" if self.fits else f"DOES NOT FIT ({' and '.join(self.failing)})"
         rows.append(
             f"verdict: {verdict}: learner pool margin {self.learner.margin / GIB:+.2f} GiB, engine pool "

@@ -186,6 +186,8 @@ class MultiTurnStats:
             "rollout/malformed_calls": float(tc.malformed_calls),
             "rollout/unknown_tools": float(tc.unknown_tools),
             "rollout/oversize_results": float(tc.oversize_results),
+            "rollout/tool_interrupted": float(tc.interrupted_calls),
+            "rollout/sandbox_unisolated_calls": float(tc.unisolated_calls),
             "rollout/truncated_max_turns_frac": self.truncated_max_turns / n,
             "rollout/truncated_max_tokens_frac": self.truncated_max_tokens / n,
             "rollout/env_token_frac": self.env_tokens / max(self.env_tokens + self.model_tokens, 1),

@@ -9,38 +9,71 @@ Rewards. `rollout.multi_turn.reward: environment` takes the environment's last r
 score, e.g. a truncated one, gets 0 and is counted as unscored); `functions` scores the final assistant
 message with `rewards.functions`, like a single-turn completion.
 
+Tools. All the trajectories of one engine owner share one bound on their running tool calls
+(`rollout.multi_turn.max_concurrent_tools`, `envs.tools.ToolSlots`): each environment's executor is given
+the owner's slots. Host cost per owner: at most that many tool threads and, for the python tool, that many
+sandboxes at once (`envs.python_tool` module doc: processes, memory, files of one).
+
+Sandbox. `check_multi_turn` probes the code sandbox of an environment that has one (`sandbox_config`)
+once per process, at the CLI and on each owner before its first rollout: `rollout.multi_turn.
+sandbox_isolation` decides whether what it cannot enforce stops the run. A trajectory whose tool call was
+interrupted from outside (`envs.tools.ToolInterrupted`) is dropped: its row takes no loss (its model mask is
+cleared, as the overlong filter clears a row); its reward, 0, stays in its group's baseline.
+
 Counters (`MultiTurnStats.counts`) ride with the reward error counts: they are summed over engines and rounds
 each step (`Session._reward_counts`), over every generated trajectory, kept by dynamic sampling or not.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from megagrpo.config.schema import MultiTurnConfig
 from megagrpo.envs.registry import build_environment, resolve_environment
+from megagrpo.envs.sandbox import SandboxConfig, require_isolation
+from megagrpo.envs.tools import ToolExecutor, ToolSlots
 from megagrpo.rollout.completion import Completion
 from megagrpo.rollout.multi_turn import Episode, MultiTurnLimits, MultiTurnStats, Version, rollout_episodes
 from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.rollout.tool_calls import check_parser_name
 
 FIELD = "rollout.multi_turn"
+log = logging.getLogger(__name__)
 
 
 def check_multi_turn(mt: MultiTurnConfig) -> None:
     """MegagrpoError naming the field for an environment that cannot be imported or built with its options,
-    or a tool parser SGLang lacks: run by the CLI before any process starts."""
+    a tool parser SGLang lacks, or a code sandbox that cannot isolate on this host while
+    `sandbox_isolation` is require (best_effort: one warning line). Run by the CLI before any process
+    starts, and by each engine owner before its first rollout (the sandbox runs on the owner's host)."""
     if not mt.enabled:
         return
-    build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
+    env = build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
     check_parser_name(mt.tool_parser, where=f"{FIELD}.tool_parser")
+    sandbox = getattr(env, "sandbox_config", None)
+    if isinstance(sandbox, SandboxConfig):
+        iso = require_isolation(
+            sandbox, mt.sandbox_isolation == "best_effort", where=f"{FIELD}.sandbox_isolation"
+        )
+        if iso.missing:
+            log.warning(
+                "%s; %s.sandbox_isolation is best_effort: each such call is counted "
+                "(rollout/sandbox_unisolated_calls)",
+                iso.line(),
+                FIELD,
+            )
 
 
 def episode_completion(e: Episode) -> Completion:
-    """One episode as a learner row; "length" marks a truncated one (`algo.overlong_filter` drops it)."""
-    return e.trajectory.to_completion(text=e.final_text, finish_reason="length" if e.truncated else "stop")
+    """One episode as a learner row; "length" marks a truncated one (`algo.overlong_filter` drops it). An
+    episode with an interrupted tool call is dropped: its row keeps its tokens and takes no loss."""
+    c = e.trajectory.to_completion(text=e.final_text, finish_reason="length" if e.truncated else "stop")
+    if e.tools.interrupted_calls and c.output_mask is not None:
+        c.output_mask = torch.zeros_like(c.output_mask)
+    return c
 
 
 class EpisodeSampler:
@@ -51,9 +84,14 @@ class EpisodeSampler:
         self.env_cls = resolve_environment(mt.environment, where=f"{FIELD}.environment")
         check_multi_turn(mt)
         self.limits = MultiTurnLimits(max_turns=mt.max_turns, max_tokens=mt.max_tokens)
+        self.tool_slots = ToolSlots(mt.max_concurrent_tools)  # this owner's, shared by its trajectories
 
     def make_env(self):
-        return self.env_cls(**self.cfg.environment_options)
+        env = self.env_cls(**self.cfg.environment_options)
+        executor = getattr(env, "executor", None)  # a ToolEnvironment's
+        if isinstance(executor, ToolExecutor):
+            executor.slots = self.tool_slots
+        return env
 
     def generate(
         self,

@@ -422,6 +422,9 @@ def run_problems(cfg: Config, recs: list[dict]) -> list[str]:
             need(_finite(turns) and turns >= 1 and _finite(unscored), f"multi-turn: turns_mean={turns}", s)
             absent = [k for k in MULTI_TURN_METRICS if not _finite(get(k))]
             need(not absent, f"multi-turn: missing or non-finite {absent}", s)
+            # CI's root has every capability: no call may run without the sandbox's isolation or be cut
+            lost = {k: get(k) for k in ("rollout/sandbox_unisolated_calls", "rollout/tool_interrupted")}
+            need(set(lost.values()) == {0.0}, f"multi-turn: {lost}", s)
         if a.router_shift:
             g = get("moe/router_shift_gamma_mean")
             need(_finite(g) and 0 < g <= 1, f"router_shift: moe/router_shift_gamma_mean={g}", s)

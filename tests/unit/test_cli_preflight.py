@@ -242,3 +242,26 @@ def test_the_python_environment_reaches_the_stage(tiny_model, tmp_path, capsys, 
         ["train", write_config(tmp_path, tiny_model("qwen3"), rollout={"multi_turn": mt})], capsys
     )
     assert rc == 0 and started, err
+
+
+def test_a_host_that_denies_the_sandbox_namespaces_is_refused_before_any_process_starts(
+    tiny_model, tmp_path, capsys, started, monkeypatch
+):
+    """The probe's verdict of a container without CAP_SYS_ADMIN (the real one: tests/unit/envs/
+    test_sandbox.py under setpriv) stops `megagrpo train` in one line, unless the config accepts it."""
+    from megagrpo.envs import sandbox
+
+    denied = sandbox.Isolation(sandbox.ISOLATIONS, "unshare: Operation not permitted")
+    monkeypatch.setitem(sandbox._PROBES, False, denied)
+    mt = {"enabled": True, "environment": "python"}
+    rc, err, _ = run_cli(
+        ["train", write_config(tmp_path, tiny_model("qwen3"), rollout={"multi_turn": mt})], capsys
+    )
+    assert rc == 2 and not started, err
+    assert "the code sandbox cannot enforce network isolation, PID namespace, private mounts" in err
+    assert "rollout.multi_turn.sandbox_isolation: best_effort" in err and "Traceback" not in err
+    mt["sandbox_isolation"] = "best_effort"
+    rc, err, _ = run_cli(
+        ["train", write_config(tmp_path, tiny_model("qwen3"), rollout={"multi_turn": mt})], capsys
+    )
+    assert rc == 0 and started, err

@@ -100,6 +100,8 @@ def test_each_bad_call_is_answered_counted_and_never_raises(release):
         "malformed_calls": 7,
         "unknown_tools": 1,
         "oversize_results": 1,
+        "interrupted_calls": 0,
+        "unisolated_calls": 0,
     }
     msg = by_id["raises"].message()
     assert msg == {

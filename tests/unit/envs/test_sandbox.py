@@ -1,12 +1,18 @@
 """The code sandbox and the python tool: each way model-written code can misbehave is stopped or refused,
 and the test process (the trainer) is left as it was, with no process of the run left behind."""
 
+import asyncio
+import contextlib
+import dataclasses
 import glob
+import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -14,8 +20,11 @@ import psutil
 import pytest
 
 from megagrpo.envs import python_tool, sandbox
+from megagrpo.envs.python_tool import PythonEnv
 from megagrpo.envs.sandbox import SandboxConfig
+from megagrpo.envs.tools import ToolCounters
 from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.multi_turn import MultiTurnStats
 
 ROOT = os.geteuid() == 0
 # Small limits keep each case short; the wall limits leave room for a loaded 2-core machine.
@@ -148,7 +157,7 @@ def test_a_network_connection_is_refused_unless_the_network_is_allowed():
             with pytest.raises(BlockingIOError):
                 server.accept()
         else:  # non-root on a kernel without user namespaces: never silently open
-            assert any("network namespace unavailable" in n for n in r.notes)
+            assert any("network isolation unavailable" in n for n in r.notes)
 
         r = _run(code, SandboxConfig(network=True))  # the control: the same code does reach the server
         assert r.stdout == "connected\n" and not r.network_isolated
@@ -194,3 +203,207 @@ def test_python_tool_answers_the_model_in_text_and_never_raises(monkeypatch):
 
     monkeypatch.setattr(sandbox, "run", no_sandbox)
     assert python_tool.run_python("print(1)", CFG).startswith("Error: the sandbox could not start")
+
+
+# ------------------------------------------------------------------ the file system: a private /tmp per run
+
+
+def test_tmp_and_dev_shm_are_private_to_the_run_and_die_with_it(tmp_path):
+    tag = f"megagrpo-test-{os.getpid()}-{time.time_ns()}"
+    host_file = f"/tmp/{tag}-host"
+    with open(host_file, "w") as f:
+        f.write("the host's")
+    dirs = ("/tmp", "/dev/shm", "/var/tmp")
+    code = (
+        "import os, subprocess\n"
+        f"for d in {dirs!r}:\n"
+        f"    open(os.path.join(d, {tag!r}), 'w').write('x')\n"
+        "open('in_cwd', 'w').write('x')\n"
+        # a child that outlives the code's process would keep a shared /tmp's files in use; here it dies
+        f"subprocess.Popen(['sleep', '600'])\n"
+        f"print(os.path.exists({host_file!r}), os.getcwd().startswith('/tmp/'), os.listdir('/tmp'))\n"
+    )
+    try:
+        r = _run(code)
+        assert r.ok and r.missing == (), r
+        seen_host, cwd_in_tmp, listing = r.stdout.split(" ", 2)
+        assert (seen_host, cwd_in_tmp) == ("False", "True"), "the run's /tmp is not the host's"
+        assert tag in listing
+        for d in dirs:
+            assert not os.path.exists(os.path.join(d, tag)), f"{d}: a file of the run is on the host"
+        again = _run(f"import os\nprint([os.path.exists(os.path.join(d, {tag!r})) for d in {dirs!r}])\n")
+        assert again.stdout == "[False, False, False]\n", "a run's files died with it"
+    finally:
+        os.unlink(host_file)
+
+
+def test_the_private_scratch_is_bounded_in_bytes_and_files():
+    cfg = dataclasses.replace(CFG, scratch_mb=4, max_file_mb=16)
+    code = (
+        "import errno, os\nwritten = 0\ntry:\n"
+        "    for i in range(64):\n"  # /tmp, /dev/shm, /var/tmp and the work directory share one bound
+        "        with open(os.path.join(('/tmp', '/dev/shm', '/var/tmp', '.')[i % 4], f'f{i}'), 'wb') as f:\n"
+        "            f.write(b'x' * 2**20)\n"
+        "        written += 1\n"
+        "except OSError as e:\n    print(errno.errorcode[e.errno])\nprint(written)\n"
+    )
+    r = _run(code, cfg)
+    err, written = r.stdout.split()
+    assert err == "ENOSPC" and 2 <= int(written) < 4, r.stdout
+    r = _run("import os\nfor i in range(10000):\n    open(f'/tmp/e{i}', 'w').close()\n", cfg)
+    assert r.exit_code == 1 and "No space left on device" in r.stderr, "the number of files is bounded too"
+
+
+# --------------------------------------- a container without CAP_SYS_ADMIN: refused, or accepted and counted
+
+_CONTAINER_CHILD = r"""
+import asyncio, json
+from megagrpo.config import config_from_dict
+from megagrpo.errors import MegagrpoError
+from megagrpo.trainer.episodes import EpisodeSampler
+def multi_turn(mode):
+    mt = {"enabled": True, "environment": "python", "sandbox_isolation": mode,
+          "environment_options": {"wall_seconds": 20.0}}
+    return config_from_dict({"model": {"hf_path": "m"}, "rollout": {"multi_turn": mt}}).rollout.multi_turn
+try:
+    EpisodeSampler(multi_turn("require"))  # what an engine owner builds before its first rollout
+    refused = None
+except MegagrpoError as e:
+    refused = str(e)
+sampler = EpisodeSampler(multi_turn("best_effort"))
+env = sampler.make_env()
+call = {"id": "c", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(7)"}'}}
+results = asyncio.run(env.executor.call_all([call, call], env.counters))
+print(json.dumps({"refused": refused, "contents": [r.content for r in results], "counts": env.counters.as_dict()}))
+"""
+
+
+@pytest.mark.skipif(
+    not ROOT, reason="dropping a capability from the bounding set needs root (CI runs as root)"
+)
+def test_without_cap_sys_admin_the_probe_refuses_in_one_line_or_best_effort_counts_every_call():
+    """Docker's default root: CAP_SYS_ADMIN gone, so every namespace is refused (util-linux's setpriv drops
+    it from the bounding set, as a container runtime does)."""
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "util-linux's setpriv is needed to drop a capability"
+    cmd = [
+        setpriv,
+        "--bounding-set=-sys_admin",
+        "--inh-caps=-sys_admin",
+        sys.executable,
+        "-c",
+        _CONTAINER_CHILD,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    line = got["refused"]
+    assert line is not None and "\n" not in line
+    for what in sandbox.ISOLATIONS:
+        assert what in line
+    assert "Operation not permitted" in line and "rollout.multi_turn.sandbox_isolation: best_effort" in line
+    assert "cannot enforce" in out.stderr, "best_effort names what is missing once at start"
+    assert got["contents"] == ["7\n", "7\n"]
+    assert got["counts"]["unisolated_calls"] == 2 and got["counts"]["tool_calls"] == 2
+    stats = MultiTurnStats(trajectories=1, tools=ToolCounters(**got["counts"]))
+    assert stats.metrics()["rollout/sandbox_unisolated_calls"] == 2.0
+
+
+def test_with_every_namespace_the_probe_accepts_and_calls_are_not_counted():
+    if not ROOT:
+        pytest.skip("non-root isolation depends on the kernel's user namespaces")
+    iso = sandbox.require_isolation(CFG, accept=False, where="rollout.multi_turn.sandbox_isolation")
+    assert iso.missing == ()
+    out = python_tool.python_call("print(1)", CFG)
+    assert (out.content, out.unisolated) == ("1\n", False)
+
+
+# ------------------------------------------------- a job-wide signal: the true result, or dropped and counted
+
+_SIGNAL_CHILD = r"""
+import json, signal, threading
+from megagrpo.envs.sandbox import SandboxConfig, run
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append("TERM"))  # the trainer: stop at the step's end
+out = {}
+def tool():  # tools run on threads (envs.tools)
+    out["r"] = run("import time\ntime.sleep(3)\nprint('the true result')", SandboxConfig(wall_seconds=30.0))
+t = threading.Thread(target=tool)
+t.start()
+t.join()
+r = out["r"]
+print(json.dumps({"stdout": r.stdout, "signal": r.signal, "interrupted": r.interrupted, "stop": stop}))
+"""
+
+
+def test_a_job_wide_sigterm_does_not_reach_the_sandboxed_call_in_flight():
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SIGNAL_CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        procs: list[psutil.Process] = []
+        while len(procs) < 3 and time.monotonic() < deadline:  # the boot, the init and the code's process
+            time.sleep(0.05)
+            procs = psutil.Process(child.pid).children(recursive=True)
+        assert len(procs) >= 3, "the sandboxed call did not start"
+        time.sleep(0.3)
+        # What Slurm does at preemption: the signal to the job step's process group and to every process
+        # of the step (slurmstepd signals each pid it tracks, whatever its session)
+        os.killpg(child.pid, signal.SIGTERM)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(sig)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["stop"] == ["TERM"], "the trainer itself got the signal"
+    assert (got["stdout"], got["signal"], got["interrupted"]) == ("the true result\n", None, False), got
+
+
+def _kill_boot_when_running(stop: threading.Event) -> None:
+    """SIGKILL the sandbox's boot process once its code runs: a kill from outside that cannot be ignored."""
+    while not stop.is_set():
+        for p in psutil.Process().children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "-S" in p.cmdline() and len(p.children(recursive=True)) >= 2:
+                    time.sleep(0.2)
+                    p.kill()
+                    return
+        time.sleep(0.02)
+
+
+def test_a_call_killed_from_outside_is_interrupted_counted_and_ends_its_trajectory_unscored():
+    env = PythonEnv(wall_seconds=20.0, cpu_seconds=5)
+    row = {"prompt": "q", "answer": "1"}
+    code = "import time\ntime.sleep(5)\nprint('never')"
+    msg = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+        ],
+    }
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_boot_when_running, args=(stop,), daemon=True)
+
+    async def episode():
+        await env.reset(row)
+        killer.start()
+        return await env.step(msg)
+
+    try:
+        step = asyncio.run(episode())
+    finally:
+        stop.set()
+    assert (step.done, step.reward, step.info["finish"], step.messages) == (True, None, "interrupted", [])
+    assert env.results[0].status == "interrupted" and "killed from outside" in env.results[0].content
+    assert env.counters.interrupted_calls == 1
+    assert _sandbox_processes_left() == []
+
+
+def _sandbox_processes_left() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]

@@ -107,6 +107,8 @@ def test_parsed_turn_feeds_the_executor_which_answers_and_counts_each_call(qwen)
         "malformed_calls": 2,
         "unknown_tools": 1,
         "oversize_results": 0,
+        "interrupted_calls": 0,
+        "unisolated_calls": 0,
     }
 
 

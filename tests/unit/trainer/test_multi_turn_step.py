@@ -167,3 +167,80 @@ def test_bad_tool_traffic_is_answered_and_counted_and_the_batch_is_built(tok):  
     ):
         assert answer in text, answer
     assert int(batch["seq_lens"][0]) < 4096, "the 100 MB result reached the row at its size limit only"
+
+
+def _calculator_env(fn):
+    """CalculatorEnv with `fn(expression)` as its calculator, and the executor's own default bound (16)."""
+    from megagrpo.envs.calculator import CALCULATOR_PARAMETERS
+    from megagrpo.envs.tools import Tool, ToolExecutor
+
+    class Env(CalculatorEnv):
+        def __init__(self):
+            super().__init__(executor=ToolExecutor([Tool("calculator", "slow", CALCULATOR_PARAMETERS, fn)]))
+
+    return Env
+
+
+def test_tool_calls_of_all_an_owners_trajectories_share_one_bound(tok):  # noqa: F811
+    """16 trajectories on one owner, each with its own executor: never more than max_concurrent_tools=3
+    tool calls at once (each executor alone would allow 16)."""
+    import threading
+    import time
+
+    lock, running, peak = threading.Lock(), [0], [0]
+
+    def slow(expression):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return "1"
+
+    sampler = EpisodeSampler(_multi_turn(max_concurrent_tools=3))
+    sampler.env_cls = _calculator_env(slow)
+    eng = ScriptedEngine(tok, {Q1: SCRIPT1})
+    prompts = [PromptGroup(input_ids=[1], sample={"prompt": Q1, "answer": "97406785"}) for _ in range(8)]
+    try:
+        sampler.generate(eng, prompts, SAMPLING, 2, index_offset=0, version=0)
+    finally:
+        eng.close()
+    m = multi_turn_metrics(sampler.counts(prompts))
+    assert m["rollout/tool_calls_per_traj"] == 2.0 and m["rollout/tool_timeouts"] == 0.0
+    assert 1 < peak[0] <= 3, f"{peak[0]} tool calls ran at once"
+
+
+def test_an_interrupted_tool_call_drops_its_trajectory_and_is_counted(tok):  # noqa: F811
+    """The first call of the step is killed from outside (`ToolInterrupted`): its trajectory ends there,
+    unscored, and its row takes no loss; the other trajectory of the group trains as usual."""
+    import threading
+
+    from megagrpo.envs.tools import ToolInterrupted
+
+    lock, calls = threading.Lock(), [0]
+
+    def calc(expression):
+        with lock:
+            calls[0] += 1
+            first = calls[0] == 1
+        if first:
+            raise ToolInterrupted("the sandbox's processes were killed from outside")
+        return "1"
+
+    sampler = EpisodeSampler(_multi_turn())
+    sampler.env_cls = _calculator_env(calc)
+    eng = ScriptedEngine(tok, {Q1: SCRIPT1})
+    prompts = [PromptGroup(input_ids=[1], sample={"prompt": Q1, "answer": "97406785"})]
+    try:
+        [group] = sampler.generate(eng, prompts, SAMPLING, 2, index_offset=0, version=0)
+    finally:
+        eng.close()
+    dropped = [c for c in group if not bool(c.output_mask.any())]
+    kept = [c for c in group if bool(c.output_mask.any())]
+    assert len(dropped) == 1 and len(kept) == 1
+    assert sorted(sampler.environment_rewards(prompts)[0].tolist()) == [0.0, 1.0]
+    m = multi_turn_metrics(sampler.counts(prompts))
+    assert m["rollout/tool_interrupted"] == 1.0 and m["rollout/unscored_frac"] == 0.5
+    batch = rollout_batch([group], torch.zeros(2), pad_id=0)
+    assert [bool(batch["loss_mask"][i].any()) for i in range(2)] == [c is kept[0] for c in group]

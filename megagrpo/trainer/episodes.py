@@ -24,6 +24,7 @@ from megagrpo.envs.registry import build_environment, resolve_environment
 from megagrpo.rollout.completion import Completion
 from megagrpo.rollout.multi_turn import Episode, MultiTurnLimits, MultiTurnStats, Version, rollout_episodes
 from megagrpo.rollout.prompt_group import PromptGroup
+from megagrpo.rollout.reasoning import check_reasoning_parser
 from megagrpo.rollout.tool_calls import check_parser_name
 
 FIELD = "rollout.multi_turn"
@@ -31,11 +32,12 @@ FIELD = "rollout.multi_turn"
 
 def check_multi_turn(mt: MultiTurnConfig) -> None:
     """MegagrpoError naming the field for an environment that cannot be imported or built with its options,
-    or a tool parser SGLang lacks: run by the CLI before any process starts."""
+    or a tool or reasoning parser SGLang lacks: run by the CLI before any process starts."""
     if not mt.enabled:
         return
     build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
     check_parser_name(mt.tool_parser, where=f"{FIELD}.tool_parser")
+    check_reasoning_parser(mt.reasoning_parser, where=f"{FIELD}.reasoning_parser")
 
 
 def episode_completion(e: Episode) -> Completion:
@@ -46,8 +48,9 @@ def episode_completion(e: Episode) -> Completion:
 class EpisodeSampler:
     """The multi-turn replacement of `RolloutEngine.generate` for one engine owner."""
 
-    def __init__(self, mt: MultiTurnConfig) -> None:
+    def __init__(self, mt: MultiTurnConfig, template_kwargs: dict | None = None) -> None:
         self.cfg = mt
+        self.template_kwargs = dict(template_kwargs or {})  # model.chat_template_kwargs
         self.env_cls = resolve_environment(mt.environment, where=f"{FIELD}.environment")
         check_multi_turn(mt)
         self.limits = MultiTurnLimits(max_turns=mt.max_turns, max_tokens=mt.max_tokens)
@@ -73,6 +76,8 @@ class EpisodeSampler:
             sampling,
             self.limits,
             tool_parser=self.cfg.tool_parser,
+            reasoning_parser=self.cfg.reasoning_parser,
+            template_kwargs=self.template_kwargs,
             group_size=group_size,
             index_offset=index_offset,
             version=version,

@@ -21,12 +21,11 @@ cut turn would run a call the model wrote while still thinking.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.tool_calls import sglang_names
 
 
 @dataclass(frozen=True)
@@ -40,14 +39,8 @@ class SplitTurn:
 
 @functools.cache
 def reasoning_parser_names() -> tuple[str, ...]:
-    """SGLang's reasoning parser names, read from its dependency-free `reasoning_parser_names.py` by path
-    (as `tool_calls.parser_names`: the CLI's checks before any process starts should not import SGLang)."""
-    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
-    path = Path(spec.submodule_search_locations[0]) / "srt" / "parser" / "reasoning_parser_names.py"
-    module_spec = importlib.util.spec_from_file_location("_megagrpo_sglang_reasoning_names", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return tuple(module.REASONING_PARSER_NAMES)
+    """SGLang's reasoning parser names (read without importing SGLang: `tool_calls.sglang_names`)."""
+    return sglang_names("parser/reasoning_parser_names.py", "REASONING_PARSER_NAMES")
 
 
 def check_reasoning_parser(name: str | None, where: str = "rollout.multi_turn.reasoning_parser") -> None:

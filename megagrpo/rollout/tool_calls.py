@@ -82,17 +82,23 @@ class ParsedTurn:
         return msg
 
 
+def sglang_names(module: str, attr: str) -> tuple[str, ...]:
+    """A list of names from one of SGLang's dependency-free modules (`module` relative to `sglang/srt`),
+    read by path: importing it as `sglang.srt...` would first run the `sglang` package's `__init__`
+    (seconds: transformers, torch distributed), which the CLI's checks before any process starts should
+    not pay."""
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    path = Path(spec.submodule_search_locations[0], "srt", *module.split("/"))
+    module_spec = importlib.util.spec_from_file_location(f"_megagrpo_sglang_{path.stem}", path)
+    loaded = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(loaded)
+    return tuple(getattr(loaded, attr))
+
+
 @functools.cache
 def parser_names() -> tuple[str, ...]:
-    """SGLang's tool-call parser names, read from its dependency-free `parser_names.py` by path: importing
-    it as `sglang.srt...` would first run the `sglang` package's `__init__` (seconds: transformers, torch
-    distributed), which the CLI's checks before any process starts should not pay."""
-    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
-    path = Path(spec.submodule_search_locations[0]) / "srt" / "function_call" / "parser_names.py"
-    module_spec = importlib.util.spec_from_file_location("_megagrpo_sglang_parser_names", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return tuple(module.TOOL_CALL_PARSER_NAMES)
+    """SGLang's tool-call parser names (`sglang_names`)."""
+    return sglang_names("function_call/parser_names.py", "TOOL_CALL_PARSER_NAMES")
 
 
 def _keep_unknown_tools() -> None:

@@ -124,9 +124,8 @@ class Episode:
     truncation: str | None = None
     tools: ToolCounters = field(default_factory=ToolCounters)
     info: dict[str, Any] = field(default_factory=dict)
-    final_text: str = (
-        ""  # the last model turn's content, reasoning split off (what `rewards.functions` score)
-    )
+    # the last model turn's content, reasoning split off (what `rewards.functions` score)
+    final_text: str = ""
     cut_turns: int = 0
     cut_in_reasoning: int = 0
 

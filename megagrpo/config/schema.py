@@ -59,6 +59,13 @@ class Section(BaseModel):
 # --------------------------------------------------------------------------------------------- model
 
 
+# Arguments of `apply_chat_template` that megagrpo sets itself: not template options a config may pass.
+RENDER_ARGUMENTS = frozenset(
+    {"messages", "conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "chat_template", "documents"}
+)  # fmt: skip
+
+
 class ModelConfig(Section):
     hf_path: str = Field(
         description="Hugging Face model directory (config.json, safetensors, tokenizer) the run starts "
@@ -68,6 +75,14 @@ class ModelConfig(Section):
         default=None,
         description="Tokenizer directory when it differs from hf_path; null uses hf_path. Lets a "
         "checkpoint reuse the base model's tokenizer and chat template.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the tokenizer's chat template, passed wherever it is rendered: prompts, "
+        "multi-turn rollouts and SFT rows, single-turn and tool traces alike (e.g. {enable_thinking: "
+        "false} for Qwen3). Here rather than under data or rollout because the template is the model's, "
+        "and SFT (sft.data) must render exactly as the RL stage samples; rollout.multi_turn."
+        "reasoning_parser reads it too, as SGLang does (Qwen3 reasons unless enable_thinking is false).",
     )
     dtype: DType = Field(
         default="auto",
@@ -99,6 +114,17 @@ class ModelConfig(Section):
         description="Keep the frozen KL reference model's weights on CPU between uses (GPU memory saver). "
         "Only used when algo.kl.coef > 0.",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        taken = sorted(set(self.chat_template_kwargs) & RENDER_ARGUMENTS)
+        if taken:
+            raise invalid(
+                "chat_template_kwargs",
+                f"{taken} are set by megagrpo itself when it renders the template (it passes "
+                f"{', '.join(sorted(RENDER_ARGUMENTS))}); remove them and keep only the template's own options",
+            )
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- mesh
@@ -208,6 +234,14 @@ class MultiTurnConfig(Section):
         description="SGLang's function-call parser for the model family's tool-call format (qwen25: "
         "Qwen2.5/Qwen3's <tool_call> JSON; others: llama3, mistral, deepseekv3, ...). A call it cannot "
         "parse is answered to the model as an error and counted (rollout/malformed_calls).",
+    )
+    reasoning_parser: str | None = Field(
+        default=None,
+        description="SGLang's reasoning parser for the model family (qwen3: Qwen3's <think>...</think>; "
+        "deepseek-r1, glm45, ...), checked against SGLang's names before any process starts. It splits "
+        "each model turn's reasoning off before tool calls and <answer> are read, so neither counts inside "
+        "the reasoning, and a turn cut inside it has none (rollout/cut_in_reasoning_frac). null: the whole "
+        "turn is content, for a model that does not reason. The turn's ids train whole either way.",
     )
     max_turns: int = Field(
         default=4,

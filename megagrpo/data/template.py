@@ -21,10 +21,16 @@ class Prompt:
 
 
 class PromptFormatter:
-    """Uses any Hugging Face tokenizer (`apply_chat_template`, `__call__`, `eos_token_id`)."""
+    """Uses any Hugging Face tokenizer (`apply_chat_template`, `__call__`, `eos_token_id`).
 
-    def __init__(self, tokenizer: Any, cfg: DataConfig) -> None:
+    `template_kwargs` are the chat template's options (`model.chat_template_kwargs`), passed to every
+    rendering: prompts here, and the multi-turn traces' `ChatDeltas` (`trainer/sft.py`)."""
+
+    def __init__(
+        self, tokenizer: Any, cfg: DataConfig, template_kwargs: dict[str, Any] | None = None
+    ) -> None:
         self.tok, self.cfg = tokenizer, cfg
+        self.template_kwargs = dict(template_kwargs or {})
         if cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
             raise MegagrpoError(
                 "data.use_chat_template: true, but the model's tokenizer has no chat template; set "
@@ -50,7 +56,9 @@ class PromptFormatter:
     def text(self, sample: dict) -> str:
         msgs = self.messages(sample)
         if self.cfg.use_chat_template:
-            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            return self.tok.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+            )
         if isinstance(sample["prompt"], list):
             raise RowError("a chat-message prompt needs data.use_chat_template=true")
         return "\n\n".join(m["content"] for m in msgs)
@@ -86,12 +94,13 @@ class PromptFormatter:
         driver builds a trajectory (`megagrpo.rollout.multi_turn`), so that SFT trains on the ids the engine
         will later generate and read.
 
-        `chat` is a fresh `ChatDeltas` (`megagrpo.rollout.chat_delta`) holding the environment's tools, and
+        `chat` is a fresh `ChatDeltas` (`megagrpo.rollout.chat_delta`) holding the environment's tools and
+        this formatter's template options, and
         `prompt` the environment's first messages (`env.reset(row)`). `trace` is the conversation after
         them: assistant turns and, between two of them, the environment's messages (tool results, user
         turns). Each assistant turn enters as the ids the model would generate, its text's ids then EOS, and
         only those take the loss; the template's glue after a turn and the environment's messages enter as
-        the template's delta. Nothing follows the last assistant turn, as in a rollout.
+        the template's delta (`ChatDeltas.append`). Nothing follows the last assistant turn, as in a rollout.
         """
         if not trace or any(not isinstance(m, dict) for m in trace):
             raise RowError("trace must be a non-empty list of chat messages")
@@ -103,7 +112,6 @@ class PromptFormatter:
         ids: list[int] = []
         mask: list[bool] = []
         env: list[dict] = []  # the environment's messages since the last assistant turn
-        glue: list[int] = []
         for i, m in enumerate(trace):
             if not isinstance(m.get("content"), str):
                 raise RowError(f"trace[{i}] has no string content")
@@ -116,12 +124,12 @@ class PromptFormatter:
                         f"trace[{i}] follows an assistant turn directly; an environment step between two "
                         "model turns inserts at least one message"
                     )
-                inserted = glue + chat.append(env)
+                inserted = chat.append(env)
                 ids += inserted
                 mask += [False] * len(inserted)
                 env = []
             generated = chat.encode(m["content"]) + [self.eos_id()]
             ids += generated
             mask += [True] * len(generated)
-            glue = chat.close_model_turn(generated)
+            chat.close_model_turn(generated)
         return prompt_ids, ids, mask

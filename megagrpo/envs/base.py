@@ -1,8 +1,9 @@
 """The environment protocol of multi-turn rollouts, and a base class for environments that offer tools.
 
 Messages are OpenAI-style dicts: `role` (system, user, assistant, tool), `content`, and, on an assistant
-message, `tool_calls` (`[{"id", "type": "function", "function": {"name", "arguments"}}]`); a tool message
-carries `tool_call_id` and `name`. The driver (`megagrpo.rollout`) renders them with the model's chat
+message, `tool_calls` (`[{"id", "type": "function", "function": {"name", "arguments"}}]`) and, with
+`rollout.multi_turn.reasoning_parser`, `reasoning_content` (the turn's reasoning, split off: `content` and
+the calls are what the model wrote after it); a tool message carries `tool_call_id` and `name`. The driver (`megagrpo.rollout`) renders them with the model's chat
 template, passing `env.tool_schemas()` as `tools=`, and parses the model's text back into an assistant
 message; an environment never sees token ids.
 

@@ -11,8 +11,10 @@ trajectory:
       -> Trajectory.add_engine_output: the model segment (ids as generated, sampler logprobs, the policy
          version, the new route rows only; and, when the engine recomputed an evicted prefix, the rows of
          that recompute in place of the held ones, counted: `rollout.trajectory` module doc)
-    ChatDeltas.close_model_turn -> the template's glue; ToolCallParser (SGLang's) -> the assistant message
+    ChatDeltas.close_model_turn -> the turn's text; ReasoningSplitter (SGLang's reasoning parser) -> its
+      reasoning and content; ToolCallParser (SGLang's) on the content -> the assistant message
     env.step(assistant message) -> done / reward, or messages -> ChatDeltas.append -> the next environment ids
+      (the template's glue after the model's turn, the messages, the generation prompt)
   until the environment says done, `max_turns` model turns, or `max_tokens`.
 
 The recorder (`Trajectory`) knows nothing of this loop: anything that can say "these ids were inserted, then
@@ -26,14 +28,22 @@ inside a model turn (the cut turn is not sent to the environment, whose reward s
 environment's next messages would not leave one token for the model (they are not appended). A model turn cut
 by `sampling.max_new_tokens` alone is not a truncation: the environment answers it, like any other.
 
+Reasoning (`reasoning_parser`, `rollout.reasoning` module doc). The environment reads the turn's content
+only: a tool call or an `<answer>` inside the reasoning is neither run nor scored, and a turn cut inside its
+reasoning has no content. The ids train whole. Counted: turns cut at their token limit
+(`rollout/cut_turns_frac`) and those cut inside their reasoning (`rollout/cut_in_reasoning_frac`).
+
 Seeds. Turn k of the trajectory with global index i (`index_offset + row * G + sample`, as in
 `RolloutEngine.generate`) samples with `turn_seed(sampling.seed, i, k)`; `sampling.seed` is the step's base
 (the trainer's `request_seed_base(seed, step, call)`), so the number of engines changes no trajectory.
 
-Failure policy. What the model writes (bad calls, unknown tools, failing tools) is answered by the
-environment and counted, never raised. A chat template that is not append-only, an environment that breaks
-its protocol and an engine error are raised; the other trajectories of the batch finish first, so that no
-request is left running on the engine.
+Failure policy. What the model writes (bad calls, unknown tools, failing tools, cut or odd reasoning) is
+answered by the environment and counted, never raised; the model's text never goes through the chat
+template (`rollout.chat_delta`). A chat template that is not append-only for an environment step's messages
+ends that trajectory there, truncated and counted (`rollout/template_breaks`, with one warning per template
+naming it): it may depend on what the tools returned. An environment that breaks its protocol and an engine
+error are raised; the other trajectories of the batch finish first, so that no request is left running on
+the engine.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,12 +59,15 @@ from typing import Any, Protocol
 from megagrpo.envs.base import Environment
 from megagrpo.envs.tools import ToolCounters
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.chat_delta import ChatDeltas
+from megagrpo.rollout.chat_delta import ChatDeltas, TemplateBreak
 from megagrpo.rollout.config import SamplingConfig
+from megagrpo.rollout.reasoning import ReasoningSplitter, SplitTurn
 from megagrpo.rollout.tool_calls import ParsedTurn, ToolCallParser, check_parser_name
 from megagrpo.rollout.trajectory import Trajectory
 
 Version = int | Callable[[], int]
+log = logging.getLogger(__name__)
+_WARNED_TEMPLATES: set[str] = set()  # templates a TemplateBreak was logged for (once each per process)
 
 
 class TurnEngine(Protocol):
@@ -100,8 +114,10 @@ class Episode:
     """One driven trajectory and what the environment said about it.
 
     `reward`: the environment's (None leaves scoring to the reward functions); `done`: the environment ended
-    the episode; `truncation`: "max_turns" or "max_tokens" when a limit ended it instead; `tools`: its tool
-    outcomes; `info`: the last step's info."""
+    the episode; `truncation`: "max_turns" or "max_tokens" when a limit ended it instead, "template" when
+    the chat template could not append the environment's messages; `tools`: its tool outcomes; `info`: the
+    last step's info; `cut_turns`: its model turns that stopped at their token limit, `cut_in_reasoning`
+    those of them that stopped inside their reasoning."""
 
     trajectory: Trajectory
     reward: float | None = None
@@ -109,7 +125,10 @@ class Episode:
     truncation: str | None = None
     tools: ToolCounters = field(default_factory=ToolCounters)
     info: dict[str, Any] = field(default_factory=dict)
-    final_text: str = ""  # the last model turn's text (what `rewards.functions` score)
+    # the last model turn's content, reasoning split off (what `rewards.functions` score)
+    final_text: str = ""
+    cut_turns: int = 0
+    cut_in_reasoning: int = 0
 
     @property
     def truncated(self) -> bool:
@@ -134,6 +153,9 @@ class MultiTurnStats:
     tools: ToolCounters = field(default_factory=ToolCounters)
     truncated_max_turns: int = 0
     truncated_max_tokens: int = 0
+    truncated_template: int = 0
+    cut_turns: int = 0
+    cut_in_reasoning: int = 0
     model_tokens: int = 0
     env_tokens: int = 0
     route_bytes_received: int = 0
@@ -152,6 +174,9 @@ class MultiTurnStats:
         self.tools.add(e.tools)
         self.truncated_max_turns += e.truncation == "max_turns"
         self.truncated_max_tokens += e.truncation == "max_tokens"
+        self.truncated_template += e.truncation == "template"
+        self.cut_turns += e.cut_turns
+        self.cut_in_reasoning += e.cut_in_reasoning
         self.model_tokens += t.num_model_tokens
         self.env_tokens += e.env_tokens
         self.route_bytes_received += t.route_bytes_received
@@ -177,6 +202,7 @@ class MultiTurnStats:
 
     def metrics(self) -> dict[str, float]:
         n = max(self.trajectories, 1)
+        turns = max(self.turns, 1)
         tc = self.tools
         return {
             "rollout/turns_mean": self.turns / n,
@@ -190,6 +216,9 @@ class MultiTurnStats:
             "rollout/sandbox_unisolated_calls": float(tc.unisolated_calls),
             "rollout/truncated_max_turns_frac": self.truncated_max_turns / n,
             "rollout/truncated_max_tokens_frac": self.truncated_max_tokens / n,
+            "rollout/template_breaks": float(self.truncated_template),
+            "rollout/cut_turns_frac": self.cut_turns / turns,
+            "rollout/cut_in_reasoning_frac": self.cut_in_reasoning / turns,
             "rollout/env_token_frac": self.env_tokens / max(self.env_tokens + self.model_tokens, 1),
             "rollout/route_bytes_per_traj": self.route_bytes_received / n,
             "rollout/r3_prefix_recomputed": float(self.r3_prefix_recomputed),
@@ -237,12 +266,23 @@ async def run_episode(
     sample_index: int = 0,
     version: Version = 0,
     template_kwargs: dict[str, Any] | None = None,
+    reasoning: ReasoningSplitter | None = None,
 ) -> Episode:
     """Drive one trajectory to its end (module doc); awaited on the engine's loop."""
     messages = await env.reset(row)
     tools = list(env.tool_schemas() or [])
     chat = ChatDeltas(engine.tokenizer, tools=tools, **(template_kwargs or {}))
     prompt = chat.prompt(messages)
+    opened = reasoning is not None and reasoning.opens(chat.generation_prompt)
+
+    def read(text: str, cut: bool) -> SplitTurn:
+        split = (
+            reasoning.split(text, cut=cut, opened=opened) if reasoning is not None else SplitTurn("", text)
+        )
+        ep.cut_turns += cut
+        ep.cut_in_reasoning += cut and split.unclosed
+        return split
+
     experts = engine.routes_num_experts
     traj = Trajectory(
         prompt,
@@ -276,17 +316,20 @@ async def run_episode(
         )
         traj.add_engine_output(out, env_ids, version=version() if callable(version) else version)
         env_ids = []
-        cut = traj.finish_reason == "length" and budget < sampling.max_new_tokens
-        if cut:  # the trajectory's budget, not the turn's, ended this turn mid-way
+        cut = traj.finish_reason == "length"
+        if cut and budget < sampling.max_new_tokens:  # the trajectory's budget, not the turn's, ended it
             ep.truncation = "max_tokens"
-            ep.final_text = engine.tokenizer.decode(out["output_ids"])
+            ep.final_text = read(engine.tokenizer.decode(out["output_ids"]), cut).content
             break
-        glue = chat.close_model_turn(out["output_ids"])
-        content = ep.final_text = chat.messages[-1]["content"]
-        parsed = parser.parse(content) if parser is not None else ParsedTurn(content)
+        split = read(chat.close_model_turn(out["output_ids"]), cut)
+        ep.final_text = split.content
+        parsed = parser.parse(split.content) if parser is not None else ParsedTurn(split.content)
         own.tool_calls += len(parsed.calls)
         own.malformed_calls += len(parsed.malformed)
-        step = await env.step(parsed.assistant_message(f"call_{turn}"))
+        message = parsed.assistant_message(f"call_{turn}")
+        if split.reasoning:
+            message["reasoning_content"] = split.reasoning
+        step = await env.step(message)
         ep.info = dict(step.info)
         if step.done:
             ep.done, ep.reward = True, step.reward
@@ -299,7 +342,14 @@ async def run_episode(
                 f"environment {type(env).__name__} returned no message and done=False at turn {turn}; a step "
                 "either appends messages (tool results, a user turn) or ends the episode"
             )
-        env_ids = glue + chat.append(step.messages)
+        try:
+            env_ids = chat.append(step.messages)
+        except TemplateBreak as e:  # the environment has seen the turn; its messages cannot be inserted
+            if chat.template_name not in _WARNED_TEMPLATES:
+                _WARNED_TEMPLATES.add(chat.template_name)
+                log.warning("%s; such trajectories end there (rollout/template_breaks)", e)
+            ep.truncation = "template"
+            break
     counted = getattr(env, "counters", None)  # a ToolEnvironment counts every call it answered
     ep.tools = counted if isinstance(counted, ToolCounters) else own
     return ep
@@ -313,6 +363,7 @@ def rollout_episodes(
     limits: MultiTurnLimits,
     *,
     tool_parser: str = "qwen25",
+    reasoning_parser: str | None = None,
     group_size: int = 1,
     index_offset: int = 0,
     version: Version = 0,
@@ -320,7 +371,8 @@ def rollout_episodes(
 ) -> tuple[list[list[Episode]], MultiTurnStats]:
     """G = `group_size` episodes per data row, as `[n_rows][G]`, all concurrent on the engine's loop, and
     their counters. `make_env()` builds a fresh environment per trajectory; `version` is the policy version
-    (or a callable read after each turn's request, for async mode). Seeds: module doc.
+    (or a callable read after each turn's request, for async mode); `template_kwargs`: the chat template's
+    options (`model.chat_template_kwargs`), which `reasoning_parser` reads too. Seeds: module doc.
 
     Cost, between this process and its engine: each turn sends the trajectory's ids so far (so O(turns x T)
     ints per trajectory, as any engine without sessions needs) and receives its new tokens and only its new
@@ -332,6 +384,7 @@ def rollout_episodes(
         raise MegagrpoError(f"group_size={group_size} must be >= 1")
     check_parser_name(tool_parser)
     parsers = ParserCache(tool_parser)
+    reasoning = ReasoningSplitter(reasoning_parser, template_kwargs) if reasoning_parser else None
 
     async def gather() -> list[Episode | BaseException]:
         coros = [
@@ -347,6 +400,7 @@ def rollout_episodes(
                 sample_index=g,
                 version=version,
                 template_kwargs=template_kwargs,
+                reasoning=reasoning,
             )  # fmt: skip
             for i, row in enumerate(rows)
             for g in range(group_size)

@@ -12,7 +12,11 @@ and Qwen3's `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, `q
 
 What SGLang's parsers do on their own, and what is added here:
 - SGLang drops a call to a tool the request did not declare; here it is kept (SGLang's own
-  `SGLANG_FORWARD_UNKNOWN_TOOLS` switch, set for the parse only), so the model is told the tool is unknown.
+  `SGLANG_FORWARD_UNKNOWN_TOOLS` switch), so the model is told the tool is unknown. SGLang reads the switch
+  from the process environment at each parse and has no per-parser setting, so it is set once, when the
+  first parser is built, and never written again: rewriting it per parse raced `getenv` in other threads
+  (native code among them). It changes nothing else here, since the engines of this process are sent ids
+  and parse no tool calls. SGLang's per-call warnings are muted once, the same way (the caller counts).
 - SGLang logs and drops a call whose JSON is invalid, and raises on JSON that is not an object. When the
   parser found fewer calls than the text has call markers (the detector's `bot_token`), or raised, the
   text is re-parsed one marker-delimited segment at a time, and each segment that yields no call becomes
@@ -35,7 +39,7 @@ from typing import Any
 from megagrpo.errors import MegagrpoError
 
 _FORWARD_UNKNOWN = "SGLANG_FORWARD_UNKNOWN_TOOLS"
-_ENV_LOCK = threading.Lock()  # the switch is process-wide: one parse at a time holds it
+_SETUP_LOCK = threading.Lock()
 _RAW_SHOWN = 200  # characters of a malformed call's text quoted back to the model
 
 
@@ -78,17 +82,32 @@ class ParsedTurn:
         return msg
 
 
+def sglang_names(module: str, attr: str) -> tuple[str, ...]:
+    """A list of names from one of SGLang's dependency-free modules (`module` relative to `sglang/srt`),
+    read by path: importing it as `sglang.srt...` would first run the `sglang` package's `__init__`
+    (seconds: transformers, torch distributed), which the CLI's checks before any process starts should
+    not pay."""
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    path = Path(spec.submodule_search_locations[0], "srt", *module.split("/"))
+    module_spec = importlib.util.spec_from_file_location(f"_megagrpo_sglang_{path.stem}", path)
+    loaded = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(loaded)
+    return tuple(getattr(loaded, attr))
+
+
 @functools.cache
 def parser_names() -> tuple[str, ...]:
-    """SGLang's tool-call parser names, read from its dependency-free `parser_names.py` by path: importing
-    it as `sglang.srt...` would first run the `sglang` package's `__init__` (seconds: transformers, torch
-    distributed), which the CLI's checks before any process starts should not pay."""
-    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
-    path = Path(spec.submodule_search_locations[0]) / "srt" / "function_call" / "parser_names.py"
-    module_spec = importlib.util.spec_from_file_location("_megagrpo_sglang_parser_names", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return tuple(module.TOOL_CALL_PARSER_NAMES)
+    """SGLang's tool-call parser names (`sglang_names`)."""
+    return sglang_names("function_call/parser_names.py", "TOOL_CALL_PARSER_NAMES")
+
+
+def _keep_unknown_tools() -> None:
+    """Set SGLang's process-wide switches (module doc), writing the environment only while it lacks the
+    switch, so in practice once: unknown tools kept, per-call warnings muted."""
+    with _SETUP_LOCK:
+        if os.environ.get(_FORWARD_UNKNOWN) != "1":
+            os.environ[_FORWARD_UNKNOWN] = "1"
+        logging.getLogger("sglang.srt.function_call").setLevel(logging.ERROR)
 
 
 def check_parser_name(parser: str, where: str = "rollout.multi_turn.tool_parser") -> None:
@@ -111,6 +130,7 @@ class ToolCallParser:
         from sglang.srt.entrypoints.openai.protocol import Tool
         from sglang.srt.function_call.function_call_parser import FunctionCallParser
 
+        _keep_unknown_tools()
         self.name = parser
         self._sgl = FunctionCallParser([Tool.model_validate(t) for t in tools], parser)
         bot = getattr(self._sgl.detector, "bot_token", "")
@@ -158,20 +178,8 @@ class ToolCallParser:
         return f"the tool call could not be parsed; write it as {form} with valid JSON"
 
     def _sgl_parse(self, text: str) -> tuple[str, list[Any]]:
-        """SGLang's parse with unknown tools kept; its per-call warnings are muted (the caller counts them)."""
-        log = logging.getLogger("sglang.srt.function_call")
-        with _ENV_LOCK:
-            saved, level = os.environ.get(_FORWARD_UNKNOWN), log.level
-            os.environ[_FORWARD_UNKNOWN] = "1"
-            log.setLevel(logging.ERROR)
-            try:
-                return self._sgl.parse_non_stream(text)
-            finally:
-                log.setLevel(level)
-                if saved is None:
-                    os.environ.pop(_FORWARD_UNKNOWN, None)
-                else:
-                    os.environ[_FORWARD_UNKNOWN] = saved
+        """SGLang's parse, unknown tools kept (`_keep_unknown_tools`, set when this parser was built)."""
+        return self._sgl.parse_non_stream(text)
 
 
 def _from_item(item: Any) -> ParsedToolCall:

@@ -38,6 +38,7 @@ from megagrpo.envs.tools import ToolExecutor, ToolSlots
 from megagrpo.rollout.completion import Completion
 from megagrpo.rollout.multi_turn import Episode, MultiTurnLimits, MultiTurnStats, Version, rollout_episodes
 from megagrpo.rollout.prompt_group import PromptGroup
+from megagrpo.rollout.reasoning import check_reasoning_parser
 from megagrpo.rollout.tool_calls import check_parser_name
 
 FIELD = "rollout.multi_turn"
@@ -46,13 +47,14 @@ log = logging.getLogger(__name__)
 
 def check_multi_turn(mt: MultiTurnConfig) -> None:
     """MegagrpoError naming the field for an environment that cannot be imported or built with its options,
-    a tool parser SGLang lacks, or a code sandbox that cannot isolate on this host while
+    a tool or reasoning parser SGLang lacks, or a code sandbox that cannot isolate on this host while
     `sandbox_isolation` is require (best_effort: one warning line). Run by the CLI before any process
     starts, and by each engine owner before its first rollout (the sandbox runs on the owner's host)."""
     if not mt.enabled:
         return
     env = build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
     check_parser_name(mt.tool_parser, where=f"{FIELD}.tool_parser")
+    check_reasoning_parser(mt.reasoning_parser, where=f"{FIELD}.reasoning_parser")
     sandbox = getattr(env, "sandbox_config", None)
     if isinstance(sandbox, SandboxConfig):
         iso = require_isolation(
@@ -79,8 +81,9 @@ def episode_completion(e: Episode) -> Completion:
 class EpisodeSampler:
     """The multi-turn replacement of `RolloutEngine.generate` for one engine owner."""
 
-    def __init__(self, mt: MultiTurnConfig) -> None:
+    def __init__(self, mt: MultiTurnConfig, template_kwargs: dict | None = None) -> None:
         self.cfg = mt
+        self.template_kwargs = dict(template_kwargs or {})  # model.chat_template_kwargs
         self.env_cls = resolve_environment(mt.environment, where=f"{FIELD}.environment")
         check_multi_turn(mt)
         self.limits = MultiTurnLimits(max_turns=mt.max_turns, max_tokens=mt.max_tokens)
@@ -111,6 +114,8 @@ class EpisodeSampler:
             sampling,
             self.limits,
             tool_parser=self.cfg.tool_parser,
+            reasoning_parser=self.cfg.reasoning_parser,
+            template_kwargs=self.template_kwargs,
             group_size=group_size,
             index_offset=index_offset,
             version=version,

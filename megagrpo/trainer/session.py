@@ -70,7 +70,7 @@ class Session(SamplerMixin):
             else self.tokenizer.eos_token_id
         )
         self.data_cfg = self.data_config()
-        self.formatter = PromptFormatter(self.tokenizer, self.data_cfg)
+        self.formatter = PromptFormatter(self.tokenizer, self.data_cfg, cfg.model.chat_template_kwargs)
         self.sets = build_prompt_sets(
             self.data_cfg,
             self.formatter,
@@ -112,7 +112,7 @@ class Session(SamplerMixin):
         if self.rewards is not None and cfg.rollout.multi_turn.enabled:
             from megagrpo.trainer.episodes import EpisodeSampler
 
-            self.episodes = EpisodeSampler(cfg.rollout.multi_turn)
+            self.episodes = EpisodeSampler(cfg.rollout.multi_turn, cfg.model.chat_template_kwargs)
         self.start_engine()
         self.sampling = sampling_config(cfg)
         # rollout.mode=async: future steps' first rounds, generated while the learner trains

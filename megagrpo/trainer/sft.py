@@ -54,7 +54,7 @@ def sft_data(cfg: Config) -> tuple[str, DataConfig]:
 class TraceExamples:
     """SFT examples of rows carrying a `trace`, tokenised exactly as the multi-turn driver will build their
     trajectories: the environment of `rollout.multi_turn` gives the first messages and the tools, a fresh
-    `ChatDeltas` renders them, `PromptFormatter.sft_trace_example` the turns after them. A trace that the
+    `ChatDeltas` renders them (with `model.chat_template_kwargs`, as the rollouts do), `PromptFormatter.sft_trace_example` the turns after them. A trace that the
     rollout limits would cut (a turn above `rollout.max_new_tokens`, more than `max_turns` turns, more than
     `max_tokens` tokens after the prompt) is an error: SFT would teach what sampling can never produce."""
 
@@ -81,7 +81,9 @@ class TraceExamples:
             where = f"{self.section}: {s.get('_source', 'a row')}"
             if "trace" not in s:
                 raise MegagrpoError(f"{where} has no 'trace'; multi-turn SFT needs one in every row")
-            chat = ChatDeltas(self.formatter.tok, tools=list(env.tool_schemas() or []))
+            chat = ChatDeltas(
+                self.formatter.tok, tools=list(env.tool_schemas() or []), **self.formatter.template_kwargs
+            )
             try:
                 prompt, response, mask = self.formatter.sft_trace_example(chat, first, s["trace"])
             except RowError as e:

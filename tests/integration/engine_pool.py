@@ -16,9 +16,9 @@ class EnginePool:
     """SGLang engines shared by the cases of this module, keyed by architecture and engine settings.
 
     Stands in for `megagrpo.rollout.engine.RolloutEngine` while the cases run: the trainer's
-    `RolloutEngine(cfg).start()` gets a started engine, whose weights are reloaded from the case's model
-    directory when it served an earlier case, and its `shutdown()` leaves the engine running for the
-    next case. `close()` shuts every engine down for real."""
+    `RolloutEngine(cfg).start()` gets a started engine, whose weights (and tokenizer, with its chat
+    template) are reloaded from the case's model directory when it served an earlier case, and its
+    `shutdown()` leaves the engine running for the next case. `close()` shuts every engine down for real."""
 
     def __init__(self) -> None:
         from megagrpo.rollout.engine import RolloutEngine
@@ -47,6 +47,9 @@ class EnginePool:
         ok, message, *_ = eng.engine.update_weights_from_disk(cfg.model_path)
         if not ok:
             raise RuntimeError(f"update_weights_from_disk({cfg.model_path}) failed: {message}")
+        from transformers import AutoTokenizer
+
+        eng.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)  # multi-turn renders with this one
         return eng
 
     def drop_all(self) -> None:

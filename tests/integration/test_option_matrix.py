@@ -34,6 +34,7 @@ from pydantic import BaseModel
 
 from megagrpo.config.loader import load_config
 from megagrpo.config.schema import Config
+from tests.fixtures.qwen3 import qwen3_model_dir
 from tests.integration.engine_pool import EnginePool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,14 +61,18 @@ CASES = (
     Case("config_grpo_math_dense", "grpo_math_dense.yaml", "qwen3"),
     Case("config_countdown_gdpo", "countdown_qwen3_moe_gdpo.yaml", "qwen3_moe"),
     Case("config_demo", "demo_qwen3_moe.yaml", "qwen3_moe"),  # RL stage, from the SFT case's model
-    # Multi-turn with the sandboxed python tool; scored by the final message (a random model never earns the
-    # environment's reward, so no group would be kept): the environment, parser and limits are as shipped.
+    # Multi-turn with the sandboxed python tool on Qwen3's own chat template (tests/fixtures/qwen3.py), with
+    # thinking on and the qwen3 reasoning parser as shipped: each 8-token turn is cut inside its reasoning
+    # (issue 36: the template never re-renders it, nothing is run or scored from it), and counted. Scored by
+    # the final message (a random model never earns the environment's reward); that message has no content
+    # (all reasoning), so every reward is equal and no group would survive dynamic sampling: the steps
+    # train their zero-advantage batches. The environment, parsers and limits are as shipped.
     Case(
         "config_agentic_python",
         "agentic_python_qwen3_moe.yaml",
-        "qwen3_moe",
+        "qwen3_moe_think",
         # a random model never calls a tool, so no trajectory is truncated for the shipped filter to drop
-        ("rollout.multi_turn.reward=functions", "algo.overlong_filter=false"),
+        ("rollout.multi_turn.reward=functions", "algo.overlong_filter=false", "algo.dynamic_sampling=false"),
     ),
     # The calculator demo as a user runs it: its RL stage from its own SFT stage on tool traces. Two SFT
     # steps teach no arithmetic, so the environment's reward would be 0 for every sample and no group kept:
@@ -337,6 +342,8 @@ MULTI_TURN_METRICS = (
     "rollout/truncated_max_turns_frac",
     "rollout/truncated_max_tokens_frac",
     "rollout/env_token_frac",
+    "rollout/cut_turns_frac",
+    "rollout/cut_in_reasoning_frac",
 )
 
 
@@ -425,6 +432,11 @@ def run_problems(cfg: Config, recs: list[dict]) -> list[str]:
             # CI's root has every capability: no call may run without the sandbox's isolation or be cut
             lost = {k: get(k) for k in ("rollout/sandbox_unisolated_calls", "rollout/tool_interrupted")}
             need(set(lost.values()) == {0.0}, f"multi-turn: {lost}", s)
+            need(get("rollout/template_breaks") == 0, f"template breaks: {get('rollout/template_breaks')}", s)
+            if cfg.rollout.multi_turn.reasoning_parser and cfg.rollout.max_new_tokens <= 8:
+                # a random model's 8-token turns stop at the limit, inside the reasoning they start in
+                cut = get("rollout/cut_in_reasoning_frac")
+                need(_finite(cut) and cut > 0.5, f"reasoning: rollout/cut_in_reasoning_frac={cut}", s)
         if a.router_shift:
             g = get("moe/router_shift_gamma_mean")
             need(_finite(g) and 0 < g <= 1, f"router_shift: moe/router_shift_gamma_mean={g}", s)
@@ -495,8 +507,13 @@ def run_cli(pool: EnginePool, *argv: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model):
-    return {"qwen3_moe": tiny_model("qwen3_moe"), "qwen3": tiny_model("qwen3")}
+def models(tiny_model, tmp_path_factory):
+    """The tiny model per family; qwen3_moe_think is the MoE with Qwen3's chat template and markers. The MoE
+    takes 1024 positions so that Qwen3's tool preamble (~600 tiny-BPE tokens) fits the pooled engine's
+    context, which the first case's model sets."""
+    moe = tiny_model("qwen3_moe", max_pos=1024)
+    think = qwen3_model_dir(moe, tmp_path_factory.mktemp("qwen3_think") / "m")
+    return {"qwen3_moe": moe, "qwen3_moe_think": think, "qwen3": tiny_model("qwen3")}
 
 
 @pytest.fixture(scope="module")

@@ -225,6 +225,10 @@ def test_submit_makes_the_same_checks_before_asking_the_cluster(tiny_model, tmp_
             {"tool_parser": "qwen9"},
             "rollout.multi_turn.tool_parser: 'qwen9' is not an SGLang tool-call parser",
         ),
+        (
+            {"reasoning_parser": "qwen-3"},
+            "rollout.multi_turn.reasoning_parser: 'qwen-3' is not an SGLang reasoning parser; choose one of",
+        ),
     ],
 )
 def test_a_multi_turn_section_that_cannot_run_is_refused(
@@ -234,6 +238,13 @@ def test_a_multi_turn_section_that_cannot_run_is_refused(
     rc, err, _ = run_cli(["train", cfg], capsys)
     assert rc == 2 and not started, err
     assert message in err and "Traceback" not in err
+
+
+def test_chat_template_options_megagrpo_sets_itself_are_refused(tiny_model, tmp_path, capsys, started):
+    cfg = write_config(tmp_path, tiny_model("qwen3"))
+    rc, err, _ = run_cli(["train", str(cfg), "model.chat_template_kwargs={tools: []}"], capsys)
+    assert rc == 2 and not started, err
+    assert "model.chat_template_kwargs" in err and "['tools'] are set by megagrpo itself" in err
 
 
 def test_the_python_environment_reaches_the_stage(tiny_model, tmp_path, capsys, started):

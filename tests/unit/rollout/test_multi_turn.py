@@ -1,12 +1,15 @@
 """The multi-turn driver against a scripted fake engine that keeps SGLang's routes contract: a 3-turn
 calculator episode (tool results as environment segments, loss on model tokens only, routes new-rows-only),
 bad tool traffic answered and counted, max_turns/max_tokens truncation, concurrency across trajectories,
-seeds that do not depend on the engine split, and the learner batch of trajectories."""
+seeds that do not depend on the engine split, and the learner batch of trajectories; with Qwen3's chat
+template (thinking on and off) and its reasoning parser: reasoning split off before tool calls and answers,
+turns cut inside <think>, and a template that cannot append a step ending one trajectory, counted."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 import time
 
@@ -23,6 +26,7 @@ from megagrpo.rollout.config import SamplingConfig
 from megagrpo.rollout.multi_turn import MultiTurnLimits, MultiTurnStats, rollout_episodes, turn_seed
 from megagrpo.rollout.trajectory import PREFIX_REREAD, EnvSegment, ModelSegment, Trajectory
 from megagrpo.trainer.batch import rollout_batch, trajectory_batch
+from tests.fixtures.qwen3 import qwen3_tokenizer
 
 L, K, E = 3, 2, 8
 SAMPLING = SamplingConfig(max_new_tokens=256, seed=11)
@@ -100,10 +104,10 @@ def _b64(a) -> str:
     return base64.b64encode(np.ascontiguousarray(a, np.int32).tobytes()).decode()
 
 
-def _run(tok, scripts, rows, make_env, limits=None, evicted=False, **kw):
+def _run(tok, scripts, rows, make_env, limits=None, evicted=False, sampling=SAMPLING, **kw):
     eng = ScriptedEngine(tok, scripts, evicted)
     try:
-        groups, stats = rollout_episodes(eng, rows, make_env, SAMPLING, limits or MultiTurnLimits(), **kw)
+        groups, stats = rollout_episodes(eng, rows, make_env, sampling, limits or MultiTurnLimits(), **kw)
     finally:
         eng.close()
     return eng, groups, stats
@@ -315,3 +319,99 @@ def test_a_prompt_that_fills_the_context_is_a_user_error(tok, monkeypatch):
     monkeypatch.setattr(ScriptedEngine, "context_len", 8)
     with pytest.raises(MegagrpoError, match=r"data row 0: its prompt has \d+ tokens.*context of 8 tokens"):
         _run(tok, {Q1: SCRIPT1}, [{"prompt": Q1, "answer": "1"}], CalculatorEnv)
+
+
+# ------------------------------------------------------------------- Qwen3's template and reasoning parser
+
+
+@pytest.fixture(scope="module")
+def qtok():
+    from megagrpo.tiny_model import train_tokenizer
+
+    return qwen3_tokenizer(train_tokenizer(1024))
+
+
+QWEN3 = dict(reasoning_parser="qwen3", template_kwargs={"enable_thinking": True})
+Q2 = "What is 2 + 2?"
+
+
+def _env_text(tok, t) -> list[str]:
+    return [tok.decode(s.ids) for s in t.segments if isinstance(s, EnvSegment)]
+
+
+def _check_ids_are_the_engine_s(eng, t) -> None:
+    """Each request sent the trajectory's ids so far, and the model segments are the engine's outputs."""
+    for r in eng.requests:
+        assert r["ids"] == t.ids[: len(r["ids"])].tolist()
+    assert t.ids[t.loss_mask].tolist() == [x for r in eng.requests for x in r["out"]]
+    last = eng.requests[-1]
+    assert t.ids.tolist() == last["ids"] + last["out"]
+
+
+def test_an_answer_or_a_tool_call_inside_think_is_neither_scored_nor_run(qtok):
+    script = [
+        "<think>\nIt is <answer>5</answer>, or I call "
+        + _call("calculator", {"expression": "9*9"})
+        + "\n</think>\n\n"
+        + _call("calculator", {"expression": "2+2"}),
+        "<think>\nThe tool says 4.\n</think>\n\n<answer>4</answer>",
+    ]
+    eng, [[ep]], stats = _run(qtok, {Q2: script}, [{"prompt": Q2, "answer": "5"}], CalculatorEnv, **QWEN3)
+    t = ep.trajectory
+    # turn 0's <answer>5</answer> sat in its reasoning: not scored, the episode went on to turn 1's answer
+    assert (ep.done, ep.reward, t.turns, ep.info["finish"]) == (True, 0.0, 2, "answer")
+    assert ep.tools.tool_calls == 1  # 2+2 ran; the 9*9 inside <think> did not
+    [env] = _env_text(qtok, t)
+    assert (
+        env == "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert ep.final_text == "\n\n<answer>4</answer>"  # the content: what rewards.functions would score
+    _check_ids_are_the_engine_s(eng, t)
+    assert stats.metrics()["rollout/cut_turns_frac"] == 0.0
+
+
+def test_a_turn_cut_inside_think_is_all_reasoning_and_is_counted(qtok):
+    think = "<think>\nI will call " + _call("calculator", {"expression": "2+2"})
+    n = len(qtok(think, add_special_tokens=False)["input_ids"])
+    script = [think + " and then answer <answer>4</answer>\n</think>\n\n<answer>4</answer>"]
+    sampling = SamplingConfig(max_new_tokens=n + 2, seed=11)  # the call is complete, </think> never comes
+    eng, [[ep]], stats = _run(
+        qtok, {Q2: script}, [{"prompt": Q2, "answer": "4"}], CalculatorEnv, sampling=sampling, **QWEN3
+    )
+    t = ep.trajectory
+    assert eng.requests[0]["out"][-1] != qtok.eos_token_id and t.finish_reason == "length"
+    # SGLang's parser alone would end the reasoning at <tool_call> and run it; a cut turn never does
+    assert (ep.tools.tool_calls, ep.done, ep.reward, ep.info["finish"]) == (0, True, 0.0, "no_answer")
+    assert (ep.cut_turns, ep.cut_in_reasoning, ep.truncation, ep.final_text) == (1, 1, None, "")
+    m = stats.metrics()
+    assert (m["rollout/cut_turns_frac"], m["rollout/cut_in_reasoning_frac"]) == (1.0, 1.0)
+    _check_ids_are_the_engine_s(eng, t)
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking_on", "thinking_off"])
+def test_qwen3_tool_episode_thinking_on_and_off(qtok, thinking):
+    think = "<think>\nLet me compute.\n</think>\n\n" if thinking else ""
+    script = [think + _call("calculator", {"expression": "2+2"}), think + "<answer>4</answer>"]
+    kw = dict(reasoning_parser="qwen3", template_kwargs={"enable_thinking": thinking})
+    eng, [[ep]], _ = _run(qtok, {Q2: script}, [{"prompt": Q2, "answer": "4"}], CalculatorEnv, **kw)
+    t = ep.trajectory
+    assert (ep.done, ep.reward, t.turns, ep.tools.tool_calls) == (True, 1.0, 2, 1)
+    empty_think = "" if thinking else "<think>\n\n</think>\n\n"
+    assert qtok.decode(eng.requests[0]["ids"]).endswith("<|im_start|>assistant\n" + empty_think)
+    assert _env_text(qtok, t) == [
+        "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        + empty_think
+    ]
+    _check_ids_are_the_engine_s(eng, t)
+
+
+def test_a_template_that_cannot_append_a_step_ends_that_trajectory_counted(tok, monkeypatch):
+    counting = copy.deepcopy(tok)  # the system turn counts the messages: each step rewrites the start
+    counting.chat_template = (
+        "<|im_start|>system\n{{ messages | length }} messages<|im_end|>\n" + tok.chat_template
+    )
+    _, [[ep]], stats = _run(counting, {Q1: SCRIPT1}, [{"prompt": Q1, "answer": "97406785"}], CalculatorEnv)
+    t = ep.trajectory
+    assert (ep.truncation, ep.done, ep.reward, t.turns, len(t.segments)) == ("template", False, None, 1, 1)
+    assert ep.tools.tool_calls == 1  # the environment answered the turn; its result could not be inserted
+    assert stats.metrics()["rollout/template_breaks"] == 1.0

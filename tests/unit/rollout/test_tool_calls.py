@@ -127,3 +127,39 @@ def test_parser_is_chosen_by_name():
 def test_unknown_parser_names_the_field_and_the_choices():
     with pytest.raises(MegagrpoError, match=r"rollout\.multi_turn\.tool_parser: 'qwen2\.5' is not .*qwen25"):
         ToolCallParser("qwen2.5", TOOLS)
+
+
+class _WatchedEnviron(dict):
+    """`os.environ` stand-in that records every write (SGLang reads the switch through `os.getenv`)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.writes: list[str] = []
+
+    def __setitem__(self, key, value) -> None:
+        self.writes.append(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self.writes.append(key)
+        super().__delitem__(key)
+
+    def pop(self, key, *default):
+        self.writes.append(key)
+        return super().pop(key, *default)
+
+
+def test_the_unknown_tools_switch_is_set_once_and_never_written_during_parses(qwen, monkeypatch):
+    """SGLang reads SGLANG_FORWARD_UNKNOWN_TOOLS from the process environment; rewriting it per parse
+    raced other threads' getenv. Built parsers leave it set; parses read it and write nothing."""
+    import os
+
+    watched = _WatchedEnviron(os.environ)
+    monkeypatch.setattr(os, "environ", watched)
+    for _ in range(3):
+        [call] = qwen.parse(_qwen("web_search", {"query": "x"})).calls
+        assert call.name == "web_search"  # kept: the switch is on while parsing
+        assert watched.get("SGLANG_FORWARD_UNKNOWN_TOOLS") == "1"  # and stays on between parses
+    assert watched.writes == [], f"parses wrote the process environment: {watched.writes}"
+    ToolCallParser("qwen25", TOOLS)  # a second parser finds it set
+    assert watched.writes == []

@@ -17,21 +17,21 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes
 from megagrpo.trainer.batch import sft_batch
 from megagrpo.trainer.sft import TraceExamples
+from tests.fixtures.qwen3 import qwen3_tokenizer
 from tests.unit.rollout.test_multi_turn import SAMPLING, ScriptedEngine, tok  # noqa: F401
 
 MAX_TURNS, MAX_TOKENS, MAX_NEW = 2, 160, 96
 
 
-def _cfg(max_new_tokens=MAX_NEW, max_turns=MAX_TURNS, max_tokens=MAX_TOKENS):
+def _cfg(max_new_tokens=MAX_NEW, max_turns=MAX_TURNS, max_tokens=MAX_TOKENS, template_kwargs=None):
     mt = {"enabled": True, "environment": "calculator", "max_turns": max_turns, "max_tokens": max_tokens}
-    return config_from_dict(
-        {"model": {"hf_path": "m"}, "rollout": {"max_new_tokens": max_new_tokens, "multi_turn": mt}}
-    )
+    model = {"hf_path": "m", "chat_template_kwargs": template_kwargs or {}}
+    return config_from_dict({"model": model, "rollout": {"max_new_tokens": max_new_tokens, "multi_turn": mt}})
 
 
 def _traces(tok, cfg):  # noqa: F811
-    fmt = PromptFormatter(tok, DataConfig(synthetic=SyntheticConfig(task="tool_arithmetic")))
-    return TraceExamples(cfg, fmt, "sft.data")
+    data = DataConfig(synthetic=SyntheticConfig(task="tool_arithmetic"))
+    return TraceExamples(cfg, PromptFormatter(tok, data, cfg.model.chat_template_kwargs), "sft.data")
 
 
 def _rows(n=3, tool_fraction=1.0):
@@ -70,6 +70,36 @@ def test_trace_tokenises_as_the_rollout_of_its_turns(tok):  # noqa: F811
         between = f"\n<|im_start|>tool\n{row['answer']}<|im_end|>\n<|im_start|>assistant\n"
         assert tok.decode(ids[~on].tolist()) == (between if len(turns) == 2 else "")
         assert response[-1] == eos and tok.decode(response).endswith(f"{turns[-1]}<|im_end|>")
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking_on", "thinking_off"])
+def test_traces_render_with_the_model_s_template_options_as_rollouts_do(thinking):
+    """model.chat_template_kwargs reach SFT traces and rollouts alike: with Qwen3's template and thinking
+    off, both open each model turn with the empty <think> block the generation prompt writes."""
+    from megagrpo.tiny_model import train_tokenizer
+
+    qtok = qwen3_tokenizer(train_tokenizer(1024))
+    cfg = _cfg(template_kwargs={"enable_thinking": thinking})
+    rows = _rows(2)
+    examples, _ = _traces(qtok, cfg)(rows)
+    scripts = {r["prompt"]: [m["content"] for m in r["trace"] if m["role"] == "assistant"] for r in rows}
+    eng = ScriptedEngine(qtok, scripts)
+    try:
+        groups, _ = rollout_episodes(
+            eng, rows, CalculatorEnv, SAMPLING, MultiTurnLimits(MAX_TURNS, MAX_TOKENS),
+            template_kwargs=cfg.model.chat_template_kwargs,
+        )  # fmt: skip
+    finally:
+        eng.close()
+    empty_think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    for (prompt, response), [ep] in zip(examples, groups, strict=True):
+        assert ep.trajectory.ids.tolist() == prompt + response and ep.reward == 1.0
+        text = qtok.decode(prompt + response)
+        assert text.count(empty_think) == (0 if thinking else 2), text
+    fmt = PromptFormatter(
+        qtok, DataConfig(synthetic=SyntheticConfig(task="addition")), {"enable_thinking": thinking}
+    )
+    assert fmt.text({"prompt": "1 + 1"}).endswith(empty_think) != thinking  # single-turn prompts too
 
 
 def test_sft_batch_takes_the_loss_where_the_masks_say():

@@ -1,6 +1,7 @@
 # megagrpo: `make test` and `make demo` are the two commands a new user needs; both install
-# what they need the first time. The virtual environment lives outside the clone, in a cache keyed
-# by the lock's hash, so a fresh clone with an unchanged lock reuses it in seconds.
+# what they need the first time. The dependencies live outside the clone, in a venv in a cache keyed
+# by the lock's hash, so a fresh clone with an unchanged lock reuses it in seconds; each clone's `.venv`
+# layers its own code over it (see `setup`).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -36,12 +37,27 @@ help:
 	@echo "make test-gpu  the GPU tier (tests/gpu) on one CUDA device"
 	@echo "make lock   re-resolve requirements/cpu.in into $(LOCK)"
 
+# Each clone runs its own code. The shared venv holds the dependencies only (megagrpo is not installed in
+# it); `.venv` is a small venv of this clone's own, made from the shared one's interpreter, whose
+# site-packages holds one .pth file: this clone's root, then the shared site-packages (whose own .pth files
+# it runs). Its bin/ has `megagrpo` and the shared venv's commands, their `#!` lines pointing at
+# .venv/bin/python. So `megagrpo`, `.venv/bin/python` and every launch that starts `sys.executable`
+# (torchrun, srun, the Slurm templates' python) import this clone's package, whichever clone set up last.
+# Redone when the shared venv or the clone's path changes (the stamp holds both); a second run is instant.
+SITE    := lib/python3.12/site-packages
+OVERLAY := .venv/.overlay-of
 setup: $(VENV)/.installed
-	@ln -sfn $(VENV) .venv
-	@# The editable install points at one clone; redo it when the shared venv was linked from another.
-	@[ "$$(cat $(VENV)/.linked-from 2>/dev/null)" = "$(CURDIR)" ] || { \
-	  $(VENV)/bin/python -m uv pip install -q --python $(VENV)/bin/python --no-deps --no-build-isolation -e . \
-	  && echo "$(CURDIR)" > $(VENV)/.linked-from; }
+	@[ ! -L .venv ] && [ "$$(cat $(OVERLAY) 2>/dev/null)" = "$(VENV) $(CURDIR)" ] || { \
+	  set -e; rm -rf .venv; $(VENV)/bin/python -m venv --without-pip .venv; \
+	  printf '%s\n' "$(CURDIR)" "import site; site.addsitedir('$(VENV)/$(SITE)')" > .venv/$(SITE)/_megagrpo_clone.pth; \
+	  for f in $(VENV)/bin/*; do n=$${f##*/}; \
+	    case $$n in python*|activate*|Activate*|megagrpo) continue;; esac; \
+	    if [ "$$(head -c 2 "$$f")" = "#!" ] && head -n 1 "$$f" | grep -q '^#!.*/bin/python[0-9.]*$$'; then \
+	      { echo "#!$(CURDIR)/.venv/bin/python"; tail -n +2 "$$f"; } > .venv/bin/$$n; chmod +x .venv/bin/$$n; \
+	    else ln -s "$$f" .venv/bin/$$n; fi; done; \
+	  printf '%s\n' "#!$(CURDIR)/.venv/bin/python" "import sys" "from megagrpo.cli import main" \
+	    "sys.exit(main())" > .venv/bin/megagrpo; chmod +x .venv/bin/megagrpo; \
+	  echo "$(VENV) $(CURDIR)" > $(OVERLAY); echo "==> .venv: this clone's code on $(VENV)"; }
 
 # Order-only: the venv's path already carries the lock's hash, so a changed lock means another venv. A
 # time-based rule would rebuild (and delete) the shared venv on every fresh clone, whose lock file is

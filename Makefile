@@ -38,26 +38,14 @@ help:
 	@echo "make lock   re-resolve requirements/cpu.in into $(LOCK)"
 
 # Each clone runs its own code. The shared venv holds the dependencies only (megagrpo is not installed in
-# it); `.venv` is a small venv of this clone's own, made from the shared one's interpreter, whose
-# site-packages holds one .pth file: this clone's root, then the shared site-packages (whose own .pth files
-# it runs). Its bin/ has `megagrpo` and the shared venv's commands, their `#!` lines pointing at
-# .venv/bin/python. So `megagrpo`, `.venv/bin/python` and every launch that starts `sys.executable`
-# (torchrun, srun, the Slurm templates' python) import this clone's package, whichever clone set up last.
-# Redone when the shared venv or the clone's path changes (the stamp holds both); a second run is instant.
-SITE    := lib/python3.12/site-packages
-OVERLAY := .venv/.overlay-of
+# it); `.venv` is a small venv of this clone's own over it (tools/clone_venv.py: the clone's root and the
+# shared site-packages on its path, its own `megagrpo`), so `megagrpo`, `.venv/bin/python` and every launch
+# that starts `sys.executable` (torchrun, srun, the Slurm templates' python) import this clone's package,
+# whichever clone set up last. Redone when the shared venv or the clone's path changes (the stamp holds
+# both); a second run is instant.
 setup: $(VENV)/.installed
-	@[ ! -L .venv ] && [ "$$(cat $(OVERLAY) 2>/dev/null)" = "$(VENV) $(CURDIR)" ] || { \
-	  set -e; rm -rf .venv; $(VENV)/bin/python -m venv --without-pip .venv; \
-	  printf '%s\n' "$(CURDIR)" "import site; site.addsitedir('$(VENV)/$(SITE)')" > .venv/$(SITE)/_megagrpo_clone.pth; \
-	  for f in $(VENV)/bin/*; do n=$${f##*/}; \
-	    case $$n in python*|activate*|Activate*|megagrpo) continue;; esac; \
-	    if [ "$$(head -c 2 "$$f")" = "#!" ] && head -n 1 "$$f" | grep -q '^#!.*/bin/python[0-9.]*$$'; then \
-	      { echo "#!$(CURDIR)/.venv/bin/python"; tail -n +2 "$$f"; } > .venv/bin/$$n; chmod +x .venv/bin/$$n; \
-	    else ln -s "$$f" .venv/bin/$$n; fi; done; \
-	  printf '%s\n' "#!$(CURDIR)/.venv/bin/python" "import sys" "from megagrpo.cli import main" \
-	    "sys.exit(main())" > .venv/bin/megagrpo; chmod +x .venv/bin/megagrpo; \
-	  echo "$(VENV) $(CURDIR)" > $(OVERLAY); echo "==> .venv: this clone's code on $(VENV)"; }
+	@[ ! -L .venv ] && [ "$$(cat .venv/.overlay-of 2>/dev/null)" = "$(VENV) $(CURDIR)" ] \
+	  || $(VENV)/bin/python tools/clone_venv.py $(VENV) $(CURDIR)
 
 # Order-only: the venv's path already carries the lock's hash, so a changed lock means another venv. A
 # time-based rule would rebuild (and delete) the shared venv on every fresh clone, whose lock file is

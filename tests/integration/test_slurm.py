@@ -327,7 +327,8 @@ def slurm_jobs(cluster, model_dir, tmp_path_factory):
     * "disagg": 2 nodes x 2 tasks, n1 learning and n2 running the two engines (new engine processes after
       the requeue).
 
-    Both are submitted together; Slurm runs "disagg" when "two" is done (it takes every CPU of both nodes).
+    Both are submitted together; Slurm runs one at a time ("disagg" takes every CPU of both nodes), so the
+    requeued "two" may resume before "disagg" starts or after it ends.
     Returns {name: (run directory, log)}."""
     tmp = tmp_path_factory.mktemp("jobs")
     shape = {"two": (TWO_ENGINES, 1), "disagg": (DISAGG, 2)}
@@ -345,7 +346,8 @@ def slurm_jobs(cluster, model_dir, tmp_path_factory):
     for name, (job, log) in jobs.items():
         preempt_after_first_step(cluster, job, log, dirs[name] / "run" / "metrics.jsonl")
     for name, (job, log) in jobs.items():
-        info = cluster.wait_job(job, JOB_TIMEOUT)
+        # a requeued job may start again only after the other one (Slurm runs whichever is eligible first)
+        info = cluster.wait_job(job, 2 * JOB_TIMEOUT)
         assert info.state == "COMPLETED" and info.exit_code == "0:0", (
             f"{name}: {info.state}\n{tail(log)}\n{cluster.ctld_log_tail()}"
         )

@@ -76,10 +76,14 @@ demo-clean:
 	rm -rf outputs/demo
 
 # Integration files run one pytest process each: they start SGLang engines, megatron meshes and Slurm
-# daemons in-process, and a fresh process per file keeps one file's process state out of the next.
+# daemons in-process, and a fresh process per file keeps one file's process state out of the next. The
+# exception is the files that use the session's SGLang engine (`sglang_engine` in
+# tests/integration/conftest.py, which every test that changes its weights restores): they run together
+# in one process, so one engine start (35-200 s) serves them all instead of one start per file.
 # Each part's wall time goes to $(TIMES), and the table of them (with the total) is printed at the end, so a
-# slow file shows up before it costs CI its 90-minute limit (the budget is 40 minutes on a quiet machine).
+# slow file shows up before it costs CI its 90-minute limit (the budget is 35 minutes on a quiet machine).
 TIMES ?= .test-times.tsv
+ENGINE_FILES = $(shell grep -lw sglang_engine tests/integration/test_*.py)
 test: setup
 	@$(MAKE) --no-print-directory lint
 	@: > $(TIMES)
@@ -87,7 +91,10 @@ test: setup
 	@set -e; t0=$$(date +%s); \
 	  $(PY) -m pytest tests/unit tests/dist tests/gpu $(PYTEST_ARGS); \
 	  echo -e "$$(( $$(date +%s) - t0 ))\ttests/unit tests/dist tests/gpu" >> $(TIMES)
-	@set -e; for f in tests/integration/test_*.py; do \
+	@set -e; files="$(ENGINE_FILES)"; echo "== $$files (one SGLang engine)"; t0=$$(date +%s); \
+	  $(PY) -m pytest $$files -m "not gpu" $(PYTEST_ARGS); \
+	  echo -e "$$(( $$(date +%s) - t0 ))\t$$files" >> $(TIMES)
+	@set -e; for f in $(filter-out $(ENGINE_FILES),$(wildcard tests/integration/test_*.py)); do \
 	  echo "== $$f"; t0=$$(date +%s); $(PY) -m pytest "$$f" -m "not gpu" $(PYTEST_ARGS); \
 	  echo -e "$$(( $$(date +%s) - t0 ))\t$$f" >> $(TIMES); done
 	@$(PY) tools/test_times.py $(TIMES)

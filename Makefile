@@ -1,6 +1,7 @@
 # megagrpo: `make test` and `make demo` are the two commands a new user needs; both install
-# what they need the first time. The virtual environment lives outside the clone, in a cache keyed
-# by the lock's hash, so a fresh clone with an unchanged lock reuses it in seconds.
+# what they need the first time. The dependencies live outside the clone, in a venv in a cache keyed
+# by the lock's hash, so a fresh clone with an unchanged lock reuses it in seconds; each clone's `.venv`
+# layers its own code over it (see `setup`).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -36,12 +37,15 @@ help:
 	@echo "make test-gpu  the GPU tier (tests/gpu) on one CUDA device"
 	@echo "make lock   re-resolve requirements/cpu.in into $(LOCK)"
 
+# Each clone runs its own code. The shared venv holds the dependencies only (megagrpo is not installed in
+# it); `.venv` is a small venv of this clone's own over it (tools/clone_venv.py: the clone's root and the
+# shared site-packages on its path, its own `megagrpo`), so `megagrpo`, `.venv/bin/python` and every launch
+# that starts `sys.executable` (torchrun, srun, the Slurm templates' python) import this clone's package,
+# whichever clone set up last. Redone when the shared venv or the clone's path changes (the stamp holds
+# both); a second run is instant.
 setup: $(VENV)/.installed
-	@ln -sfn $(VENV) .venv
-	@# The editable install points at one clone; redo it when the shared venv was linked from another.
-	@[ "$$(cat $(VENV)/.linked-from 2>/dev/null)" = "$(CURDIR)" ] || { \
-	  $(VENV)/bin/python -m uv pip install -q --python $(VENV)/bin/python --no-deps --no-build-isolation -e . \
-	  && echo "$(CURDIR)" > $(VENV)/.linked-from; }
+	@[ ! -L .venv ] && [ "$$(cat .venv/.overlay-of 2>/dev/null)" = "$(VENV) $(CURDIR)" ] \
+	  || $(VENV)/bin/python tools/clone_venv.py $(VENV) $(CURDIR)
 
 # Order-only: the venv's path already carries the lock's hash, so a changed lock means another venv. A
 # time-based rule would rebuild (and delete) the shared venv on every fresh clone, whose lock file is
@@ -72,10 +76,14 @@ demo-clean:
 	rm -rf outputs/demo
 
 # Integration files run one pytest process each: they start SGLang engines, megatron meshes and Slurm
-# daemons in-process, and a fresh process per file keeps one file's process state out of the next.
+# daemons in-process, and a fresh process per file keeps one file's process state out of the next. The
+# exception is the files that use the session's SGLang engine (`sglang_engine` in
+# tests/integration/conftest.py, which every test that changes its weights restores): they run together
+# in one process, so one engine start (35-200 s) serves them all instead of one start per file.
 # Each part's wall time goes to $(TIMES), and the table of them (with the total) is printed at the end, so a
-# slow file shows up before it costs CI its 90-minute limit (the budget is 40 minutes on a quiet machine).
+# slow file shows up before it costs CI its 90-minute limit (the budget is 35 minutes on a quiet machine).
 TIMES ?= .test-times.tsv
+ENGINE_FILES = $(shell grep -lw sglang_engine tests/integration/test_*.py)
 test: setup
 	@$(MAKE) --no-print-directory lint
 	@: > $(TIMES)
@@ -83,7 +91,10 @@ test: setup
 	@set -e; t0=$$(date +%s); \
 	  $(PY) -m pytest tests/unit tests/dist tests/gpu $(PYTEST_ARGS); \
 	  echo -e "$$(( $$(date +%s) - t0 ))\ttests/unit tests/dist tests/gpu" >> $(TIMES)
-	@set -e; for f in tests/integration/test_*.py; do \
+	@set -e; files="$(ENGINE_FILES)"; echo "== $$files (one SGLang engine)"; t0=$$(date +%s); \
+	  $(PY) -m pytest $$files -m "not gpu" $(PYTEST_ARGS); \
+	  echo -e "$$(( $$(date +%s) - t0 ))\t$$files" >> $(TIMES)
+	@set -e; for f in $(filter-out $(ENGINE_FILES),$(wildcard tests/integration/test_*.py)); do \
 	  echo "== $$f"; t0=$$(date +%s); $(PY) -m pytest "$$f" -m "not gpu" $(PYTEST_ARGS); \
 	  echo -e "$$(( $$(date +%s) - t0 ))\t$$f" >> $(TIMES); done
 	@$(PY) tools/test_times.py $(TIMES)

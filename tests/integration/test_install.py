@@ -7,7 +7,7 @@ The probe run here is also the mismatch probe's end-to-end test (formerly test_m
 run of the same `megagrpo.probe.main` through tools/mismatch_probe.py): one SGLang engine start and one
 learner per layout serve both files' assertions.
 
-The fresh venv reuses .venv's third-party packages through a plain path line in a .pth file (nothing is
+The fresh venv reuses the shared venv's third-party packages (under .venv) through a plain path line in a .pth file (nothing is
 downloaded). A path line adds the directory only: the .pth files inside it, the editable install's
 finder among them, are not run, so the clone is not importable there; the test checks that too.
 """
@@ -15,13 +15,13 @@ finder among them, are not run, so the clone is not importable there; the test c
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -35,6 +35,9 @@ from megagrpo.tiny_model import make_tiny_model
 from tests.integration.test_trainer_e2e import EP2_ASYNC, TWO_PROCESS_RUN, check_two_process_run, write_config
 
 REPO = Path(__file__).resolve().parents[2]
+# The site-packages that holds the dependencies (torch's): the shared venv's, whether .venv is this clone's
+# overlay (whose own site-packages holds only the .pth that reaches it) or a link to the shared venv.
+SHARED_SITE = Path(torch.__file__).resolve().parents[1]
 NOT_SOURCE = (
     ".git",
     ".venv",
@@ -76,7 +79,7 @@ def installed(tmp_path_factory):
     # Only now (after the install, so no installer sees the editable megagrpo) are .venv's packages added.
     site = Path(_run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                      tmp, env, 60).stdout.strip())  # fmt: skip
-    (site / "_megagrpo_test_base.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    (site / "_megagrpo_test_base.pth").write_text(f"{SHARED_SITE}\n")
     work.mkdir()
     return venv / "bin", work, env
 
@@ -141,6 +144,46 @@ def test_submit_dry_run_renders_a_job_that_needs_no_checkout(installed, tiny_mod
     assert "-m megagrpo.launch.slurm_task" in script and "-m megagrpo.launch.run train" in script
     assert str(REPO) not in script
     assert f"MEGAGRPO_VENV={bin_dir.parent}" in script
+
+
+CLI_DESCRIPTION = "GRPO-family RL post-training for MoE models."
+
+
+def test_two_clones_side_by_side_each_run_their_own_code(tmp_path):
+    """Issue 36, item 13: two clones set up against one shared venv (the second after the first) each run
+    their own package: `megagrpo`, `.venv/bin/python` and so every launch that starts `sys.executable`
+    (`--nproc`'s torchrun, the probe's, and the Slurm templates' `{{python}}` with `MEGAGRPO_VENV` =
+    `sys.prefix`, as test_submit_dry_run_renders_a_job_that_needs_no_checkout checks), and the python
+    commands in .venv/bin. The shared venv is only read. With the former editable install into the shared
+    venv, the second clone's `make setup` re-pointed it, and the first clone's `megagrpo` ran the second's."""
+    shared = SHARED_SITE.parents[2]  # <venv>/lib/python3.12/site-packages
+    lock = hashlib.sha256((REPO / "requirements" / "lock-cpu.txt").read_bytes()).hexdigest()[:16]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"venv-{lock}").symlink_to(shared)  # the cache `make setup` finds: the shared venv, as is
+    before = sorted(p.name for p in SHARED_SITE.iterdir())
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    clones = {name: tmp_path / name for name in ("a", "b")}
+    for name, clone in clones.items():
+        shutil.copytree(REPO, clone, symlinks=True, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+        cli = clone / "megagrpo" / "cli.py"  # each clone's `megagrpo --help` says which clone it is
+        text = cli.read_text()
+        assert CLI_DESCRIPTION in text
+        cli.write_text(text.replace(CLI_DESCRIPTION, f"{CLI_DESCRIPTION} (clone {name})"))
+    for clone in clones.values():  # b last: it must not take a's `megagrpo`
+        _run(["make", "--no-print-directory", "setup", f"CACHE_DIR={cache}"], clone, env, 300)
+    work = tmp_path / "work"  # outside both clones
+    work.mkdir()
+    probe = "import json, sys, megagrpo; print(json.dumps([megagrpo.__file__, sys.executable, sys.prefix]))"
+    for name, clone in clones.items():
+        venv, other = clone / ".venv", "b" if name == "a" else "a"
+        usage = _run([venv / "bin" / "megagrpo", "--help"], work, env, 120).stdout
+        assert f"(clone {name})" in usage and f"(clone {other})" not in usage, usage
+        got = json.loads(_run([venv / "bin" / "python", "-c", probe], work, env, 120).stdout)
+        assert got == [str(clone / "megagrpo" / "__init__.py"), str(venv / "bin" / "python"), str(venv)], got
+        # the shared venv's python commands run on this clone's python (torchrun starts ranks with it)
+        assert (venv / "bin" / "torchrun").read_text().splitlines()[0] == f"#!{venv}/bin/python"
+    assert sorted(p.name for p in SHARED_SITE.iterdir()) == before  # nothing installed into the shared venv
 
 
 def _session_procs(sid: int, grace_s: float = 15.0) -> list[int]:

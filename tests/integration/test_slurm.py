@@ -6,18 +6,18 @@ started and stopped (by PID) by the module fixture; see tests/integration/slurm_
   an unwritable log directory) fails before anything is submitted;
 * a real 2-node job of each multi-node layout (srun-only and per-node torchrun) runs the learner's TP2
   logprob check across the two nodes (launch/mesh_check.py via `--stage check`);
-* a real `megagrpo train` job on 2 nodes x 2 tasks (DP2 x TP2, one SGLang engine per node, issue 14)
-  completes and writes metrics, and a second one, preempted with `scancel --batch --signal=USR1` (what
-  `#SBATCH --signal=B:USR1@120` does), checkpoints, requeues itself, resumes, and ends with the same
-  metrics and samples as the uninterrupted job;
+* every train run below is the seeded run of test_trainer_e2e on one learner mesh (DP2), run locally three
+  ways (one colocated engine, two colocated engines, two disaggregated engine ranks) and as two preempted
+  2-node Slurm jobs;
+* a real `megagrpo train` job on 2 nodes x 1 task (one SGLang engine per node, issue 14), preempted with
+  `scancel --batch --signal=USR1` (what `#SBATCH --signal=B:USR1@120` does), checkpoints, requeues itself,
+  resumes, and ends with the metrics and samples of the uninterrupted local two-engine run, bit for bit;
 * the number of engines changes no completion (issue 14; formerly tests/integration/test_engine_count.py):
-  a local one-engine run of the same config on 4 processes samples the same completions as the
-  uninterrupted two-engine job and logs the same metrics to 1e-6. The jobs above are its two-engine runs,
-  and the preempted one its two-engine resume check, so one set of 4-process launches serves both files'
-  assertions;
+  the local one-engine run samples the same completions as the local two-engine run and logs the same
+  metrics to 1e-6; the preempted job above is its two-engine resume check;
 * disaggregated placement (issue 27): a 2-node job whose n1 learns and n2 runs the two SGLang engines,
   preempted and resumed, ends with the metrics and samples of the uninterrupted local run of the same
-  layout; and that local run (max_staleness 0) samples and logs what colocated mode with one engine does;
+  layout; and that local run (max_staleness 0) samples and logs what the one-engine colocated run does;
 * the mesh check under `srun --mpi=pmix -n 2` with mpi4py bootstrap.
 
 Only the requeue hold is shortened: Slurm keeps a requeued job pending for ~120 s (Reason=BeginTime);
@@ -249,13 +249,27 @@ def test_two_node_jobs_agree_with_the_single_process_reference(cluster, model_di
         assert "MASTER_ADDR=127.0.0.1" in log.read_text()  # n1's NodeAddr, from scontrol
 
 
-# The train jobs: the seeded 3-step run of test_trainer_e2e (R3, TIS `auto`, evaluation at steps 0 and 3)
-# on DP2 x TP2, scored by a reward that records every (prompt, completion) it scores.
+# The train runs: the seeded 3-step run of test_trainer_e2e (R3, TIS `auto`, evaluation at steps 0 and 3),
+# scored by a reward that records every (prompt, completion) it scores. Every one of them trains on the same
+# learner mesh (DP2), so one colocated one-engine run is the reference of both equivalences below (the number
+# of engines, and disaggregated placement at staleness 0), and each preempted Slurm job is compared bit for bit
+# with the uninterrupted local run of its own layout: five launches prove what six (three of them on 4
+# processes, one an uninterrupted copy of a preempted job) proved before.
 TRAIN_RUN = {
     **FULL_RUN,
     "rewards__functions": [{"name": "tests.integration.trainer_rewards:recorded_parity", "weight": 1.0}],
 }
-DP2_TP2 = ("mesh.tp=2", "mesh.sequence_parallel=true")
+TWO_ENGINES = ("rollout.num_engines=2",)  # colocated: one engine per rank (ranks 0 and 1)
+# Disaggregated placement (issue 27): 2 learner ranks + 2 engine ranks, asynchronous with max_staleness 0.
+DISAGG = (
+    "rollout.placement.kind=disaggregated",
+    "rollout.num_engines=2",
+    "rollout.mode=async",
+    "rollout.max_staleness=0",
+)
+# torchrun gives each of several processes per host one thread; the same on every launch, whatever its number
+# of processes per host, so that a local run and a Slurm job of one layout reduce in the same order.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # One engine against two: compared with `run_metrics.engine_count_differences` (its tolerances, and why).
 
 
@@ -267,149 +281,34 @@ def sampled(record_dir: Path) -> set[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def engine_runs(cluster, model_dir, tmp_path_factory):
-    """Three runs of TRAIN_RUN on 4 processes (DP2 x TP2), each with its own record of what it sampled:
+def local_runs(model_dir, tmp_path_factory):
+    """TRAIN_RUN three ways on this host, each with its own record of what it sampled, all on DP2:
 
-    * "one": one engine (rank 0), a local `megagrpo train --nproc 4`;
-    * "a": a Slurm job on both nodes (2 tasks per node, `rollout.num_engines=2`: one engine per node, owned
-      by ranks 0 and 2, each sampling and scoring half of every round and of the held-out set), uninterrupted;
-    * "b": the same job again, which Slurm runs after A (both take every CPU of both nodes), preempted with
-      `scancel --batch --signal=USR1` (what `#SBATCH --signal=B:USR1@120` does) after its first step: it
-      checkpoints, requeues itself and resumes.
+    * "colocated": one engine beside the learner (rank 0), `megagrpo train --nproc 2`;
+    * "two": two colocated engines (`rollout.num_engines=2`: one per rank, each sampling and scoring half of
+      every round and of the held-out set), `--nproc 2`;
+    * "disagg": 2 learner ranks (DP2) + 2 engine ranks (DISAGG), `--nproc 4`.
 
-    Returns ({name: run directory}, {name: (job id, log)} for the two Slurm jobs)."""
-    tmp = tmp_path_factory.mktemp("engines")
-    dirs = {name: tmp / name for name in ("one", "a", "b")}
-    cfg = {name: write_config(d, model_dir, **TRAIN_RUN) for name, d in dirs.items()}
-    for d in dirs.values():
-        (d / "sampled").mkdir()
-
-    res = cli(
-        "train", str(cfg["one"]), *DP2_TP2, "--nproc", "4",
-        env={"MEGAGRPO_TEST_RECORD_DIR": str(dirs["one"] / "sampled")},
-    )  # fmt: skip
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-
-    jobs = {
-        name: submitted(
-            cfg[name],
-            *DP2_TP2,
-            "rollout.num_engines=2",
-            "--nodes",
-            2,
-            "--gpus-per-node",
-            2,
-            "--layout",
-            "torchrun",
-            "--job-name",
-            f"mg-{name}",
-            "--env",
-            f"MEGAGRPO_TEST_RECORD_DIR={dirs[name] / 'sampled'}",
+    Returns {name: run directory}."""
+    tmp = tmp_path_factory.mktemp("local")
+    runs = {"colocated": ((), "2"), "two": (TWO_ENGINES, "2"), "disagg": (DISAGG, "4")}
+    dirs = {name: tmp / name for name in runs}
+    for name, (extra, nproc) in runs.items():
+        cfg = write_config(dirs[name], model_dir, **TRAIN_RUN)
+        (dirs[name] / "sampled").mkdir()
+        res = cli(
+            "train", str(cfg), *extra, "--nproc", nproc,
+            env={**ONE_THREAD, "MEGAGRPO_TEST_RECORD_DIR": str(dirs[name] / "sampled")},
         )  # fmt: skip
-        for name in ("a", "b")
-    }
-    (job_a, log_a), (job_b, log_b) = jobs["a"], jobs["b"]
-    metrics_b = dirs["b"] / "run" / "metrics.jsonl"
-
-    deadline = time.monotonic() + 2 * JOB_TIMEOUT  # B starts when A is done
-    while not (metrics_b.exists() and '"step": 1' in metrics_b.read_text()):
-        info = cluster.job(job_b)
-        assert info.state in ("PENDING", "RUNNING"), (
-            f"B ended before its first step: {info.state}\n{tail(log_b)}"
-        )
-        assert time.monotonic() < deadline, tail(log_b)
-        time.sleep(0.5)
-    cluster.run("scancel", "--batch", "--signal=USR1", str(job_b))
-
-    # the script asks for a requeue; Slurm holds the job ~120 s, which the test shortens to the moment
-    # the old instance's credential revocation can no longer refuse the new one
-    cluster.release_requeued(job_b, deadline - time.monotonic())
-
-    info_a = cluster.wait_job(job_a, JOB_TIMEOUT)
-    info_b = cluster.wait_job(job_b, JOB_TIMEOUT)
-    assert info_a.state == "COMPLETED" and info_a.exit_code == "0:0", tail(log_a)
-    assert info_b.state == "COMPLETED" and info_b.exit_code == "0:0", (
-        f"{tail(log_b)}\n{cluster.ctld_log_tail()}"
-    )
-    assert info_a.restarts == 0 and info_b.restarts == 1
-    return dirs, jobs
-
-
-@pytest.mark.slow
-def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(engine_runs):
-    """Formerly this file's test of the same name, on the run of test_trainer_e2e plus recorded rewards:
-    two `megagrpo train` jobs from the same config, each on both nodes (2 tasks per node, DP2 x TP2, one
-    engine per node), so Slurm runs them one after the other: A runs through; B gets USR1 after its first
-    step, checkpoints, requeues itself and resumes. Both must end with the same metrics and samples. This
-    is also the two-engine resume check of the former test_engine_count.py (which SIGKILLed its local
-    two-engine run after its step-1 checkpoint and resumed it)."""
-    dirs, jobs = engine_runs
-    (_, log_a), (_, log_b) = jobs["a"], jobs["b"]
-    text_b = log_b.read_text()
-    # one engine per node: owners are ranks 0 and 2, the first task of n1 and of n2
-    engines = sorted(set(re.findall(r"engine (\d) of 2: rank (\d) on (\S+),", log_a.read_text())))
-    assert engines == [("0", "0", NODES[0]), ("1", "2", NODES[1])], tail(log_a)
-
-    # B: signal -> checkpoint at a step boundary -> requeue -> resume from that checkpoint
-    assert "got SIGUSR1" in text_b, tail(log_b)
-    saved = re.search(r"SIGUSR1: saved (\S+) at step (\d+)", text_b)
-    assert saved, tail(log_b)
-    stopped_at = int(saved.group(2))
-    assert 1 <= stopped_at < 3, "B was not stopped before its last step: nothing was resumed"
-    assert "scontrol requeue" in text_b and "restart 1:" in text_b
-    assert re.search(rf"resumed from \S+ at step {stopped_at}", text_b), tail(log_b)
-
-    # A wrote metrics for every step, in every group a GRPO step logs
-    ma, mb = last_record_per_step(dirs["a"] / "run"), last_record_per_step(dirs["b"] / "run")
-    assert sorted(ma) == [0, 1, 2, 3] and sorted(mb) == [0, 1, 2, 3]
-    groups = {k.split("/")[0] for k in ma[3]}
-    assert {"rollout", "reward", "loss", "perf"} <= groups, sorted(groups)
-    assert any(ma[s]["loss/grad_norm"] > 0 for s in ma if s), (
-        "no step moved the policy: the comparison is vacuous"
-    )
-    assert step_differences(ma, mb, (0, 1, 2, 3)) == {}
-    assert sampled(dirs["b"] / "sampled") == sampled(dirs["a"] / "sampled")
-
-
-@pytest.mark.slow
-def test_two_engines_sample_the_same_completions_as_one(engine_runs):
-    """Formerly test_engine_count.py's test_two_engines_sample_the_same_completions (issue 14): the number of
-    engines changes no completion; the two-engine run is Slurm job A."""
-    dirs, _ = engine_runs
-    one, two = sampled(dirs["one"] / "sampled"), sampled(dirs["a"] / "sampled")
-    assert len(one) > 50
-    assert one == two, f"{len(one ^ two)} (prompt, completion) pairs differ, e.g. {sorted(one ^ two)[:2]}"
-    # both engines sampled: the two-engine run's reward calls ran in two processes
-    assert len(list((dirs["a"] / "sampled").glob("*.jsonl"))) >= 2
-
-
-@pytest.mark.slow
-def test_two_engines_log_the_same_metrics_as_one(engine_runs):
-    """Formerly test_engine_count.py's test_two_engines_log_the_same_metrics, with R3, TIS `auto` and
-    evaluation on; the two-engine run is Slurm job A."""
-    dirs, _ = engine_runs
-    m1, m2 = last_record_per_step(dirs["one"] / "run"), last_record_per_step(dirs["a"] / "run")
-    assert sorted(m1) == sorted(m2) == [0, 1, 2, 3]
-    assert any(m1[s]["loss/grad_norm"] > 0 for s in (1, 2, 3)), "no step moved the policy"
-    assert "eval/accuracy" in m2[0] and "eval/accuracy" in m2[3] and "mismatch/tis_cap" in m2[3]
-    assert engine_count_differences(m1, m2) == {}
-    # the comparison is not vacuous: grad norms, rewards and evaluation are real numbers, equal to 1e-6
-    assert m1[3]["loss/grad_norm"] > 0 and 0 < m1[1]["reward/mean"] < 1
-
-
-# Disaggregated placement (issue 27): 2 learner ranks + 2 engine ranks, asynchronous with max_staleness 0.
-DISAGG = (
-    "rollout.placement.kind=disaggregated",
-    "rollout.num_engines=2",
-    "rollout.mode=async",
-    "rollout.max_staleness=0",
-)
+        assert res.returncode == 0, (name, (res.stdout + res.stderr)[-4000:])
+    return dirs
 
 
 def preempt_after_first_step(cluster, job: int, log: Path, metrics: Path) -> None:
     """USR1 to the batch script once the job has logged step 1 (what `#SBATCH --signal=B:USR1@120` does),
-    then let Slurm start the requeued job at once."""
-    deadline = time.monotonic() + 2 * JOB_TIMEOUT
+    then let Slurm start the requeued job at once (it holds a requeued job ~120 s, which the test shortens
+    to the moment the old instance's credential revocation can no longer refuse the new one)."""
+    deadline = time.monotonic() + 2 * JOB_TIMEOUT  # a job may wait for the one before it
     while not (metrics.exists() and '"step": 1' in metrics.read_text()):
         info = cluster.job(job)
         assert info.state in ("PENDING", "RUNNING"), f"ended before its first step: {info.state}\n{tail(log)}"
@@ -420,41 +319,111 @@ def preempt_after_first_step(cluster, job: int, log: Path, metrics: Path) -> Non
 
 
 @pytest.fixture(scope="module")
-def disagg_runs(cluster, model_dir, tmp_path_factory):
-    """TRAIN_RUN three ways, each recording what it sampled:
+def slurm_jobs(cluster, model_dir, tmp_path_factory):
+    """The two layouts of `local_runs` that a cluster changes, as 2-node Slurm jobs, each preempted with
+    `scancel --batch --signal=USR1` after its first step: it checkpoints, requeues itself and resumes.
 
-    * "colocated": one engine beside the learner, `megagrpo train --nproc 2` (DP2);
-    * "local": 2 learner ranks (DP2) + 2 engine ranks, `--nproc 4`;
-    * "slurm": the same as "local" as a 2-node Slurm job, n1 learning and n2 serving, preempted with USR1
-      after its first step: it checkpoints, requeues itself and resumes with new engine processes."""
-    tmp = tmp_path_factory.mktemp("disagg")
-    dirs = {name: tmp / name for name in ("colocated", "local", "slurm")}
-    cfg = {name: write_config(d, model_dir, **TRAIN_RUN) for name, d in dirs.items()}
-    for d in dirs.values():
-        (d / "sampled").mkdir()
-    for name, extra, nproc in (("colocated", (), "2"), ("local", DISAGG, "4")):
-        res = cli(
-            "train", str(cfg[name]), *extra, "--nproc", nproc,
-            env={"MEGAGRPO_TEST_RECORD_DIR": str(dirs[name] / "sampled")},
+    * "two": 2 nodes x 1 task, one colocated engine per node (owned by ranks 0 and 1);
+    * "disagg": 2 nodes x 2 tasks, n1 learning and n2 running the two engines (new engine processes after
+      the requeue).
+
+    Both are submitted together; Slurm runs one at a time ("disagg" takes every CPU of both nodes), so the
+    requeued "two" may resume before "disagg" starts or after it ends.
+    Returns {name: (run directory, log)}."""
+    tmp = tmp_path_factory.mktemp("jobs")
+    shape = {"two": (TWO_ENGINES, 1), "disagg": (DISAGG, 2)}
+    dirs = {name: tmp / name for name in shape}
+    jobs = {}
+    for name, (extra, per_node) in shape.items():
+        cfg = write_config(dirs[name], model_dir, **TRAIN_RUN)
+        (dirs[name] / "sampled").mkdir()
+        jobs[name] = submitted(
+            cfg, *extra,
+            "--nodes", 2, "--gpus-per-node", per_node, "--layout", "torchrun", "--job-name", f"mg-{name}",
+            "--env", f"MEGAGRPO_TEST_RECORD_DIR={dirs[name] / 'sampled'}",
+            *(a for k, v in ONE_THREAD.items() for a in ("--env", f"{k}={v}")),
         )  # fmt: skip
-        assert res.returncode == 0, (name, (res.stdout + res.stderr)[-4000:])
-    job, log = submitted(
-        cfg["slurm"], *DISAGG,
-        "--nodes", 2, "--gpus-per-node", 2, "--layout", "torchrun", "--job-name", "mg-disagg",
-        "--env", f"MEGAGRPO_TEST_RECORD_DIR={dirs['slurm'] / 'sampled'}",
-    )  # fmt: skip
-    preempt_after_first_step(cluster, job, log, dirs["slurm"] / "run" / "metrics.jsonl")
-    info = cluster.wait_job(job, JOB_TIMEOUT)
-    assert info.state == "COMPLETED" and info.exit_code == "0:0", f"{tail(log)}\n{cluster.ctld_log_tail()}"
-    assert info.restarts == 1
-    return dirs, log
+    for name, (job, log) in jobs.items():
+        preempt_after_first_step(cluster, job, log, dirs[name] / "run" / "metrics.jsonl")
+    for name, (job, log) in jobs.items():
+        # a requeued job may start again only after the other one (Slurm runs whichever is eligible first)
+        info = cluster.wait_job(job, 2 * JOB_TIMEOUT)
+        assert info.state == "COMPLETED" and info.exit_code == "0:0", (
+            f"{name}: {info.state}\n{tail(log)}\n{cluster.ctld_log_tail()}"
+        )
+        assert info.restarts == 1, name
+    return {name: (dirs[name], jobs[name][1]) for name in jobs}
+
+
+def assert_resumed_once(text: str, log: Path) -> None:
+    """signal -> checkpoint at a step boundary -> requeue -> resume from that checkpoint"""
+    assert "got SIGUSR1" in text, tail(log)
+    saved = re.search(r"SIGUSR1: saved (\S+) at step (\d+)", text)
+    assert saved, tail(log)
+    stopped_at = int(saved.group(2))
+    assert 1 <= stopped_at < 3, "the job was not stopped before its last step: nothing was resumed"
+    assert "scontrol requeue" in text and "restart 1:" in text
+    assert re.search(rf"resumed from \S+ at step {stopped_at}", text), tail(log)
 
 
 @pytest.mark.slow
-def test_disaggregated_job_on_a_rollout_node_resumes_from_preemption_exactly(disagg_runs):
+def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(local_runs, slurm_jobs):
+    """A `megagrpo train` job on both nodes (one task and one colocated engine per node), preempted with
+    USR1 after its first step: it checkpoints, requeues itself and resumes, and ends with the metrics and
+    samples of the uninterrupted local run of the same layout (`local_runs["two"]`), bit for bit. This is
+    also the two-engine resume check of the former test_engine_count.py (which SIGKILLed its local
+    two-engine run after its step-1 checkpoint and resumed it)."""
+    job_dir, log = slurm_jobs["two"]
+    text = log.read_text()
+    # one engine per node: owners are ranks 0 and 1, the task of n1 and of n2
+    engines = sorted(set(re.findall(r"engine (\d) of 2: rank (\d) on (\S+),", text)))
+    assert engines == [("0", "0", NODES[0]), ("1", "1", NODES[1])], tail(log)
+    assert_resumed_once(text, log)
+
+    # the uninterrupted run wrote metrics for every step, in every group a GRPO step logs
+    ma, mb = last_record_per_step(local_runs["two"] / "run"), last_record_per_step(job_dir / "run")
+    assert sorted(ma) == [0, 1, 2, 3] and sorted(mb) == [0, 1, 2, 3]
+    groups = {k.split("/")[0] for k in ma[3]}
+    assert {"rollout", "reward", "loss", "perf"} <= groups, sorted(groups)
+    assert any(ma[s]["loss/grad_norm"] > 0 for s in ma if s), (
+        "no step moved the policy: the comparison is vacuous"
+    )
+    assert step_differences(ma, mb, (0, 1, 2, 3)) == {}
+    assert sampled(job_dir / "sampled") == sampled(local_runs["two"] / "sampled")
+
+
+@pytest.mark.slow
+def test_two_engines_sample_the_same_completions_as_one(local_runs):
+    """Formerly test_engine_count.py's test_two_engines_sample_the_same_completions (issue 14): the number of
+    engines changes no completion."""
+    one, two = sampled(local_runs["colocated"] / "sampled"), sampled(local_runs["two"] / "sampled")
+    assert len(one) > 50
+    assert one == two, f"{len(one ^ two)} (prompt, completion) pairs differ, e.g. {sorted(one ^ two)[:2]}"
+    # both engines sampled: the two-engine run's reward calls ran in two processes
+    assert len(list((local_runs["two"] / "sampled").glob("*.jsonl"))) >= 2
+
+
+@pytest.mark.slow
+def test_two_engines_log_the_same_metrics_as_one(local_runs):
+    """Formerly test_engine_count.py's test_two_engines_log_the_same_metrics, with R3, TIS `auto` and
+    evaluation on."""
+    m1, m2 = (
+        last_record_per_step(local_runs["colocated"] / "run"),
+        last_record_per_step(local_runs["two"] / "run"),
+    )
+    assert sorted(m1) == sorted(m2) == [0, 1, 2, 3]
+    assert any(m1[s]["loss/grad_norm"] > 0 for s in (1, 2, 3)), "no step moved the policy"
+    assert "eval/accuracy" in m2[0] and "eval/accuracy" in m2[3] and "mismatch/tis_cap" in m2[3]
+    assert engine_count_differences(m1, m2) == {}
+    # the comparison is not vacuous: grad norms, rewards and evaluation are real numbers, equal to 1e-6
+    assert m1[3]["loss/grad_norm"] > 0 and 0 < m1[1]["reward/mean"] < 1
+
+
+@pytest.mark.slow
+def test_disaggregated_job_on_a_rollout_node_resumes_from_preemption_exactly(local_runs, slurm_jobs):
     """Issue 27: one learner node and one rollout node; the preempted, requeued and resumed job ends with
     the metrics and samples of the uninterrupted local run of the same layout, bit for bit."""
-    dirs, log = disagg_runs
+    job_dir, log = slurm_jobs["disagg"]
     text = log.read_text()
     # the engines run on n2 (ranks 2 and 3), owned by the learner ranks 0 and 1 on n1
     engines = sorted(
@@ -462,24 +431,24 @@ def test_disaggregated_job_on_a_rollout_node_resumes_from_preemption_exactly(dis
     )
     assert engines == [("0", "2", NODES[1], "0", NODES[0]), ("1", "3", NODES[1], "1", NODES[0])], tail(log)
     assert "over gloo, 2 ranks" in text
-    saved = re.search(r"SIGUSR1: saved (\S+) at step (\d+)", text)
-    assert saved and 1 <= int(saved.group(2)) < 3, tail(log)
-    assert re.search(rf"resumed from \S+ at step {saved.group(2)}", text), tail(log)
-    local, slurm = last_record_per_step(dirs["local"] / "run"), last_record_per_step(dirs["slurm"] / "run")
+    assert_resumed_once(text, log)
+    local, slurm = last_record_per_step(local_runs["disagg"] / "run"), last_record_per_step(job_dir / "run")
     assert sorted(local) == sorted(slurm) == [0, 1, 2, 3]
     assert any(local[s]["loss/grad_norm"] > 0 for s in (1, 2, 3)), "no step moved the policy"
     assert step_differences(local, slurm, (0, 1, 2, 3)) == {}
-    assert sampled(dirs["slurm"] / "sampled") == sampled(dirs["local"] / "sampled")
+    assert sampled(job_dir / "sampled") == sampled(local_runs["disagg"] / "sampled")
 
 
 @pytest.mark.slow
-def test_two_engine_ranks_at_staleness_0_repeat_one_colocated_engine(disagg_runs):
+def test_two_engine_ranks_at_staleness_0_repeat_one_colocated_engine(local_runs):
     """Issue 27's equivalence: max_staleness 0 on 2 engine ranks samples the same completions as colocated
     mode with one engine on the same learner mesh, and logs the same non-timing metrics to fp32 round-off."""
-    dirs, _ = disagg_runs
-    colo, local = sampled(dirs["colocated"] / "sampled"), sampled(dirs["local"] / "sampled")
+    colo, local = sampled(local_runs["colocated"] / "sampled"), sampled(local_runs["disagg"] / "sampled")
     assert len(colo) > 50 and colo == local
-    a, b = last_record_per_step(dirs["colocated"] / "run"), last_record_per_step(dirs["local"] / "run")
+    a, b = (
+        last_record_per_step(local_runs["colocated"] / "run"),
+        last_record_per_step(local_runs["disagg"] / "run"),
+    )
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     # async adds the mismatch by lag (all lag 0) and its queue's figures; colocated its memory swap
     assert all(set(a[s]) - set(b[s]) <= {"perf/sleep_seconds"} for s in a), [set(a[s]) - set(b[s]) for s in a]

@@ -8,6 +8,7 @@ fly, and the THD layout (`PackedSeqParams.cu_seqlens_q`) handled by attending wi
 Shapes (per tensor-parallel rank; np = local query heads, ng = local KV groups, hn = head dim):
   padded: query `[sq, b, np, hn]`, key/value `[sk, b, ng, hn]` -> `[sq, b, np * hn]`
   THD:    query `[t, np, hn]`,     key/value `[t, ng, hn]`     -> `[t, np * hn]`
+Multi-latent attention: ng == np, and v's head dim may differ from q/k's (the output has v's).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class TorchCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -47,7 +50,8 @@ class TorchCoreAttention(MegatronModule):
         tp = pg_collection.tp.size() if pg_collection is not None else 1
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
-        head_dim = config.kv_channels
+        # multi-latent attention passes its q/k head dim (nope + rope) and v head dim; v may be narrower
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout

@@ -178,8 +178,6 @@ def hf_config_from_arch(
     plain dict: importing transformers' config classes after `apply_cpu_compat()` fails, see the report.)
     """
     f = arch.family
-    if f in V3_FAMILIES:
-        return _finish(arch, hf_fields_v3(arch), base, dtype)
     kw: dict[str, Any] = dict(
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,
@@ -193,6 +191,11 @@ def hf_config_from_arch(
         tie_word_embeddings=arch.tie_embeddings,
         hidden_act="silu",
     )
+    if f in V3_FAMILIES:
+        kw.update(hf_fields_v3(arch))
+        if kw["head_dim"] is None:
+            del kw["head_dim"]
+        return _finish(arch, kw, base, dtype)
     if f in ("qwen2", "qwen3", "qwen3_moe"):
         kw["use_sliding_window"] = False
     if f == "qwen3_moe":

@@ -220,7 +220,9 @@ def parse_v3_family(cfg: dict[str, Any], where: str, family: str) -> dict[str, A
 
 
 def hf_fields_v3(arch: Any) -> dict[str, Any]:
-    """The config.json fields of a `deepseek_v3` / `glm4_moe` arch (inverse of `parse_v3_family`)."""
+    """The config.json fields of a `deepseek_v3` / `glm4_moe` arch beyond those every family writes (the
+    inverse of `parse_v3_family`, with `hf_config.hf_config_from_arch`); `head_dim: None` drops the field
+    (DeepSeek-V3's is derived by transformers)."""
     pattern = arch.moe_layer_pattern or (1,) * arch.num_layers
     dense = pattern.index(1)
     if any(not m for m in pattern[dense:]):
@@ -231,16 +233,6 @@ def hf_fields_v3(arch: Any) -> dict[str, Any]:
             f"moe_intermediate_size {arch.moe_ffn_hidden_size}"
         )
     kw: dict[str, Any] = dict(
-        vocab_size=arch.vocab_size,
-        hidden_size=arch.hidden_size,
-        num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_kv_heads,
-        intermediate_size=arch.ffn_hidden_size,
-        max_position_embeddings=arch.max_position_embeddings,
-        rms_norm_eps=arch.norm_eps,
-        tie_word_embeddings=arch.tie_embeddings,
-        hidden_act="silu",
         n_routed_experts=arch.num_experts,
         num_experts_per_tok=arch.moe_topk,
         moe_intermediate_size=arch.moe_ffn_hidden_size,
@@ -257,6 +249,7 @@ def hf_fields_v3(arch: Any) -> dict[str, Any]:
         rope.update({key: getattr(arch, field) for key, field in _YARN_KEYS.items()})
     if arch.is_mla:
         kw.update(
+            head_dim=None,
             q_lora_rank=arch.q_lora_rank,
             kv_lora_rank=arch.kv_lora_rank,
             qk_nope_head_dim=arch.qk_nope_head_dim,
@@ -268,7 +261,6 @@ def hf_fields_v3(arch: Any) -> dict[str, Any]:
     else:
         rope["partial_rotary_factor"] = arch.rotary_percent
         kw.update(
-            head_dim=arch.head_dim,
             attention_bias=arch.qkv_bias,
             use_qk_norm=arch.qk_norm,
             partial_rotary_factor=arch.rotary_percent,

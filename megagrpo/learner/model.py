@@ -1,8 +1,10 @@
 """megatron-core `TransformerConfig` and `GPTModel` chunks from a framework-neutral `ModelArch`.
 
-Covers the Llama, Qwen2 (qkv bias), Qwen3 (qk-norm), Qwen3-MoE and Mixtral shapes: GQA, RoPE theta,
-RMSNorm eps, SwiGLU, tied or untied embeddings, routed experts with top-k (softmax or sigmoid scores,
-renormalised top-k or not), optional shared experts, optional routing replay (issue 7).
+Covers the Llama, Qwen2 (qkv bias), Qwen3 (qk-norm), Qwen3-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 shapes:
+GQA (partial rotary) or multi-latent attention (megatron's `MLASelfAttention`, YaRN), RoPE theta, RMSNorm
+eps, SwiGLU, tied or untied embeddings, routed experts with top-k (softmax or sigmoid scores, renormalised
+top-k or not, a selection-only expert bias held frozen, group-limited top-k, a scaling factor), optional
+shared experts and dense layers, optional routing replay (issue 7). All of it is read off `ModelArch`.
 
 Backends: on the CPU the local spec in fp32 (with `attention.TorchCoreAttention`, so packed THD
 batches work without Transformer Engine); on a GPU the Transformer Engine spec in bf16, optionally
@@ -19,12 +21,21 @@ E experts, tp/etp/ep the mesh sizes). The bridge maps Hugging Face names onto th
     decoder.layers.{i}.self_attention.q_layernorm.weight     [d]             (qwen3, qwen3_moe)
     decoder.layers.{i}.self_attention.k_layernorm.weight     [d]
     decoder.layers.{i}.self_attention.linear_proj.weight     [H, n*d/tp]
+  multi-latent attention instead (r_q/r_kv latent ranks, d_n/d_r/d_v nope/rope/value head dims):
+    decoder.layers.{i}.self_attention.linear_q_down_proj.weight  [r_q/tp, H]    (gathered after; or
+    decoder.layers.{i}.self_attention.q_layernorm.weight         [r_q]           linear_q_proj [n*(d_n+d_r)/tp, H]
+    decoder.layers.{i}.self_attention.linear_q_up_proj.weight    [n*(d_n+d_r)/tp, r_q]    without a q latent)
+    decoder.layers.{i}.self_attention.linear_kv_down_proj.weight [(r_kv+d_r)/tp, H]
+    decoder.layers.{i}.self_attention.kv_layernorm.weight        [r_kv]
+    decoder.layers.{i}.self_attention.linear_kv_up_proj.weight   [n*(d_n+d_v)/tp, r_kv]
+    decoder.layers.{i}.self_attention.linear_proj.weight         [H, n*d_v/tp]
     decoder.layers.{i}.pre_mlp_layernorm.weight              [H]
   dense layer:
     decoder.layers.{i}.mlp.linear_fc1.weight                 [2*F/tp, H]     rows [gate_shard; up_shard]
     decoder.layers.{i}.mlp.linear_fc2.weight                 [H, F/tp]
   MoE layer (local spec: SequentialMLP, one module per local expert):
     decoder.layers.{i}.mlp.router.weight                     [E, H]          (replicated)
+    decoder.layers.{i}.mlp.router.expert_bias                [E] fp32 BUFFER (sigmoid routers; frozen)
     decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight   [2*F_e/etp, H]  [gate; up]
     decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight   [H, F_e/etp]
         j is the LOCAL expert index; the global expert is ep_rank * (E/ep) + j.
@@ -294,16 +305,19 @@ def transformer_config_from_arch(
 def _local_block_spec(config: Any, vp_stage: int | None, pp_rank: int | None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megagrpo.learner.attention import TorchCoreAttention
+    from megagrpo.learner.attention import TorchCoreAttention, local_mla_self_attention
 
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
     )
     for layer in spec.layer_specs:
         attn = layer.submodules.self_attention
-        layer.submodules.self_attention = dataclasses.replace(
+        attn = dataclasses.replace(
             attn, submodules=dataclasses.replace(attn.submodules, core_attention=TorchCoreAttention)
         )
+        if config.multi_latent_attention:
+            attn = dataclasses.replace(attn, module=local_mla_self_attention())
+        layer.submodules.self_attention = attn
     return spec
 
 

@@ -77,6 +77,12 @@ def _rope(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) -> dict
                 f"{where}: rope_scaling of type yarn needs factor and original_max_position_embeddings"
             )
         out["rope_type"] = "yarn"
+        mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if not (mscale and all_dim) and (mscale not in (None, 1, 1.0) or all_dim):
+            # transformers then scales cos/sin by 0.1 ln(factor) + 1 and ignores the one given; megatron
+            # divides the mscale term by the mscale_all_dim term
+            raise _fail(where, "rope_scaling.mscale", (mscale, all_dim),
+                        "mscale and mscale_all_dim must both be set, or mscale 1 and no mscale_all_dim")  # fmt: skip
         defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
         for key, field in _YARN_KEYS.items():
             value = params.pop(key, defaults.get(key))

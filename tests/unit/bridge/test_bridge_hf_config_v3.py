@@ -140,6 +140,8 @@ def test_multi_token_prediction_layers_said_at_load(caplog):
         (DEEPSEEK_V3, {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
         (DEEPSEEK_V3, {"rope_scaling": {**_YARN, "attention_factor": 0.5}}, "attention_factor"),
         (DEEPSEEK_V3, {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        (DEEPSEEK_V3, {"rope_scaling": {**_YARN, "mscale": 0.707, "mscale_all_dim": 0}}, "mscale"),
+        (DEEPSEEK_V3, {"rope_scaling": {**_YARN, "mscale": 0}}, "mscale"),
         (DEEPSEEK_V3, {"hidden_act": "gelu"}, "hidden_act"),
         (GLM45, {"rope_scaling": _YARN}, "rope_scaling.type"),
         (GLM45, {"first_k_dense_replace": 92}, "first_k_dense_replace"),

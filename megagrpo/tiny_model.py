@@ -5,6 +5,10 @@ as single tokens, so arithmetic tasks tokenise cleanly) and wrapped as a `PreTra
 with a chat template. Tests, benchmarks and the demo build every model they use with `make_tiny_model`.
 
     python tools/make_tiny_model.py OUT_DIR --arch qwen3_moe [--experts 8 --topk 2 --seed 0]
+
+`--arch deepseek_v3` (multi-latent attention, YaRN) and `--arch glm4_moe` (partial rotary, q/k/v biases,
+q/k norms) have DeepSeek-V3's router: sigmoid scores, a non-zero correction bias, group-limited top-k
+(2 groups), one shared expert, and a dense first layer.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+# DeepSeek-V3-shaped routers: sigmoid scores, a non-zero correction bias, group-limited top-k over 2 groups
+# (a group scored by its top-2 experts, so topk_group = topk / 2), shared experts, the first layer dense.
+V3_ARCHS = ("deepseek_v3", "glm4_moe")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
@@ -113,7 +120,57 @@ def make_config(
         common.update(num_local_experts=experts, num_experts_per_tok=topk, output_router_logits=False)
     if arch == "qwen2":
         common.update(use_sliding_window=False)
+    if arch in V3_ARCHS:
+        if topk % 2 or experts % 2 or topk // 2 > 2:
+            raise SystemExit(f"error: --arch {arch} needs an even --topk of 2 or 4 and an even --experts")
+        common.update(
+            n_routed_experts=experts,
+            num_experts_per_tok=topk,
+            moe_intermediate_size=hidden // 2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=topk // 2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            num_nextn_predict_layers=0,
+        )
+    if arch == "deepseek_v3":
+        # multi-latent attention with a q latent and YaRN (factor 4 over a quarter of the positions)
+        common.update(
+            num_key_value_heads=heads,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rope_scaling={
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": max_pos // 4,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
+    if arch == "glm4_moe":
+        common.update(head_dim=head_dim, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True)
     return AutoConfig.for_model(arch, **common)
+
+
+def _randomise_v3_extras(model, seed: int) -> None:
+    """Non-zero correction biases and q/k/v biases (HF initialises both to zero), so that a bias entering
+    the combine weights, or a dropped bias, changes the logits."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, t in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            t.copy_(0.05 * torch.randn(t.shape, generator=g))
+    for name, p in model.named_parameters():
+        if name.endswith("_proj.bias"):
+            p.data.copy_(0.02 * torch.randn(p.shape, generator=g))
 
 
 def make_tiny_model(
@@ -154,6 +211,8 @@ def make_tiny_model(
     cfg.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if arch in V3_ARCHS:
+        _randomise_v3_extras(model, seed)
     model.generation_config = GenerationConfig(
         eos_token_id=cfg.eos_token_id,
         pad_token_id=cfg.pad_token_id,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a tiny Hugging Face model directory (random weights, local tokenizer); see megagrpo/tiny_model.py.
 
-python tools/make_tiny_model.py OUT_DIR --arch qwen3_moe [--experts 8 --topk 2 --seed 0]
+python tools/make_tiny_model.py OUT_DIR --arch qwen3_moe|deepseek_v3|glm4_moe [--experts 8 --topk 2 --seed 0]
 """
 
 import sys

@@ -4,7 +4,7 @@ Imports torch, safetensors and transformers' config classes only; never megatron
 learner pass megatron objects in).
 """
 
-from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
+from megagrpo.bridge.export import ExportGroups, export_tensors, iter_hf_buckets
 from megagrpo.bridge.hf_config import arch_from_hf, hf_config_from_arch
 from megagrpo.bridge.load import iter_local_shards
 from megagrpo.bridge.maps import ParamMap, Placement, hf_names, megatron_name, param_maps
@@ -15,6 +15,7 @@ __all__ = [
     "ParamMap",
     "Placement",
     "arch_from_hf",
+    "export_tensors",
     "hf_config_from_arch",
     "hf_names",
     "iter_hf_buckets",

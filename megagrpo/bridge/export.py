@@ -15,7 +15,7 @@ Contract with the caller (the learner / sync), which owns megatron's `parallel_s
   full tensor, and the owning stage sends it to each stage of its pipeline group that receives, so an
   owner gets its engine's weights from its own replica, never through one global rank.
 - `params` are the rank's own `(name, tensor)` pairs as megatron names them inside its model chunk
-  (`model.named_parameters()` or a state dict): layers numbered locally from `layer_offset`, experts by
+  (`export_tensors(model)`: the parameters and the router's correction-bias buffers; or a state dict): layers numbered locally from `layer_offset`, experts by
   local index. SequentialMLP or TE-grouped expert names and local or TE norm names are all accepted.
 - `groups` holds torch.distributed process groups; `ExportGroups.from_parallel_state(parallel_state)` builds
   them from megatron's module without this package importing megatron.
@@ -39,6 +39,20 @@ from megagrpo.errors import MegagrpoError
 # Names a megatron model holds that carry no HF tensor: TE/fp8 extra state, and the output-layer copy the
 # last pipeline stage keeps when embeddings are tied (stage 0's embedding is exported instead).
 _SKIP = re.compile(r"(\._extra_state$)")
+
+
+# Megatron state that is a buffer, not a parameter, yet part of the HF checkpoint: the router's correction
+# bias (HF `e_score_correction_bias`). It stays fp32 on export whatever the output dtype, as checkpoints
+# ship it, so that the selection it drives is reproduced bit for bit.
+BUFFER_SUFFIXES = ("mlp.router.expert_bias",)
+
+
+def export_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` of everything `iter_hf_buckets` exports from one model chunk: its parameters and
+    the buffers of BUFFER_SUFFIXES."""
+    out = list(module.named_parameters())
+    out += [(n, b) for n, b in module.named_buffers() if b is not None and n.endswith(BUFFER_SUFFIXES)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -238,7 +252,8 @@ def iter_hf_buckets(
             continue
         for pm, full in zip(unit, fulls, strict=True):
             for name, t in zip(pm.hf, to_hf(pm, full, arch), strict=True):
-                t = t if out_dtype is None or t.dtype == out_dtype else t.to(out_dtype)
+                keep = out_dtype is None or t.dtype == out_dtype or pm.mcore.endswith(BUFFER_SUFFIXES)
+                t = t if keep else t.to(out_dtype)
                 nbytes = t.numel() * t.element_size()
                 if bucket and size + nbytes > bucket_bytes:
                     yield bucket

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_v3_family
 from megagrpo.config.model import FAMILIES, ModelArch
 from megagrpo.errors import MegagrpoError
 
@@ -22,6 +23,8 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 
@@ -91,6 +94,8 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
         raise MegagrpoError(
             f"{where}: model_type={family!r} is not supported; supported model types: {', '.join(FAMILIES)}"
         )
+    if family in V3_FAMILIES:
+        return ModelArch(**parse_v3_family(cfg, where, family))
     hidden = int(_require(cfg, "hidden_size", where))
     heads = int(_require(cfg, "num_attention_heads", where))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -186,6 +191,11 @@ def hf_config_from_arch(
         tie_word_embeddings=arch.tie_embeddings,
         hidden_act="silu",
     )
+    if f in V3_FAMILIES:
+        kw.update(hf_fields_v3(arch))
+        if kw["head_dim"] is None:
+            del kw["head_dim"]
+        return _finish(arch, kw, base, dtype)
     if f in ("qwen2", "qwen3", "qwen3_moe"):
         kw["use_sliding_window"] = False
     if f == "qwen3_moe":
@@ -200,11 +210,21 @@ def hf_config_from_arch(
         )
     if f == "mixtral":
         kw.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk)
+    kw["rope_parameters"] = {"rope_theta": arch.rope_theta, "rope_type": "default"}
+    return _finish(arch, kw, base, dtype)
+
+
+def _finish(
+    arch: ModelArch, kw: dict[str, Any], base: dict[str, Any] | None, dtype: str | None
+) -> dict[str, Any]:
+    f = arch.family
     cfg = dict(base or {})
-    for k in ("rope_theta", "rope_scaling", "num_experts", "num_local_experts", "architectures"):
+    for k in (
+        "rope_theta", "rope_scaling", "partial_rotary_factor", "num_experts", "num_local_experts",
+        "n_routed_experts", "head_dim", "architectures",
+    ):  # fmt: skip
         cfg.pop(k, None)
     cfg.update(kw)
-    cfg["rope_parameters"] = {"rope_theta": arch.rope_theta, "rope_type": "default"}
     cfg["model_type"] = f
     if dtype is not None:
         cfg["dtype"] = dtype

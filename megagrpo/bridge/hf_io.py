@@ -140,6 +140,9 @@ class HFCheckpoint:
             )
         extra = sorted(set(self.file_of) - set(wanted))
         extra = [n for n in extra if not n.endswith(_IGNORABLE_SUFFIXES)]
+        # multi-token-prediction layers (not trained; the config's num_nextn_predict_layers counts them)
+        mtp = tuple(f"model.layers.{self.arch.num_layers + i}." for i in range(self.arch.mtp_layers))
+        extra = [n for n in extra if not (mtp and n.startswith(mtp))]
         # tied checkpoints sometimes still store lm_head; it must then equal the embedding (checked on read)
         if self.arch.tie_embeddings and "lm_head.weight" in extra:
             extra.remove("lm_head.weight")

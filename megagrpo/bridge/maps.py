@@ -72,12 +72,55 @@ _QK_NORM = {
     "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_norm.weight",), None),
     "self_attention.k_layernorm.weight": ("copy", ("self_attn.k_norm.weight",), None),
 }
+# Multi-latent attention (megatron's MLASelfAttention, local spec). The down projections are column-parallel
+# in the local spec (each TP rank computes a slice of the latent, then gathers it); the up projections
+# split over heads. Row layouts equal HF's: q_b / kv_b rows per head [nope; rope] / [nope; v], kv_a rows
+# [latent; shared rotary key].
+_MLA = {
+    "input_layernorm.weight": ("copy", ("input_layernorm.weight",), None),
+    "self_attention.linear_kv_down_proj.weight": ("copy", ("self_attn.kv_a_proj_with_mqa.weight",), 0),
+    "self_attention.kv_layernorm.weight": ("copy", ("self_attn.kv_a_layernorm.weight",), None),
+    "self_attention.linear_kv_up_proj.weight": ("copy", ("self_attn.kv_b_proj.weight",), 0),
+    "self_attention.linear_proj.weight": ("copy", ("self_attn.o_proj.weight",), 1),
+    "pre_mlp_layernorm.weight": ("copy", ("post_attention_layernorm.weight",), None),
+}
+_MLA_Q_LORA = {
+    "self_attention.linear_q_down_proj.weight": ("copy", ("self_attn.q_a_proj.weight",), 0),
+    "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_a_layernorm.weight",), None),
+    "self_attention.linear_q_up_proj.weight": ("copy", ("self_attn.q_b_proj.weight",), 0),
+}
+_MLA_Q = {"self_attention.linear_q_proj.weight": ("copy", ("self_attn.q_proj.weight",), 0)}
 _DENSE_MLP = {
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0),
     "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",), 1),
 }
 
-# MoE block per family: router rows, then per-expert rows ({e} = global expert index).
+# DeepSeek-V3's MoE block (also GLM-4.5's): router weight and its selection-only correction bias (an fp32
+# buffer in megatron), per-expert rows as Qwen3-MoE's, and the shared experts (one SwiGLU MLP of
+# n_shared_experts * moe_intermediate_size, split over TP like a dense MLP).
+_V3_MOE = {
+    "router": {"mlp.router.weight": ("copy", ("mlp.gate.weight",), None)},
+    "router_bias": {"mlp.router.expert_bias": ("copy", ("mlp.gate.e_score_correction_bias",), None)},
+    "shared": {
+        "mlp.shared_experts.linear_fc1.weight": (
+            "gate_up",
+            ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+            0,
+        ),
+        "mlp.shared_experts.linear_fc2.weight": ("copy", ("mlp.shared_experts.down_proj.weight",), 1),
+    },
+    "expert": {
+        "linear_fc1.weight": (
+            "gate_up",
+            ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+            0,
+        ),
+        "linear_fc2.weight": ("copy", ("mlp.experts.{e}.down_proj.weight",), 1),
+    },
+}
+
+# MoE block per family: router rows, then per-expert rows ({e} = global expert index); optional
+# "router_bias" / "shared" rows where the family has them (enabled by the arch's description).
 _MOE = {
     "qwen3_moe": {
         "router": {"mlp.router.weight": ("copy", ("mlp.gate.weight",), None)},
@@ -101,7 +144,10 @@ _MOE = {
             "linear_fc2.weight": ("copy", ("block_sparse_moe.experts.{e}.w2.weight",), 1),
         },
     },
+    "deepseek_v3": _V3_MOE,
+    "glm4_moe": _V3_MOE,
 }
+MAPPED_FAMILIES = ("llama", "qwen2", "qwen3", *_MOE)
 
 # TE spec fuses the pre-attention norm into linear_qkv and (dense layers only) the pre-MLP norm into fc1;
 # the local spec's `sharded_state_dict_keys_map` aliases its names to these in dist checkpoints.
@@ -119,6 +165,24 @@ def _hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
     mod, kind = leaf[0], leaf[1]
     expert = ".experts." in hf_name
     f = arch.moe_ffn_hidden_size if expert else arch.ffn_hidden_size
+    if ".shared_experts." in hf_name:
+        f = arch.moe_shared_expert_ffn_hidden_size
+    if kind == "e_score_correction_bias":
+        return (arch.num_experts,)
+    if arch.is_mla:
+        n, qk = arch.num_attention_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+        mla = {
+            "q_proj": (n * qk, h),
+            "q_a_proj": (arch.q_lora_rank, h),
+            "q_a_layernorm": (arch.q_lora_rank,),
+            "q_b_proj": (n * qk, arch.q_lora_rank),
+            "kv_a_proj_with_mqa": (arch.kv_lora_rank + arch.qk_rope_head_dim, h),
+            "kv_a_layernorm": (arch.kv_lora_rank,),
+            "kv_b_proj": (n * (arch.qk_nope_head_dim + arch.v_head_dim), arch.kv_lora_rank),
+            "o_proj": (h, n * arch.v_head_dim),
+        }
+        if mod in mla:
+            return mla[mod]
     table = {
         "embed_tokens": (arch.vocab_size, h),
         "lm_head": (arch.vocab_size, h),
@@ -162,9 +226,17 @@ def _rows(
     return out
 
 
+def _need(moe: dict, part: str, arch: ModelArch) -> dict:
+    if part not in moe:
+        raise MegagrpoError(
+            f"model family {arch.family!r} has no {part.replace('_', ' ')} in its parameter map"
+        )
+    return moe[part]
+
+
 def param_maps(arch: ModelArch) -> list[ParamMap]:
     """Every megatron parameter of `arch` in HF checkpoint order: embedding, layers, final norm, output."""
-    if arch.family not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
+    if arch.family not in MAPPED_FAMILIES:
         raise MegagrpoError(f"model family {arch.family!r} has no parameter map")
     if arch.is_moe and arch.family not in _MOE:
         raise MegagrpoError(f"model family {arch.family!r} has no MoE parameter map")
@@ -173,7 +245,11 @@ def param_maps(arch: ModelArch) -> list[ParamMap]:
     moe_layers = set(arch.moe_layers())
     for layer in range(arch.num_layers):
         mp, hp = f"{LAYER_PREFIX}{layer}.", f"model.layers.{layer}."
-        maps += _rows(arch, _ATTN, mp, hp, layer)
+        if arch.is_mla:
+            maps += _rows(arch, _MLA, mp, hp, layer)
+            maps += _rows(arch, _MLA_Q if arch.q_lora_rank is None else _MLA_Q_LORA, mp, hp, layer)
+        else:
+            maps += _rows(arch, _ATTN, mp, hp, layer)
         if arch.qkv_bias:
             maps += _rows(arch, _QKV_BIAS, mp, hp, layer)
         if arch.qk_norm:
@@ -181,6 +257,10 @@ def param_maps(arch: ModelArch) -> list[ParamMap]:
         if layer in moe_layers:
             moe = _MOE[arch.family]
             maps += _rows(arch, moe["router"], mp, hp, layer)
+            if arch.moe_router_expert_bias:
+                maps += _rows(arch, _need(moe, "router_bias", arch), mp, hp, layer)
+            if arch.moe_shared_expert_ffn_hidden_size:
+                maps += _rows(arch, _need(moe, "shared", arch), mp, hp, layer)
             for e in range(arch.num_experts):
                 maps += _rows(arch, moe["expert"], f"{mp}mlp.experts.local_experts.{e}.", hp, layer, e)
         else:
@@ -241,6 +321,12 @@ def megatron_name(pm: ParamMap, arch: ModelArch, place: Placement = Placement())
             rest = f"mlp.experts.{leaf}{local}"
         else:
             rest = f"mlp.experts.local_experts.{local}.{leaf}"
+    elif place.te_norms and arch.is_mla:
+        # TE's MLA spec fuses the q/kv latent norms into the up projections and replicates the down
+        # projections (TELinear 'duplicated'), a TP layout these maps do not describe yet.
+        raise MegagrpoError(
+            "multi-latent attention on the Transformer Engine spec is not mapped; use model.layer_spec=local"
+        )
     elif place.te_norms and rest in TE_NORM_NAMES:
         dense = pm.layer not in set(arch.moe_layers())
         if rest == "input_layernorm.weight" or dense:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,46 @@ class ModelArch:
     # sigmoid gate on the shared-expert output.
     moe_shared_expert_ffn_hidden_size: int = 0
     moe_shared_expert_gate: bool = False
+    # DeepSeek-V3's router (arXiv:2412.19437, eqs. 12-16 and section 2.1.2), also GLM-4.5's:
+    # - expert bias: a per-expert correction added to the scores for the SELECTION only (auxiliary-loss-
+    #   free balancing, HF `e_score_correction_bias`); the combine weights are the unbiased scores;
+    # - group-limited top-k: experts split into `moe_router_num_groups` equal groups, a group scored by the
+    #   sum of its top-2 (biased) scores, the top `moe_router_group_topk` groups kept; 1 = no grouping;
+    # - the combine weights (renormalised over the chosen experts if `moe_renormalize_topk`) times
+    #   `moe_router_topk_scaling_factor` (HF `routed_scaling_factor`).
+    moe_router_expert_bias: bool = False
+    moe_router_num_groups: int = 1
+    moe_router_group_topk: int = 1
+    moe_router_topk_scaling_factor: float = 1.0
+    # Attention. GQA by default (num_kv_heads, head_dim, qkv_bias, qk_norm above); partial rotary applies
+    # RoPE to the first `rotary_percent` of each head's dims (GLM-4.5: 0.5).
+    rotary_percent: float = 1.0
+    # Multi-latent attention (DeepSeek-V2/V3, arXiv:2405.04434 section 2.1) when kv_lora_rank > 0: q from
+    # a low-rank latent of rank q_lora_rank (None = a full q projection, as Moonlight ships it), k and v
+    # from a shared latent of rank kv_lora_rank plus one shared rotary key of qk_rope_head_dim. Heads have
+    # qk_nope_head_dim + qk_rope_head_dim query/key dims and v_head_dim value dims; RoPE on the rotary part
+    # in DeepSeek's interleaved-pair layout. num_kv_heads == num_attention_heads and head_dim is unused.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # RoPE scaling: "default" (none) or "yarn" (arXiv:2309.00071, with DeepSeek's mscale: attention
+    # logits scaled by (0.1 * mscale_all_dim * ln(factor) + 1)^2, cos/sin by the mscale ratio).
+    rope_type: str = "default"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_position_embeddings: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
+    # Multi-token-prediction layers the checkpoint ships after the main ones (HF num_nextn_predict_layers,
+    # model.layers.{num_layers + i}.*): not built, not trained; counted so that their tensors are known.
+    mtp_layers: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def is_moe(self) -> bool:

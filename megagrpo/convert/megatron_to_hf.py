@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
+from megagrpo.bridge.export import ExportGroups, export_tensors, iter_hf_buckets
 from megagrpo.bridge.hf_config import hf_config_from_arch
 from megagrpo.bridge.hf_io import atomic_output_dir, copy_side_files, write_hf_checkpoint
 from megagrpo.bridge.maps import hf_names
@@ -100,7 +100,7 @@ def export(
         raise MegagrpoError("virtual pipeline stages are not supported by the exporter; unset mesh.vpp")
     groups = ExportGroups.from_parallel_state(parallel_state, layer_offset=layer_offset(chunks[0]))
     buckets = iter_hf_buckets(
-        chunks[0].named_parameters(), arch, bucket_bytes=max_shard_bytes, groups=groups, dtype=out_dtype
+        export_tensors(chunks[0]), arch, bucket_bytes=max_shard_bytes, groups=groups, dtype=out_dtype
     )
     if dist.get_rank() != 0:
         for _ in buckets:  # drive the collectives; only rank 0 receives tensors

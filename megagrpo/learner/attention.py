@@ -8,6 +8,7 @@ fly, and the THD layout (`PackedSeqParams.cu_seqlens_q`) handled by attending wi
 Shapes (per tensor-parallel rank; np = local query heads, ng = local KV groups, hn = head dim):
   padded: query `[sq, b, np, hn]`, key/value `[sk, b, ng, hn]` -> `[sq, b, np * hn]`
   THD:    query `[t, np, hn]`,     key/value `[t, ng, hn]`     -> `[t, np * hn]`
+Multi-latent attention: ng == np, and v's head dim may differ from q/k's (the output has v's).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class TorchCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -47,7 +50,8 @@ class TorchCoreAttention(MegatronModule):
         tp = pg_collection.tp.size() if pg_collection is not None else 1
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
-        head_dim = config.kv_channels
+        # multi-latent attention passes its q/k head dim (nope + rope) and v head dim; v may be narrower
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -105,3 +109,42 @@ class TorchCoreAttention(MegatronModule):
         out = self._attend(q, k, v, mask)  # [b, np, s, hn]
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def local_mla_self_attention() -> type:
+    """megatron's `MLASelfAttention` for the local spec (built on first use: it imports megatron's MLA).
+
+    The local spec makes the q/kv down projections `ColumnParallelLinear` (each TP rank computes a slice
+    of the latent, then megatron gathers it). On that path megatron hands the shared rotary key
+    (`k_pos_emb`, the last `qk_pos_emb_head_dim` columns of the kv latent) to each rank's heads with the
+    whole sequence and no reduction on the way back: each rank keeps only its own heads' part of that
+    gradient, so `linear_kv_down_proj` (and everything below it) gets a wrong gradient under TP > 1
+    (measured: 1.5e-4 against one process, while logits agree to 1e-6). Gathering the latent here and
+    handing it over in the sequence-parallel layout of megatron's duplicated-`Linear` path (TE's) makes
+    megatron gather `k_pos_emb` over the sequence itself, whose backward reduce-scatter sums the heads'
+    parts over TP. MoE models need sequence parallelism with TP > 1 anyway (`learner.model`).
+    """
+    global _LOCAL_MLA
+    if _LOCAL_MLA is None:
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_tensor_model_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+        from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+        class LocalMLASelfAttention(MLASelfAttention):
+            def _qkv_down_projection(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+                q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
+                if kv_combined.size(-1) != self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim:
+                    if not self.config.sequence_parallel:
+                        raise ValueError("multi-latent attention with TP > 1 needs sequence parallelism")
+                    kv_combined = scatter_to_sequence_parallel_region(
+                        gather_from_tensor_model_parallel_region(kv_combined)
+                    )
+                return q_compressed, kv_combined
+
+        _LOCAL_MLA = LocalMLASelfAttention
+    return _LOCAL_MLA
+
+
+_LOCAL_MLA: type | None = None

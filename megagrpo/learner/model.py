@@ -1,8 +1,10 @@
 """megatron-core `TransformerConfig` and `GPTModel` chunks from a framework-neutral `ModelArch`.
 
-Covers the Llama, Qwen2 (qkv bias), Qwen3 (qk-norm), Qwen3-MoE and Mixtral shapes: GQA, RoPE theta,
-RMSNorm eps, SwiGLU, tied or untied embeddings, routed experts with top-k (softmax or sigmoid scores,
-renormalised top-k or not), optional shared experts, optional routing replay (issue 7).
+Covers the Llama, Qwen2 (qkv bias), Qwen3 (qk-norm), Qwen3-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 shapes:
+GQA (partial rotary) or multi-latent attention (megatron's `MLASelfAttention`, YaRN), RoPE theta, RMSNorm
+eps, SwiGLU, tied or untied embeddings, routed experts with top-k (softmax or sigmoid scores, renormalised
+top-k or not, a selection-only expert bias held frozen, group-limited top-k, a scaling factor), optional
+shared experts and dense layers, optional routing replay (issue 7). All of it is read off `ModelArch`.
 
 Backends: on the CPU the local spec in fp32 (with `attention.TorchCoreAttention`, so packed THD
 batches work without Transformer Engine); on a GPU the Transformer Engine spec in bf16, optionally
@@ -19,12 +21,21 @@ E experts, tp/etp/ep the mesh sizes). The bridge maps Hugging Face names onto th
     decoder.layers.{i}.self_attention.q_layernorm.weight     [d]             (qwen3, qwen3_moe)
     decoder.layers.{i}.self_attention.k_layernorm.weight     [d]
     decoder.layers.{i}.self_attention.linear_proj.weight     [H, n*d/tp]
+  multi-latent attention instead (r_q/r_kv latent ranks, d_n/d_r/d_v nope/rope/value head dims):
+    decoder.layers.{i}.self_attention.linear_q_down_proj.weight  [r_q/tp, H]    (gathered after; or
+    decoder.layers.{i}.self_attention.q_layernorm.weight         [r_q]           linear_q_proj [n*(d_n+d_r)/tp, H]
+    decoder.layers.{i}.self_attention.linear_q_up_proj.weight    [n*(d_n+d_r)/tp, r_q]    without a q latent)
+    decoder.layers.{i}.self_attention.linear_kv_down_proj.weight [(r_kv+d_r)/tp, H]
+    decoder.layers.{i}.self_attention.kv_layernorm.weight        [r_kv]
+    decoder.layers.{i}.self_attention.linear_kv_up_proj.weight   [n*(d_n+d_v)/tp, r_kv]
+    decoder.layers.{i}.self_attention.linear_proj.weight         [H, n*d_v/tp]
     decoder.layers.{i}.pre_mlp_layernorm.weight              [H]
   dense layer:
     decoder.layers.{i}.mlp.linear_fc1.weight                 [2*F/tp, H]     rows [gate_shard; up_shard]
     decoder.layers.{i}.mlp.linear_fc2.weight                 [H, F/tp]
   MoE layer (local spec: SequentialMLP, one module per local expert):
     decoder.layers.{i}.mlp.router.weight                     [E, H]          (replicated)
+    decoder.layers.{i}.mlp.router.expert_bias                [E] fp32 BUFFER (sigmoid routers; frozen)
     decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight   [2*F_e/etp, H]  [gate; up]
     decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight   [H, F_e/etp]
         j is the LOCAL expert index; the global expert is ep_rank * (E/ep) + j.
@@ -70,6 +81,12 @@ def padded_vocab_size(arch: ModelArch, tp: int) -> int:
 def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
     if arch.family not in FAMILIES:
         raise MegagrpoError(f"model family {arch.family!r} is not supported; use one of {FAMILIES}")
+    if arch.is_mla and arch.num_kv_heads != arch.num_attention_heads:
+        raise MegagrpoError("multi-latent attention needs num_kv_heads == num_attention_heads")
+    if arch.rope_type not in ("default", "yarn") or (arch.rope_type == "yarn" and not arch.is_mla):
+        raise MegagrpoError(
+            f"rope_type={arch.rope_type!r}: YaRN is implemented with multi-latent attention only"
+        )
     if arch.num_attention_heads % arch.num_kv_heads:
         raise MegagrpoError(
             f"num_attention_heads={arch.num_attention_heads} is not a multiple of num_kv_heads="
@@ -101,6 +118,16 @@ def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
         if arch.moe_router_score_function not in ("softmax", "sigmoid"):
             raise MegagrpoError(
                 f"moe_router_score_function={arch.moe_router_score_function!r}; use softmax or sigmoid"
+            )
+        if (
+            arch.moe_router_score_function == "sigmoid"
+            and not arch.moe_renormalize_topk
+            and arch.moe_topk > 1
+        ):
+            raise MegagrpoError("a sigmoid router with moe_topk > 1 is always renormalised by megatron-core")
+        if arch.num_experts % arch.moe_router_num_groups:
+            raise MegagrpoError(
+                f"num_experts={arch.num_experts} does not split into moe_router_num_groups={arch.moe_router_num_groups}"
             )
     elif mesh.ep > 1 or mesh.etp > 1:
         raise MegagrpoError(f"mesh.ep={mesh.ep}/etp={mesh.etp} > 1 needs a MoE model; {arch.family} is dense")
@@ -140,7 +167,7 @@ def transformer_config_from_arch(
     routing_replay: sets `moe_enable_routing_replay` so megatron's `RouterReplay` can record/replay.
     overrides: any further TransformerConfig field (wins over the derived values).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     _check_arch(arch, mesh_cfg)
     te = use_transformer_engine(layer_spec)
@@ -193,6 +220,29 @@ def transformer_config_from_arch(
         # models because TransformerConfig rejects the default "allgather" with variable_seq_lengths.
         moe_token_dispatcher_type="alltoall",
     )
+    if arch.is_mla:
+        # megatron's MLASelfAttention: its latent norms are the q/kv "layernorms", RoPE on interleaved
+        # pairs of the rotary dims (DeepSeek's layout), YaRN with DeepSeek's mscale in the softmax scale.
+        yarn = arch.rope_type == "yarn"
+        kw.update(
+            multi_latent_attention=True,
+            q_lora_rank=arch.q_lora_rank,
+            kv_lora_rank=arch.kv_lora_rank,
+            qk_head_dim=arch.qk_nope_head_dim,
+            qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+            v_head_dim=arch.v_head_dim,
+            qk_layernorm=True,
+            rope_type="yarn" if yarn else "rope",
+            rotary_base=arch.rope_theta,
+            rotary_percent=1.0,
+            rotary_scaling_factor=arch.rope_scaling_factor,
+            original_max_position_embeddings=arch.rope_original_max_position_embeddings
+            or arch.max_position_embeddings,
+            beta_fast=arch.rope_beta_fast,
+            beta_slow=arch.rope_beta_slow,
+            mscale=arch.rope_mscale,
+            mscale_all_dim=arch.rope_mscale_all_dim if yarn else 0.0,
+        )
     if arch.is_moe:
         kw.update(
             num_moe_experts=arch.num_experts,
@@ -217,6 +267,18 @@ def transformer_config_from_arch(
                 moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
                 moe_shared_expert_gate=arch.moe_shared_expert_gate,
             )
+        if arch.moe_router_expert_bias:
+            # The correction bias is a buffer, not a parameter: no optimizer touches it. Megatron moves it
+            # in finalize_model_grads by its aux-loss-free rule at moe_router_bias_update_rate; 0 freezes
+            # it, so RL keeps the checkpoint's bias (and the sampler's routing) unchanged.
+            kw.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+        if arch.moe_router_num_groups > 1:
+            kw.update(
+                moe_router_num_groups=arch.moe_router_num_groups,
+                moe_router_group_topk=arch.moe_router_group_topk,
+            )
+        if arch.moe_router_topk_scaling_factor != 1.0:
+            kw["moe_router_topk_scaling_factor"] = arch.moe_router_topk_scaling_factor
     elif routing_replay:
         raise MegagrpoError(f"routing replay needs a MoE model; {arch.family} is dense: set replay: none")
     if fp8 is not None:
@@ -235,7 +297,7 @@ def transformer_config_from_arch(
         raise MegagrpoError(f"recompute={recompute!r}; use null, 'full' or 'selective'")
     kw.update(overrides)
     try:
-        return TransformerConfig(**kw)
+        return (MLATransformerConfig if arch.is_mla else TransformerConfig)(**kw)
     except (AssertionError, ValueError) as e:
         raise MegagrpoError(f"megatron-core rejected the model/mesh combination: {e}") from e
 
@@ -243,16 +305,19 @@ def transformer_config_from_arch(
 def _local_block_spec(config: Any, vp_stage: int | None, pp_rank: int | None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megagrpo.learner.attention import TorchCoreAttention
+    from megagrpo.learner.attention import TorchCoreAttention, local_mla_self_attention
 
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
     )
     for layer in spec.layer_specs:
         attn = layer.submodules.self_attention
-        layer.submodules.self_attention = dataclasses.replace(
+        attn = dataclasses.replace(
             attn, submodules=dataclasses.replace(attn.submodules, core_attention=TorchCoreAttention)
         )
+        if config.multi_latent_attention:
+            attn = dataclasses.replace(attn, module=local_mla_self_attention())
+        layer.submodules.self_attention = attn
     return spec
 
 
@@ -317,7 +382,7 @@ def build_gpt_model(
             share_embeddings_and_output_weights=arch.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
-            rotary_percent=1.0,
+            rotary_percent=arch.rotary_percent,
             vp_stage=vp_stage,
         )
         model.model_type = ModelType.encoder_or_decoder

@@ -3,6 +3,7 @@ sharded tensors through megatron dist checkpoints (which reshard between any two
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,48 @@ TINY_MOE = ModelArch(
     moe_topk=2,
     moe_ffn_hidden_size=32,
 )
+# DeepSeek-V3's router (sigmoid, correction bias, 2 groups with 1 kept, scaled by 2.5, a shared expert)
+# and its dense first layer: with PP2, stage 0 holds the dense layer and one MoE layer, stage 1 two.
+_V3_ROUTER = dict(
+    qk_norm=False,
+    num_experts=8,
+    moe_topk=2,
+    moe_router_score_function="sigmoid",
+    moe_router_expert_bias=True,
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_topk_scaling_factor=2.5,
+    moe_shared_expert_ffn_hidden_size=32,
+    moe_layer_pattern=(0, 1, 1, 1),
+)
+TINY_DEEPSEEK_V3 = dataclasses.replace(
+    TINY_MOE,
+    family="deepseek_v3",
+    num_kv_heads=4,
+    head_dim=24,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rope_type="yarn",
+    rope_scaling_factor=4.0,
+    rope_original_max_position_embeddings=64,
+    rope_mscale_all_dim=1.0,
+    **_V3_ROUTER,
+)
+TINY_GLM4_MOE = dataclasses.replace(
+    TINY_MOE, family="glm4_moe", **{**_V3_ROUTER, "qk_norm": True}, qkv_bias=True, rotary_percent=0.5
+)
+
+
+def randomise_expert_bias(chunks: list[Any], seed: int = 0) -> None:
+    """Random correction biases (megatron initialises them to zero), so that the selection depends on them."""
+    g = torch.Generator().manual_seed(seed)
+    for c in chunks:
+        for n, b in unwrap(c).named_buffers():
+            if n.endswith("router.expert_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
 
 
 def make_batch(B: int = 8, T: int = 24, seed: int = 0, vocab: int = 1000) -> dict[str, torch.Tensor]:

@@ -35,10 +35,16 @@ MODELS = {
     "qwen3": dict(arch="qwen3"),
     "qwen3_moe": dict(arch="qwen3_moe", experts=8, topk=2),
     "mixtral": dict(arch="mixtral", experts=8, topk=2),
+    # sigmoid routers with a correction bias, group-limited top-k, shared experts, a dense first layer;
+    # 4 layers so that PP2 puts the dense layer and one MoE layer on stage 0, two MoE layers on stage 1
+    "deepseek_v3": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),  # MLA + YaRN
+    "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
 }
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
 MOE_MESHES = ("tp2_sp", "ep2", "tp2_ep2", "tp2_ep2_etp2", "ep2_pp2")
+V3_MESHES = ("single", "tp2_sp", "ep2", "pp2", "tp2_ep2")
 MESH_KW = {
+    "single": {},
     "tp2": dict(tp=2),
     "pp2": dict(pp=2),
     "tp2_sp": dict(tp=2, sequence_parallel=True),
@@ -54,6 +60,8 @@ EXPORTS = {
     ("qwen3_moe", "tp2_ep2_etp2"),
     ("mixtral", "ep2_pp2"),
     ("llama", "tp2_pp2"),
+    ("deepseek_v3", "tp2_ep2"),
+    ("glm4_moe", "pp2"),
 }
 BUCKETS = (1, 3000, 70000, 1 << 40)
 SEQ, BATCH = 16, 2
@@ -62,7 +70,10 @@ SEQ, BATCH = 16, 2
 def cases() -> list[tuple[str, str]]:
     out = []
     for model, spec in MODELS.items():
-        meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES
+        if spec["arch"] in ("deepseek_v3", "glm4_moe"):
+            meshes = V3_MESHES
+        else:
+            meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES
         out += [(model, mesh) for mesh in meshes]
     return out
 
@@ -101,7 +112,7 @@ def _check_export(model, arch, hf_dir: Path, layer_offset: int) -> dict:
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
-    from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
+    from megagrpo.bridge.export import ExportGroups, export_tensors, iter_hf_buckets
 
     groups = ExportGroups.from_parallel_state(ps, layer_offset=layer_offset)
     ref = load_file(str(hf_dir / "model.safetensors"))
@@ -110,9 +121,7 @@ def _check_export(model, arch, hf_dir: Path, layer_offset: int) -> dict:
         seen: dict[str, torch.Tensor] = {}
         over = 0
         n_buckets = 0
-        for bucket in iter_hf_buckets(
-            model.named_parameters(), arch, bucket_bytes=bucket_bytes, groups=groups
-        ):
+        for bucket in iter_hf_buckets(export_tensors(model), arch, bucket_bytes=bucket_bytes, groups=groups):
             n_buckets += 1
             size = sum(t.numel() * t.element_size() for _, t in bucket)
             over += int(size > bucket_bytes and len(bucket) > 1)
@@ -134,7 +143,7 @@ def _check_export(model, arch, hf_dir: Path, layer_offset: int) -> dict:
         got = {
             n: t.clone()
             for b in iter_hf_buckets(
-                model.named_parameters(), arch, bucket_bytes=RECEIVE_BUCKET, groups=groups, receive=True
+                export_tensors(model), arch, bucket_bytes=RECEIVE_BUCKET, groups=groups, receive=True
             )
             for n, t in b
         }
@@ -154,7 +163,7 @@ def _check_export(model, arch, hf_dir: Path, layer_offset: int) -> dict:
         own = {
             n: t.clone()
             for b in iter_hf_buckets(
-                model.named_parameters(),
+                export_tensors(model),
                 arch,
                 bucket_bytes=RECEIVE_BUCKET,
                 groups=groups,

@@ -146,3 +146,19 @@ def test_r3_missing_route_is_counted_as_fallback(results):
 def test_r3_bad_routes_raise_before_any_pass(results, case, words):
     msg = results[0]["r3"]["errors"][case]
     assert msg is not None and words in msg
+
+
+def test_r3_r2_on_a_sigmoid_bias_corrected_grouped_router(results):
+    """DeepSeek-V3's router under R3 and R2: the replayed experts, weights from the learner's current
+    unbiased scores."""
+    for rank in results:
+        r = rank["r3_sigmoid"]
+        assert r["applied_checked"] > 50 and r["applied_mismatched"] == 0, r
+        assert r["weight_err"] <= 1e-6, r  # sigmoid at the replayed experts, renormalised, x 2.5
+        assert r["bias_gap"] > 1e-3, r  # a bias entering the weights would have been seen
+        assert r["r3_vs_free"] > 1e-3, r  # the replayed routes are not the ones the learner would choose
+        assert {k: r["metrics"][k] for k in CLEAN} == CLEAN, r
+        # R2: the recorded routes replayed in a training pass after a router perturbation
+        assert r["r2_checked"] > 50 and r["r2_mismatched"] == 0, r
+        assert r["r2_weight_err"] <= 1e-6 and r["r2_bias_gap"] > 1e-3, r
+        assert {k: r["r2_metrics"][k] for k in CLEAN} == CLEAN, r

@@ -9,6 +9,9 @@ replay logprobs differ after the perturbation; router weights get gradients; acc
 R3: a synthetic sampler route table (recorded from a differently perturbed copy, last token and padding
 -1), replayed packed, padded, with 2 micro-batches in balanced (reordered) order, and on PP2: identical
 logprobs; the applied routing equals the table; bad inputs raise MegagrpoError before any pass.
+R3 and R2 on DeepSeek-V3's router (sigmoid, correction bias, group-limited top-k, scaled): the applied
+routing is the sampler's (recorded) table and the combine weights are the current unbiased sigmoid scores at those experts,
+renormalised and scaled, against a hand computation at every router call.
 Each rank writes rank{r}.json.
 """
 
@@ -31,7 +34,15 @@ from megagrpo.learner.mesh import MeshConfig
 from megagrpo.moe.replay import StepReplay
 from megagrpo.moe.routers import router_taps
 from megagrpo.trainer.rows import route_slices
-from tests.dist._common import TINY_MOE, load_params, make_batch, save_params, write_json
+from tests.dist._common import (
+    TINY_DEEPSEEK_V3,
+    TINY_MOE,
+    load_params,
+    make_batch,
+    randomise_expert_bias,
+    save_params,
+    write_json,
+)
 
 R2_MESHES = {
     "dp2": (MeshConfig(), None),
@@ -202,22 +213,28 @@ def _gamma_mean(gammas, batch) -> float:
     return float(s[0] / s[1])
 
 
+def _sampler_routes(learner: Learner, batch, ck: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic sampler routes in batch["routes"]: those of a perturbed copy, last token and padding -1
+    (the learner's weights saved to `ck` and restored). Returns (routes [B, T, L, K], real tokens [B, T])."""
+    save_params(learner.chunks, ck)
+    _perturb_routers(learner, 0.7, seed=2)
+    rec = StepReplay.for_step("R2", learner, batch)
+    learner.forward(batch, hooks=rec.old_pass_hooks())
+    routes = rec.old_routes().clone()
+    load_params(learner.chunks, ck)
+    real = torch.arange(20).unsqueeze(0) < batch["seq_lens"].unsqueeze(1)
+    last = torch.arange(20).unsqueeze(0) == (batch["seq_lens"] - 1).unsqueeze(1)
+    routes[~real | last] = -1
+    batch["routes"] = routes.to(torch.int32)
+    return routes, real
+
+
 def run_r3(outdir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     batch = _batch()
     base = _learner(MeshConfig(), num_micro_batches=2)
     ck = outdir / "r3_weights"
-    save_params(base.chunks, ck)
-    # synthetic sampler routes: the routes of a perturbed copy, last token and padding -1
-    _perturb_routers(base, 0.7, seed=2)
-    rec = StepReplay.for_step("R2", base, batch)
-    base.forward(batch, hooks=rec.old_pass_hooks())
-    routes = rec.old_routes().clone()
-    load_params(base.chunks, ck)
-    real = torch.arange(20).unsqueeze(0) < batch["seq_lens"].unsqueeze(1)
-    last = torch.arange(20).unsqueeze(0) == (batch["seq_lens"] - 1).unsqueeze(1)
-    routes[~real | last] = -1
-    batch["routes"] = routes.to(torch.int32)
+    routes, real = _sampler_routes(base, batch, ck)
     lb = {k: v for k, v in batch.items() if k != "routes"}
 
     results = {}
@@ -333,6 +350,79 @@ def run_r3(outdir: Path) -> dict[str, Any]:
     return out
 
 
+class _SigmoidWeights(_Applied):
+    """Also the combine weights each router applied, against the hand computation of DeepSeek-V3's rule
+    (arXiv:2412.19437 eqs. 12-13 and 16 with the correction bias of section 2.1.2): at the replayed experts,
+    sigmoid(logits) renormalised over them, times the scaling factor; the bias only in the selection."""
+
+    def __init__(self, learner: Learner) -> None:
+        super().__init__(learner)
+        for h in self.handles:
+            h.remove()
+        self.handles = [
+            s.module.register_forward_hook(lambda m, a, out, s=s: self._weights(s, a[0], out))
+            for s in self.taps.slots
+        ]
+        self.weight_err = 0.0
+        self.bias_gap = 0.0
+
+    def _weights(self, slot, hidden, out) -> None:
+        self._post(slot, out)
+        p = self.taps.active
+        if self.table is None or p is None or p.ctx is None:
+            return
+        c = p.ctx
+        keep = c.valid & ~c.last
+        want = self.table[c.grow[keep], c.pos[keep], slot.moe].long()
+        scores = torch.sigmoid(slot.logits(hidden)[keep])
+        cfg = slot.module.config
+
+        def combine(s: torch.Tensor) -> torch.Tensor:
+            w = s.gather(1, want)
+            w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.moe_router_topk_scaling_factor
+            return torch.zeros_like(s).scatter_(1, want, w)
+
+        expected = combine(scores)
+        self.weight_err = max(self.weight_err, float((out[0][keep].float() - expected).abs().max()))
+        biased = combine(scores + slot.module.expert_bias.float())
+        self.bias_gap = max(self.bias_gap, float((biased - expected).abs().max()))
+
+
+def run_r3_sigmoid(outdir: Path) -> dict[str, Any]:
+    """R3 on the sigmoid, bias-corrected, group-limited router (the tiny DeepSeek-V3 shape)."""
+    out: dict[str, Any] = {}
+    batch = _batch()
+    lrn = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=MeshConfig(), routing_replay=True, seed=5))
+    randomise_expert_bias(lrn.chunks)
+    _sampler_routes(lrn, batch, outdir / "r3_sigmoid_weights")
+    lb = {k: v for k, v in batch.items() if k != "routes"}
+    check = _SigmoidWeights(lrn)
+    rep = StepReplay.for_step("R3", lrn, batch)
+    check.table = rep.sampler_routes
+    lp = lrn.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    out["metrics"] = {**rep.old_pass_metrics(), **rep.step_metrics()}
+    out["applied_checked"], out["applied_mismatched"] = check.checked, check.mismatched
+    out["weight_err"], out["bias_gap"] = check.weight_err, check.bias_gap
+    check.remove()
+    free = lrn.forward(lb)["logprobs"]
+    out["r3_vs_free"] = float((lp - free)[batch["loss_mask"]].abs().max())
+    # R2: the learner's own bias-corrected, group-limited routes recorded, the routers perturbed, the
+    # training pass (forward and backward) replays them with weights from the perturbed scores
+    check = _SigmoidWeights(lrn)
+    rep = StepReplay.for_step("R2", lrn, lb)
+    lb["old_logp"] = lrn.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    rep.old_pass_metrics()
+    check.table = rep.old_routes()
+    _perturb_routers(lrn, 0.03, seed=1)
+    _train_pass(lrn, lb, rep, torch.arange(8))
+    out["r2_metrics"] = rep.step_metrics()
+    out["r2_checked"], out["r2_mismatched"] = check.checked, check.mismatched
+    out["r2_weight_err"], out["r2_bias_gap"] = check.weight_err, check.bias_gap
+    check.remove()
+    lrn.close()
+    return out
+
+
 def _free_perturbed(learner: Learner, lb, ck: Path) -> torch.Tensor:
     _perturb_routers(learner, 0.03, seed=4)
     out = learner.forward(lb)["logprobs"]
@@ -368,4 +458,6 @@ def main(rank: int, world: int, outdir: Path, only: str | None = None) -> None:
         res[f"r2_{name}"] = run_r2(name, mesh, recompute)
     if not only or only == "r3":
         res["r3"] = run_r3(outdir)
+    if not only or only == "r3_sigmoid":
+        res["r3_sigmoid"] = run_r3_sigmoid(outdir)
     write_json(outdir / f"rank{rank}.json", res)

@@ -20,16 +20,20 @@ import torch.nn.functional as F
 from megagrpo.algo.aggregation import loss_normaliser
 from megagrpo.algo.losses import policy_loss
 from megagrpo.compat import HITS
+from megagrpo.config.model import ModelArch
 from megagrpo.learner.forward import RunOptions, forward_logprobs, run_schedule
 from megagrpo.learner.mesh import DistEnv, MeshConfig, destroy_mesh, init_mesh
 from megagrpo.learner.model import build_gpt_model, wrap_ddp
 from megagrpo.learner.train_step import forward_backward, optimizer_step, prepare, reduce_metrics
 from tests.dist._common import (
+    TINY_DEEPSEEK_V3,
+    TINY_GLM4_MOE,
     TINY_MOE,
     load_params,
     local_values,
     make_batch,
     max_abs_diff,
+    randomise_expert_bias,
     read_as_local,
     save_params,
     write_json,
@@ -54,6 +58,11 @@ MESHES = {
     "tp2_ep2_recompute": MeshConfig(tp=2, ep=2, sequence_parallel=True),
 }
 BUILD = {"tp2_ep2_recompute": {"recompute": "full"}}  # full activation recompute: RNG tracker + checkpointing
+# The DeepSeek-V3-shaped families (sigmoid router with correction bias, group-limited top-k, shared
+# experts, dense first layer; MLA + YaRN / partial rotary + qkv bias) on the meshes the issue names,
+# after the Qwen3-MoE meshes in the same launch; results under "{family}/{mesh}".
+FAMILY_ARCHS = {"deepseek_v3": TINY_DEEPSEEK_V3, "glm4_moe": TINY_GLM4_MOE}
+FAMILY_MESHES = ("tp2_sp", "ep2", "pp2", "tp2_ep2")
 
 
 def loss_kwargs(variant: str, agg: str) -> dict[str, Any]:
@@ -81,7 +90,7 @@ def make_loss_fn(variant: str, agg: str, normaliser: float):
 # -- the reference: one full model, plain torch ------------------------------------------------------
 
 
-def reference_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logprobs(model, batch, vocab: int = TINY_MOE.vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, unpadded: log_softmax over the REAL vocab; `[B, T]` token-aligned (col 0 = 0)."""
     ids, lens = batch["input_ids"], batch["seq_lens"]
     B, T = ids.shape
@@ -91,7 +100,7 @@ def reference_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(B):
         n = int(lens[i])
         x = ids[i : i + 1, :n]
-        logits = model(x, torch.arange(n).unsqueeze(0), None)[0, :, : TINY_MOE.vocab_size]
+        logits = model(x, torch.arange(n).unsqueeze(0), None)[0, :, :vocab]
         lsm = F.log_softmax(logits.float(), -1)
         lp = lsm[:-1].gather(-1, x[0, 1:, None])[:, 0]
         e = -(lsm.exp() * lsm).sum(-1)[:-1]
@@ -101,25 +110,28 @@ def reference_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return logp, ent
 
 
-def reference(outdir: Path, env: DistEnv) -> dict[str, Any]:
+def reference(
+    outdir: Path, env: DistEnv, arch: ModelArch = TINY_MOE, aggs: tuple[str, ...] = AGGS
+) -> dict[str, Any]:
     init_mesh(MeshConfig(), env, seed=11)
-    [model] = build_gpt_model(TINY_MOE, MeshConfig())
+    [model] = build_gpt_model(arch, MeshConfig())
+    randomise_expert_bias([model])
     save_params([model], outdir / "w0")
     batch = make_batch(B=8, T=24, seed=5)
     # Mostly positive advantages keep the losses away from zero, so a relative tolerance means something.
     batch["advantages"] = batch["advantages"] + 1.5
     with torch.no_grad():
-        lp0, _ = reference_logprobs(model, batch)
+        lp0, _ = reference_logprobs(model, batch, arch.vocab_size)
     g = torch.Generator().manual_seed(9)
     batch["old_logp"] = torch.where(batch["loss_mask"], lp0 + 0.05 * torch.randn(lp0.shape, generator=g), 0.0)
     batch["ref_logp"] = torch.where(batch["loss_mask"], lp0 + 0.05 * torch.randn(lp0.shape, generator=g), 0.0)
     ref: dict[str, Any] = {"batch": batch}
-    lp, ent = reference_logprobs(model, batch)
+    lp, ent = reference_logprobs(model, batch, arch.vocab_size)
     ref["logp"], ref["entropy"] = lp.detach(), ent.detach()
     for variant in ("grpo", "gspo"):
-        for agg in AGGS if variant == "grpo" else ("token-mean",):
+        for agg in aggs if variant == "grpo" else ("token-mean",):
             model.zero_grad(set_to_none=True)
-            lp, ent = reference_logprobs(model, batch)
+            lp, ent = reference_logprobs(model, batch, arch.vocab_size)
             norm = loss_normaliser(batch["loss_mask"], agg, loss_kwargs(variant, agg)["agg_constant"])
             loss, metrics = make_loss_fn(variant, agg, norm)(lp, ent, batch)
             ref[f"loss/{variant}/{agg}"] = float(loss)
@@ -129,7 +141,7 @@ def reference(outdir: Path, env: DistEnv) -> dict[str, Any]:
                 save_params([model], outdir / f"g_{agg}", source="grad")
     # One AdamW step on the token-mean GRPO grads with the same clip rule as megatron.
     model.zero_grad(set_to_none=True)
-    lp, ent = reference_logprobs(model, batch)
+    lp, ent = reference_logprobs(model, batch, arch.vocab_size)
     loss, _ = make_loss_fn("grpo", "token-mean", loss_normaliser(batch["loss_mask"], "token-mean"))(
         lp, ent, batch
     )
@@ -148,6 +160,15 @@ def reference(outdir: Path, env: DistEnv) -> dict[str, Any]:
     return ref
 
 
+def _expert_biases(chunks) -> dict[str, torch.Tensor]:
+    return {
+        f"{i}.{n}": b.clone()
+        for i, c in enumerate(chunks)
+        for n, b in c.named_buffers()
+        if n.endswith("router.expert_bias")
+    }
+
+
 # -- one mesh -------------------------------------------------------------------------------------------
 
 
@@ -162,16 +183,24 @@ def build_optimizer(model):
 
 
 def check_mesh(
-    name: str, mesh: MeshConfig, env: DistEnv, outdir: Path, ref: dict[str, Any], *, invariance: bool
+    name: str,
+    mesh: MeshConfig,
+    env: DistEnv,
+    outdir: Path,
+    ref: dict[str, Any],
+    *,
+    invariance: bool,
+    arch: ModelArch = TINY_MOE,
 ):
     t0 = time.time()
     res: dict[str, Any] = {}
     init_mesh(mesh, env, seed=21)
-    chunks = build_gpt_model(TINY_MOE, mesh, **BUILD.get(name, {}))
+    chunks = build_gpt_model(arch, mesh, **BUILD.get(name, {}))
     load_params(chunks, outdir / "w0")
+    bias0 = _expert_biases(chunks)
     model = wrap_ddp(chunks, distributed_optimizer=True)
     batch = ref["batch"]
-    vocab = TINY_MOE.vocab_size
+    vocab = arch.vocab_size
 
     packed = forward_logprobs(model, batch, RunOptions(vocab_size=vocab, num_micro_batches=2, packed=True))
     padded = forward_logprobs(model, batch, RunOptions(vocab_size=vocab, num_micro_batches=1, packed=False))
@@ -221,20 +250,38 @@ def check_mesh(
     res["grad_norm_rel_err"] = abs(step["loss/grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
     err, where = max_abs_diff(local_values(chunks, source="data"), read_as_local(chunks, outdir / "p1"))
     res["param_err"], res["param_err_at"] = err, where
+    if bias0:  # the correction bias is loaded (not megatron's zeros) and frozen through a training step
+        res["expert_bias_abs_min"] = min(float(b.abs().min()) for b in bias0.values())
+        res["expert_bias_moved"] = max(
+            float((b - bias0[n]).abs().max()) for n, b in _expert_biases(chunks).items()
+        )
     res["seconds"] = time.time() - t0
     destroy_mesh()
     return res
 
 
 def main(
-    rank: int, world: int, outdir: Path, meshes: list[str] | None = None, invariance_mesh: str = "tp2_sp"
+    rank: int,
+    world: int,
+    outdir: Path,
+    meshes: list[str] | None = None,
+    invariance_mesh: str = "tp2_sp",
+    families: list[str] | None = None,
 ) -> None:
     env = DistEnv.from_environ()
     t0 = time.time()
     ref = reference(outdir, env)
     results: dict[str, Any] = {"reference_seconds": time.time() - t0}
-    for name in meshes or list(MESHES):
+    for name in list(MESHES) if meshes is None else meshes:
         results[name] = check_mesh(name, MESHES[name], env, outdir, ref, invariance=name == invariance_mesh)
+    for family in families if families is not None else list(FAMILY_ARCHS):
+        arch = FAMILY_ARCHS[family]
+        fam_dir = outdir / family
+        ref = reference(fam_dir, env, arch, aggs=("token-mean",))
+        for name in FAMILY_MESHES:
+            results[f"{family}/{name}"] = check_mesh(
+                name, MESHES[name], env, fam_dir, ref, invariance=False, arch=arch
+            )
     results["hits"] = dict(HITS)
     write_json(outdir / f"rank{rank}.json", results)
     destroy_mesh(process_group=True)

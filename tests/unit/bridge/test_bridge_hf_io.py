@@ -75,9 +75,9 @@ def test_missing_and_extra_tensors_named(tiny_model, tmp_path):
 def test_unsupported_model_type_named(tiny_model, tmp_path):
     d = shutil.copytree(tiny_model("llama"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "deepseek_v3"
+    cfg["model_type"] = "gpt_oss"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(MegagrpoError, match="model_type='deepseek_v3'"):
+    with pytest.raises(MegagrpoError, match="model_type='gpt_oss'"):
         HFCheckpoint(d)
 
 

@@ -19,11 +19,29 @@ CASES = {
     "qwen3": dict(arch="qwen3"),
     "qwen3_moe": dict(arch="qwen3_moe"),
     "mixtral": dict(arch="mixtral"),
+    "deepseek_v3": dict(arch="deepseek_v3", layers=3),
+    "deepseek_v3_q_full": dict(arch="deepseek_v3", layers=3, q_lora=None),  # Moonlight's q_proj
+    "glm4_moe": dict(arch="glm4_moe", layers=3),
 }
 
 
 def _model(tiny_model, case):
-    d = tiny_model(**CASES[case])
+    spec = dict(CASES[case])
+    if "q_lora" in spec:  # re-save the tiny DeepSeek-V3 with a full q projection (q_lora_rank: null)
+        import json
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        spec.pop("q_lora")
+        d = tiny_model(**spec)
+        out = d.parent / f"{d.name}_q_full"
+        if not out.exists():
+            cfg = json.loads((d / "config.json").read_text())
+            cfg.update(q_lora_rank=None)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+            model.save_pretrained(out)
+        return arch_from_hf(out), load_file(str(out / "model.safetensors"))
+    d = tiny_model(**spec)
     return arch_from_hf(d), load_file(str(d / "model.safetensors"))
 
 
@@ -130,7 +148,43 @@ def test_names_for_ranks(tiny_model):
     assert maps["decoder.layers.0.mlp.router.weight"].hf == ("model.layers.0.mlp.gate.weight",)
 
 
-@pytest.mark.parametrize("case", ["llama_tied", "qwen3_moe", "mixtral"])
+def test_mla_and_router_bias_rows(tiny_model):
+    arch, hf = _model(tiny_model, "deepseek_v3")
+    maps = {pm.mcore: pm for pm in param_maps(arch)}
+    attn = "decoder.layers.1.self_attention."
+    assert maps[attn + "linear_q_down_proj.weight"].hf == ("model.layers.1.self_attn.q_a_proj.weight",)
+    assert maps[attn + "q_layernorm.weight"].hf == ("model.layers.1.self_attn.q_a_layernorm.weight",)
+    assert maps[attn + "linear_kv_down_proj.weight"].hf == (
+        "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+    )
+    assert (
+        maps[attn + "linear_kv_up_proj.weight"].tp_axis == 0
+        and maps[attn + "linear_proj.weight"].tp_axis == 1
+    )
+    bias = maps["decoder.layers.1.mlp.router.expert_bias"]
+    assert bias.hf == ("model.layers.1.mlp.gate.e_score_correction_bias",) and bias.tp_axis is None
+    assert hf[bias.hf[0]].abs().min() > 0  # the tiny model's correction bias is not zero
+    shared = maps["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
+    assert shared.kind == "gate_up" and shared.hf[0] == "model.layers.1.mlp.shared_experts.gate_proj.weight"
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in maps  # the dense first layer
+    assert "decoder.layers.0.mlp.router.weight" not in maps
+    q_full, _ = _model(tiny_model, "deepseek_v3_q_full")
+    names = {pm.mcore for pm in param_maps(q_full)}
+    assert attn + "linear_q_proj.weight" in names and attn + "linear_q_down_proj.weight" not in names
+
+
+def test_export_keeps_the_correction_bias_fp32(tiny_model):
+    arch, hf = _model(tiny_model, "glm4_moe")
+    params = {pm.mcore: to_megatron(pm, [hf[n] for n in pm.hf], arch, 1152) for pm in param_maps(arch)}
+    got = {
+        n: t for b in iter_hf_buckets(params, arch, bucket_bytes=1 << 30, dtype=torch.bfloat16) for n, t in b
+    }
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert got[name].dtype == torch.float32 and torch.equal(got[name], hf[name])
+    assert got["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("case", ["llama_tied", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
 @pytest.mark.parametrize("bucket_bytes", [1, 5000, 1 << 30])
 def test_single_process_export_buckets(tiny_model, case, bucket_bytes):
     arch, hf = _model(tiny_model, case)

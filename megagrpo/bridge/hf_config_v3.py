@@ -1,0 +1,275 @@
+"""HF `config.json` <-> `ModelArch` for the DeepSeek-V3-shaped families: `deepseek_v3` (DeepSeek-V3/R1/V3.1,
+Kimi-K2, Moonlight) and `glm4_moe` (GLM-4.5/4.6/4.7, GLM-4.5-Air).
+
+Both share DeepSeek-V3's MoE block: a sigmoid router with a selection-only correction bias
+(`e_score_correction_bias`), group-limited top-k, renormalised and scaled combine weights, shared experts
+and dense first layers. DeepSeek-V3 adds multi-latent attention with YaRN; GLM-4.5 keeps GQA with partial
+rotary, q/k/v biases and optional q/k norms. Every field the public checkpoints ship is read or accepted
+as irrelevant to the forward pass (training-time auxiliary-loss settings, inference hints); anything the
+learner could not reproduce exactly raises a `MegagrpoError` naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from megagrpo.errors import MegagrpoError
+
+log = logging.getLogger(__name__)
+
+V3_FAMILIES = ("deepseek_v3", "glm4_moe")
+_YARN_KEYS = {
+    "factor": "rope_scaling_factor",
+    "original_max_position_embeddings": "rope_original_max_position_embeddings",
+    "beta_fast": "rope_beta_fast",
+    "beta_slow": "rope_beta_slow",
+    "mscale": "rope_mscale",
+    "mscale_all_dim": "rope_mscale_all_dim",
+}
+
+
+def _fail(where: str, field: str, value: Any, why: str) -> MegagrpoError:
+    return MegagrpoError(f"{where}: {field}={value!r} is not supported ({why})")
+
+
+def _req(cfg: dict[str, Any], key: str, where: str) -> Any:
+    if cfg.get(key) is None:
+        raise MegagrpoError(f"{where}: required field {key!r} is missing")
+    return cfg[key]
+
+
+def _rope(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) -> dict[str, Any]:
+    """rope_theta, partial rotary and YaRN fields, from `rope_parameters` (transformers >= 5) or the
+    legacy `rope_theta` / `rope_scaling` / `partial_rotary_factor`."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    elif not isinstance(params, dict) or not isinstance(params.get("rope_theta"), (int, float)):
+        raise MegagrpoError(
+            f"{where}: rope_parameters must be a mapping with a numeric rope_theta: {params!r}"
+        )
+    params = dict(params)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    out: dict[str, Any] = {"rope_theta": float(params.pop("rope_theta"))}
+    factor = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if factor is None:
+        factor = 1.0
+    if float(factor) != 1.0 and not partial:
+        raise _fail(where, "partial_rotary_factor", factor, "this family rotates whole heads")
+    out["rotary_percent"] = float(factor)
+    if rope_type == "yarn":
+        if not yarn:
+            raise _fail(
+                where, "rope_scaling.type", rope_type, "YaRN is implemented for multi-latent attention"
+            )
+        if params.get("attention_factor") is not None:
+            raise _fail(where, "rope_scaling.attention_factor", params["attention_factor"],
+                        "megatron derives the YaRN attention factor from mscale/mscale_all_dim")  # fmt: skip
+        if params.get("truncate", True) is not True:
+            raise _fail(where, "rope_scaling.truncate", params["truncate"], "megatron rounds the YaRN range")
+        params.pop("attention_factor", None)
+        params.pop("truncate", None)
+        if "factor" not in params or "original_max_position_embeddings" not in params:
+            raise MegagrpoError(
+                f"{where}: rope_scaling of type yarn needs factor and original_max_position_embeddings"
+            )
+        out["rope_type"] = "yarn"
+        mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if not (mscale and all_dim) and (mscale not in (None, 1, 1.0) or all_dim):
+            # transformers then scales cos/sin by 0.1 ln(factor) + 1 and ignores the one given; megatron
+            # divides the mscale term by the mscale_all_dim term
+            raise _fail(where, "rope_scaling.mscale", (mscale, all_dim),
+                        "mscale and mscale_all_dim must both be set, or mscale 1 and no mscale_all_dim")  # fmt: skip
+        defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+        for key, field in _YARN_KEYS.items():
+            value = params.pop(key, defaults.get(key))
+            out[field] = int(value) if key == "original_max_position_embeddings" else float(value or 0.0)
+    elif rope_type != "default":
+        raise _fail(where, "rope_scaling.type", rope_type, "only default rope and YaRN are implemented")
+    if params:
+        raise MegagrpoError(f"{where}: rope parameters {sorted(params)} are not supported")
+    return out
+
+
+def _moe(cfg: dict[str, Any], where: str, layers: int, hidden: int) -> dict[str, Any]:
+    experts = int(
+        _req(cfg, "n_routed_experts", where)
+        if "n_routed_experts" in cfg
+        else _req(cfg, "num_local_experts", where)
+    )
+    topk = int(_req(cfg, "num_experts_per_tok", where))
+    ffn = int(_req(cfg, "moe_intermediate_size", where))
+    groups = int(cfg.get("n_group") or 1)
+    group_topk = int(cfg.get("topk_group") or 1)
+    if topk > experts:
+        raise MegagrpoError(f"{where}: num_experts_per_tok={topk} > n_routed_experts={experts}")
+    if experts % groups:
+        raise _fail(where, "n_group", groups, f"n_routed_experts={experts} must split into equal groups")
+    if not 1 <= group_topk <= groups:
+        raise _fail(where, "topk_group", group_topk, f"must be in [1, n_group={groups}]")
+    if groups > 1 and topk // group_topk != 2:
+        # HF scores a group by its top-2 experts; megatron by its top (topk // topk_group)
+        raise _fail(where, "topk_group", group_topk,
+                    f"a group is scored by its top-2 experts, reproduced only when num_experts_per_tok / topk_group = 2 "
+                    f"(num_experts_per_tok={topk})")  # fmt: skip
+    scoring = cfg.get("scoring_func", "sigmoid")
+    if scoring not in (None, "sigmoid"):
+        raise _fail(where, "scoring_func", scoring, "these families' router scores with a sigmoid")
+    method = cfg.get("topk_method", "noaux_tc")
+    if method not in (None, "noaux_tc"):
+        raise _fail(where, "topk_method", method, "only noaux_tc (bias-corrected group-limited top-k)")
+    freq = cfg.get("moe_layer_freq", 1)
+    if freq not in (None, 1):
+        raise _fail(where, "moe_layer_freq", freq, "only every layer after first_k_dense_replace is MoE")
+    norm = cfg.get("norm_topk_prob", True)
+    if norm is False and topk > 1:
+        raise _fail(
+            where, "norm_topk_prob", norm, "megatron renormalises sigmoid scores over the chosen experts"
+        )
+    dense = int(cfg.get("first_k_dense_replace") or 0)
+    if dense >= layers:
+        raise MegagrpoError(f"{where}: first_k_dense_replace={dense} leaves no MoE layer of {layers}")
+    shared = int(cfg.get("n_shared_experts") or 0)
+    out: dict[str, Any] = dict(
+        num_experts=experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=ffn,
+        moe_renormalize_topk=bool(cfg.get("norm_topk_prob", True)),
+        moe_router_score_function="sigmoid",
+        moe_router_expert_bias=True,
+        moe_router_num_groups=groups,
+        moe_router_group_topk=group_topk,
+        moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        moe_shared_expert_ffn_hidden_size=shared * ffn,
+    )
+    if dense:
+        out["moe_layer_pattern"] = tuple(int(i >= dense) for i in range(layers))
+    mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+    out["mtp_layers"] = mtp
+    if mtp:
+        log.warning(
+            "%s: num_nextn_predict_layers=%d multi-token-prediction layer(s) are not trained (the learner "
+            "builds the main model only); their tensors are not loaded and not exported",
+            where,
+            mtp,
+        )
+    return out
+
+
+def parse_v3_family(cfg: dict[str, Any], where: str, family: str) -> dict[str, Any]:
+    """The `ModelArch` fields of a `deepseek_v3` or `glm4_moe` config."""
+    if cfg.get("quantization_config") is not None:
+        method = (cfg["quantization_config"] or {}).get("quant_method", "?")
+        raise _fail(where, "quantization_config", method,
+                    "quantised weights (DeepSeek-V3 ships block-wise FP8): dequantise the checkpoint to bf16 "
+                    "and remove quantization_config")  # fmt: skip
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise _fail(where, "hidden_act", act, "the maps fuse gate/up for SwiGLU only")
+    tp = cfg.get("pretraining_tp", 1)
+    if tp not in (None, 1):
+        raise _fail(where, "pretraining_tp", tp, "sliced linear layers are not implemented")
+    hidden = int(_req(cfg, "hidden_size", where))
+    heads = int(_req(cfg, "num_attention_heads", where))
+    layers = int(_req(cfg, "num_hidden_layers", where))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    bias = bool(cfg.get("attention_bias", False))
+    fields: dict[str, Any] = dict(
+        family=family,
+        vocab_size=int(_req(cfg, "vocab_size", where)),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
+        ffn_hidden_size=int(_req(cfg, "intermediate_size", where)),
+        max_position_embeddings=int(_req(cfg, "max_position_embeddings", where)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    if family == "deepseek_v3":
+        if kv_heads != heads:
+            raise _fail(where, "num_key_value_heads", kv_heads,
+                        f"multi-latent attention has one key per head (num_attention_heads={heads})")  # fmt: skip
+        if bias:
+            raise _fail(where, "attention_bias", bias, "megatron's MLA has no projection biases")
+        interleave = cfg.get("rope_interleave", True)
+        if interleave is not True:
+            raise _fail(where, "rope_interleave", interleave, "megatron's MLA rotates interleaved pairs only")
+        q_lora = cfg.get("q_lora_rank")
+        nope, rope = int(_req(cfg, "qk_nope_head_dim", where)), int(_req(cfg, "qk_rope_head_dim", where))
+        fields.update(
+            num_kv_heads=heads,
+            head_dim=nope + rope,
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(_req(cfg, "kv_lora_rank", where)),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(_req(cfg, "v_head_dim", where)),
+            **_rope(cfg, where, yarn=True, partial=False),
+        )
+    else:
+        if heads % kv_heads:
+            raise MegagrpoError(
+                f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        fields.update(
+            num_kv_heads=kv_heads,
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            qkv_bias=bias,  # GLM's attention_bias: q, k, v only (o_proj has none)
+            qk_norm=bool(cfg.get("use_qk_norm", False)),
+            **_rope(cfg, where, yarn=False, partial=True),
+        )
+    fields.update(_moe(cfg, where, layers, hidden))
+    return fields
+
+
+def hf_fields_v3(arch: Any) -> dict[str, Any]:
+    """The config.json fields of a `deepseek_v3` / `glm4_moe` arch beyond those every family writes (the
+    inverse of `parse_v3_family`, with `hf_config.hf_config_from_arch`); `head_dim: None` drops the field
+    (DeepSeek-V3's is derived by transformers)."""
+    pattern = arch.moe_layer_pattern or (1,) * arch.num_layers
+    dense = pattern.index(1)
+    if any(not m for m in pattern[dense:]):
+        raise MegagrpoError(f"{arch.family}: MoE layers must follow the first dense ones, got {pattern}")
+    if arch.moe_shared_expert_ffn_hidden_size % arch.moe_ffn_hidden_size:
+        raise MegagrpoError(
+            f"{arch.family}: shared-expert size {arch.moe_shared_expert_ffn_hidden_size} is not a multiple of "
+            f"moe_intermediate_size {arch.moe_ffn_hidden_size}"
+        )
+    kw: dict[str, Any] = dict(
+        n_routed_experts=arch.num_experts,
+        num_experts_per_tok=arch.moe_topk,
+        moe_intermediate_size=arch.moe_ffn_hidden_size,
+        n_shared_experts=arch.moe_shared_expert_ffn_hidden_size // arch.moe_ffn_hidden_size,
+        norm_topk_prob=arch.moe_renormalize_topk,
+        routed_scaling_factor=arch.moe_router_topk_scaling_factor,
+        n_group=arch.moe_router_num_groups,
+        topk_group=arch.moe_router_group_topk,
+        first_k_dense_replace=dense,
+        num_nextn_predict_layers=arch.mtp_layers,
+    )
+    rope: dict[str, Any] = {"rope_theta": arch.rope_theta, "rope_type": arch.rope_type}
+    if arch.rope_type == "yarn":
+        rope.update({key: getattr(arch, field) for key, field in _YARN_KEYS.items()})
+    if arch.is_mla:
+        kw.update(
+            head_dim=None,
+            q_lora_rank=arch.q_lora_rank,
+            kv_lora_rank=arch.kv_lora_rank,
+            qk_nope_head_dim=arch.qk_nope_head_dim,
+            qk_rope_head_dim=arch.qk_rope_head_dim,
+            v_head_dim=arch.v_head_dim,
+            attention_bias=False,
+            rope_interleave=True,
+        )
+    else:
+        rope["partial_rotary_factor"] = arch.rotary_percent
+        kw.update(
+            attention_bias=arch.qkv_bias,
+            use_qk_norm=arch.qk_norm,
+            partial_rotary_factor=arch.rotary_percent,
+        )
+    kw["rope_parameters"] = rope
+    return kw

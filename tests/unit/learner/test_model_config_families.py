@@ -1,0 +1,48 @@
+"""The learner's megatron config read off the router and attention description (no process group)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.learner.mesh import MeshConfig
+from megagrpo.learner.model import transformer_config_from_arch
+from tests.dist._common import TINY_DEEPSEEK_V3, TINY_GLM4_MOE
+
+
+def test_deepseek_v3_router_and_mla():
+    c = transformer_config_from_arch(TINY_DEEPSEEK_V3, MeshConfig())
+    assert c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias
+    assert c.moe_router_bias_update_rate == 0.0  # the correction bias stays frozen during RL
+    assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor) == (2, 1, 2.5)
+    assert c.moe_shared_expert_intermediate_size == 32 and c.moe_layer_freq == [0, 1, 1, 1]
+    assert c.multi_latent_attention and (c.q_lora_rank, c.kv_lora_rank) == (32, 16)
+    assert (c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) == (16, 8, 16)
+    assert (c.rope_type, c.rotary_scaling_factor, c.original_max_position_embeddings) == ("yarn", 4.0, 64)
+    assert (c.mscale, c.mscale_all_dim) == (1.0, 1.0)
+
+
+def test_glm4_moe_keeps_gqa():
+    c = transformer_config_from_arch(TINY_GLM4_MOE, MeshConfig())
+    assert not c.multi_latent_attention and c.add_qkv_bias and c.qk_layernorm
+    assert c.moe_router_enable_expert_bias and c.moe_router_bias_update_rate == 0.0
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(moe_renormalize_topk=False), "always renormalised"),
+        (dict(moe_router_num_groups=3), "moe_router_num_groups=3"),
+        (dict(num_kv_heads=2), "num_kv_heads == num_attention_heads"),
+    ],
+)
+def test_unreproducible_descriptions_are_refused(change, words):
+    with pytest.raises(MegagrpoError, match=words):
+        transformer_config_from_arch(dataclasses.replace(TINY_DEEPSEEK_V3, **change), MeshConfig())
+
+
+def test_yarn_without_mla_is_refused():
+    with pytest.raises(MegagrpoError, match="YaRN"):
+        transformer_config_from_arch(dataclasses.replace(TINY_GLM4_MOE, rope_type="yarn"), MeshConfig())

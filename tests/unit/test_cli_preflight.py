@@ -135,6 +135,23 @@ def test_replay_on_a_dense_model_is_refused(tiny_model, tmp_path, capsys, starte
     assert rc == 0 and len(started) == 1, err
 
 
+@pytest.mark.parametrize(
+    "arch, names",
+    [("deepseek_v3", ["multi-latent attention", "correction bias"]), ("glm4_moe", ["correction bias"])],
+)
+def test_a_family_the_sampler_cannot_serve_yet_is_refused_for_train_and_eval(
+    tiny_model, tmp_path, capsys, started, arch, names
+):
+    model = tiny_model(arch)
+    for stage in ("train", "eval"):
+        rc, err, _ = run_cli([stage, write_config(tmp_path, model)], capsys)
+        assert rc == 2 and not started, err
+        assert f"model.hf_path={str(model)!r}" in err and all(n in err for n in names), err
+    # SFT needs no sampler: it starts
+    rc, err, _ = run_cli(["sft", write_config(tmp_path, model)], capsys)
+    assert rc == 0 and len(started) == 1, err
+
+
 # -- item 14: overrides after options --------------------------------------------------------------------
 
 

@@ -25,10 +25,11 @@ SIGQUIT. A scheduler that raises (e.g. the engine's weight loader failing during
 SIGQUIT to its parent, this process, as does SGLang's subprocess watchdog when a child exits; SGLang's
 handlers answer by killing this process's whole tree, itself included: the trainer ended with exit 137, no
 checkpoint and no line saying which engine failed. `start` takes SIGQUIT over (main thread only, as SGLang
-does): the engine is marked failed, its own processes are stopped, and `EngineFailed` is raised in the main
-thread, which is where a colocated engine's requests wait (the weight sync catches it and names the
-tensors it was loading). Every later use of the engine raises `EngineFailed` at once instead of waiting
-for a scheduler that is gone.
+does): the engine is marked failed and its own processes are stopped; a request waiting on the engine's
+loop ends (the loop is stopped), and `wait` (generate, score) and the weight sync, which also names the
+bucket it was loading, raise `EngineFailed`; arriving between requests, it is raised in the main thread.
+Every later use of the engine raises `EngineFailed` at once instead of waiting for a scheduler that is
+gone.
 """
 
 from __future__ import annotations
@@ -260,7 +261,23 @@ class RolloutEngine:
         if watchdog is not None:
             watchdog.stop()  # it would signal again for the same death
         _kill_pids(self._child_pids, timeout=10)
+        loop = self._engine.loop
+        if loop.is_running():
+            # Waiting on the engine: uvloop runs this handler as a callback of its own and only logs what it
+            # raises. Stopped, the loop ends the wait with a RuntimeError, which `wait` and the weight sync
+            # turn into EngineFailed.
+            loop.call_soon_threadsafe(loop.stop)  # threadsafe: wakes a loop blocked in its selector
+            return
         raise EngineFailed(self.failed)
+
+    def wait(self, coro: Any) -> Any:
+        """`coro` run on the engine's loop; EngineFailed when the engine died meanwhile (module doc)."""
+        try:
+            return self.loop.run_until_complete(coro)
+        except RuntimeError:
+            if self.failed is not None:
+                raise EngineFailed(self.failed) from None
+            raise
 
     def _keep_sigterm(self) -> None:
         """Leave SIGTERM to the host process from before the first request on (module docstring, "SIGTERM").
@@ -461,7 +478,7 @@ class RolloutEngine:
                 batch_ids.append(p)
                 seed = None if sampling.seed is None else sampling.seed + index_offset + i * group_size + g
                 params.append(self._sampling_params(sampling, seed))
-        outs = self.loop.run_until_complete(
+        outs = self.wait(
             self._request(
                 input_ids=batch_ids,
                 sampling_params=params,
@@ -570,7 +587,7 @@ class RolloutEngine:
                 raise MegagrpoError(
                     f"sequences[{i}] has {len(s)} tokens; score needs 2 .. {self.context_len - 1}"
                 )
-        outs = self.loop.run_until_complete(
+        outs = self.wait(
             self._request(
                 input_ids=ids,
                 sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(ids),

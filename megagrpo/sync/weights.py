@@ -592,12 +592,18 @@ def _sync_weights(
                     result = eng.update_weights_from_tensor(bucket, load_format=fmt, flush_cache=last)
                 else:
                     result = eng.update_weights_from_tensor(bucket, flush_cache=last)
-            except EngineFailed as e:
+            except (EngineFailed, RuntimeError) as e:  # RuntimeError: the failed engine stopped its loop
+                failed = getattr(engine, "failed", None)  # a RolloutEngine's (module doc of rollout.engine)
+                if failed is None:
+                    raise
                 open_session = False  # no scheduler is left to end it: asking would wait forever
-                raise EngineFailed(f"weight sync: {e}. {_loading(bucket, i, len(sends))}") from e
+                raise EngineFailed(f"weight sync: {failed}. {_loading(bucket, i, len(sends))}") from e
             _check_ok(result, "update_weights_from_tensor")
-    except EngineFailed:
-        open_session = False
+    except (EngineFailed, RuntimeError) as e:
+        if isinstance(e, EngineFailed) or getattr(engine, "failed", None) is not None:
+            open_session = False
+            if not isinstance(e, EngineFailed):
+                raise EngineFailed(f"weight sync: {engine.failed}") from e
         raise
     finally:
         if open_session:

@@ -8,6 +8,12 @@ environment settings the manifest records for the bundle (e.g. SGLang's kernel-v
 bundle's sglang-kernel is the one that loads under the node's torch). `source DIR/megagrpo-bundle.env` and
 run `python -m megagrpo.bundle.smoke` to see what loads.
 
+DIR is replaced whole: the bundle is unpacked into a fresh folder beside it, which takes DIR's place only
+once it is complete, so an earlier installation leaves no stale file (a module the new bundle dropped would
+otherwise still import), and a bundle that fails to unpack leaves the earlier installation as it was. DIR
+must be new, empty, or an earlier installation (it has the env file): any other folder is refused, never
+removed.
+
 Standard library only: it runs before anything the bundle brings is importable.
 """
 
@@ -16,9 +22,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shlex
+import shutil
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 ENV_FILE = "megagrpo-bundle.env"
@@ -59,15 +68,68 @@ def install(bundle: Path, manifest: Path, into: Path) -> dict:
         raise InstallError(
             f"{bundle}: sha256 differs from the manifest's: the file is damaged, copy it again"
         )
-    into.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(bundle, "r:xz") as tar:
-        tar.extractall(into, filter="data")
-    env = {"PYTHONPATH": f"{into}${{PYTHONPATH:+:$PYTHONPATH}}", **entry.get("environment", {})}
-    lines = [f"# written by megagrpo.bundle.install for {bundle.name}"]
-    for k, v in env.items():
-        lines.append(f'export {k}="{v}"' if k == "PYTHONPATH" else f"export {k}={shlex.quote(str(v))}")
-    (into / ENV_FILE).write_text("\n".join(lines) + "\n")
+    _check_replaceable(into)
+    into.parent.mkdir(parents=True, exist_ok=True)
+    # Beside DIR, so that the swap is a rename within one file system.
+    fresh = Path(tempfile.mkdtemp(prefix=f".{into.name}.installing-", dir=into.parent))
+    try:
+        fresh.chmod(0o777 & ~_umask())  # mkdtemp's folder is private; an installation is read by the job
+        try:
+            with tarfile.open(bundle, "r:xz") as tar:
+                tar.extractall(fresh, filter="data")
+        except (tarfile.TarError, EOFError, OSError) as e:  # lzma.LZMAError is an OSError
+            raise InstallError(
+                f"{bundle}: cannot unpack it ({type(e).__name__}: {e}); {into} is left as it was"
+            ) from e
+        env = {"PYTHONPATH": f"{into}${{PYTHONPATH:+:$PYTHONPATH}}", **entry.get("environment", {})}
+        lines = [f"# written by megagrpo.bundle.install for {bundle.name}"]
+        for k, v in env.items():
+            lines.append(f'export {k}="{v}"' if k == "PYTHONPATH" else f"export {k}={shlex.quote(str(v))}")
+        (fresh / ENV_FILE).write_text("\n".join(lines) + "\n")
+        try:
+            _swap(fresh, into)
+        except OSError as e:
+            raise InstallError(f"{into}: cannot put the new installation in place ({e})") from e
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)  # gone already unless something failed before the swap
     return {"bundle": bundle.name, "into": str(into), "packages": len(entry.get("packages", [])), "env": env}
+
+
+def _check_replaceable(into: Path) -> None:
+    """InstallError unless `into` is absent, an empty folder, or an earlier installation."""
+    if not into.exists():
+        return
+    if not into.is_dir() or into.is_symlink():
+        raise InstallError(
+            f"--into {into}: not a folder; give a new or empty folder, or an earlier installation"
+        )
+    if any(into.iterdir()) and not (into / ENV_FILE).is_file():
+        raise InstallError(
+            f"--into {into}: a folder with files and no {ENV_FILE}, so not an earlier installation; it would "
+            "be replaced whole: give a new or empty folder"
+        )
+
+
+def _swap(fresh: Path, into: Path) -> None:
+    """`fresh` takes `into`'s place; the earlier `into`, if any, is removed once it has."""
+    if not into.exists():
+        fresh.rename(into)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{into.name}.replaced-", dir=into.parent))
+    old.rmdir()  # only its unique name is wanted: `into` moves there
+    into.rename(old)
+    try:
+        fresh.rename(into)
+    except OSError:
+        old.rename(into)  # the earlier installation back in place
+        raise
+    shutil.rmtree(old)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1048,8 +1048,9 @@ class SyncConfig(Section):
     checksum: bool = Field(
         default=False,
         description="Verify after a sync that each engine holds, bit for bit, what the learner sent (SGLang's "
-        "per-parameter hashes; engine_tp 1). It costs a hash of the model on both sides, and for a "
-        "disaggregated engine a copy of the sent model held by its owner until the check.",
+        "per-parameter hashes of whole tensors: rollout.engine_tp 1 only, refused at validation otherwise). "
+        "It costs a hash of the model on both sides, and for a disaggregated engine a copy of the sent "
+        "model held by its owner until the check.",
     )
     checksum_every: int = Field(
         default=1,
@@ -1183,6 +1184,15 @@ class Config(Section):
                 "environment with rewards.combine=gdpo; GDPO normalises each reward function's scores, and "
                 "an environment gives one reward: set rollout.multi_turn.reward=functions or use "
                 "rewards.combine=weighted",
+            )
+        if self.sync.checksum and rollout.engine_tp > 1:
+            # Both transports (sync.weights.verify_checksum, sync.broadcast.verify_remote) compare TP rank
+            # 0's hashes with the full tensors sent: a TP engine holds shards, so the check cannot hold.
+            raise invalid(
+                "sync.checksum",
+                f"true with rollout.engine_tp={rollout.engine_tp}; an engine with TP > 1 holds each "
+                "parameter as shards, and the checksum compares whole tensors: set sync.checksum=false or "
+                "rollout.engine_tp=1",
             )
         n_seqs = rollout.prompts_per_step * rollout.group_size
         if n_seqs % algo.ppo_mini_batches:

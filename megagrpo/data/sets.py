@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megagrpo.config.schema import DataConfig
@@ -58,12 +59,16 @@ def build_prompt_sets(
     formatter: PromptFormatter | None = None,
     purpose: str = "rl",
     section: str = "data",
+    row_check: Callable[[dict], None] | None = None,
 ) -> PromptSets:
     """Load or generate the prompts. `purpose` 'rl' needs answers; 'sft' needs a completion, or a tool-use
     `trace` in its place (`sft_target`).
 
     With a formatter, prompts longer than data.max_prompt_tokens after templating count as malformed
-    rows (reported with file:line), and so do rows the prompt template cannot be filled from.
+    rows (reported with file:line), and so do rows the prompt template cannot be filled from. `row_check`
+    (a multi-turn environment's, `trainer.episodes.row_check`) raises `RowError` for a row the environment
+    would reject: it is malformed too; for 'sft' it checks the rows that carry a `trace` (the ones the
+    environment starts).
     """
     if purpose not in ("rl", "sft"):
         raise ValueError(f"purpose must be 'rl' or 'sft', got {purpose!r}")
@@ -73,6 +78,8 @@ def build_prompt_sets(
     def check(sample: dict) -> None:
         if purpose == "sft":
             sft_target(sample, cfg)
+        if row_check is not None and (purpose == "rl" or sample.get("trace") is not None):
+            row_check(sample)
         if formatter is not None:
             formatter.check_length(sample)
 

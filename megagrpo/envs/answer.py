@@ -41,13 +41,19 @@ class AnswerToolEnv(ToolEnvironment):
         self.row: dict[str, Any] = {}
         self.turns = 0
 
-    async def reset(self, row: dict[str, Any]) -> list[Message]:
+    def check_row(self, row: dict[str, Any]) -> None:
         for key in (self.question_key, self.answer_key):
-            if key not in row:
-                raise MegagrpoError(
+            if row.get(key) is None:
+                raise ValueError(
                     f"{type(self).__name__}: the data row has no {key!r} field (it has {sorted(row)}); "
                     "set question_key/answer_key in rollout.multi_turn.environment_options"
                 )
+
+    async def reset(self, row: dict[str, Any]) -> list[Message]:
+        try:  # the trainer checked every row at load (`check_row`): only a direct caller gets here
+            self.check_row(row)
+        except ValueError as e:
+            raise MegagrpoError(str(e)) from None
         self.row, self.turns = row, 0
         self.counters = ToolCounters()
         self.results = []

@@ -10,6 +10,11 @@ message; an environment never sees token ids.
 One environment instance serves one trajectory: `reset(row)` once, then `step(...)` once per model turn
 until it returns `done`. Both are coroutines, since each trajectory is its own coroutine and a step may
 wait on tools.
+
+An environment may also define `check_row(row)` (plain, cheap: no tools, no I/O) that raises `ValueError`
+saying what a data row lacks for it. The trainer calls it on every row when the data is loaded, so that a row
+the environment would reject follows `data.malformed` (reported as file:line, then skipped and counted, or
+an error) like any other malformed row, instead of stopping the run when a step draws it.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ class ToolEnvironment:
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return self.executor.schemas()
+
+    def check_row(self, row: dict[str, Any]) -> None:
+        """ValueError naming what `row` lacks for this environment (module doc); every row fits by default."""
 
     async def run_tools(self, assistant_message: Message) -> list[Message]:
         """One `role: tool` message per tool call of the assistant message, in the calls' order."""

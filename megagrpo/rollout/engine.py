@@ -20,6 +20,16 @@ and while that callback is registered a SIGTERM between requests is dropped by u
 preempted trainer would end with exit 0 and no checkpoint. `start` creates that request loop itself,
 before any request, and removes the callback in the same loop step (`_keep_sigterm`), so SIGTERM always
 reaches the host process's own handler.
+
+SIGQUIT. A scheduler that raises (e.g. the engine's weight loader failing during a colocated sync) sends
+SIGQUIT to its parent, this process, as does SGLang's subprocess watchdog when a child exits; SGLang's
+handlers answer by killing this process's whole tree, itself included: the trainer ended with exit 137, no
+checkpoint and no line saying which engine failed. `start` takes SIGQUIT over (main thread only, as SGLang
+does): the engine is marked failed and its own processes are stopped; a request waiting on the engine's
+loop ends (the loop is stopped), and `wait` (generate, score) and the weight sync, which also names the
+bucket it was loading, raise `EngineFailed`; arriving between requests, it is raised in the main thread.
+Every later use of the engine raises `EngineFailed` at once instead of waiting for a scheduler that is
+gone.
 """
 
 from __future__ import annotations
@@ -93,6 +103,10 @@ def has_flash_attention_3() -> bool:
     return any(any(Path(d).glob("flash_ops*.so")) for d in spec.submodule_search_locations)
 
 
+class EngineFailed(MegagrpoError):
+    """A process of the in-process SGLang engine died (module doc, "SIGQUIT"): the engine cannot serve."""
+
+
 class RolloutEngine:
     """One SGLang engine. Use as a context manager, or call `start()` and `shutdown()`."""
 
@@ -101,6 +115,9 @@ class RolloutEngine:
         self._engine: Any = None
         self._child_pids: list[int] = []
         self._released: set[str] = set()
+        self.failed: str | None = (
+            None  # why the engine stopped serving (module doc, "SIGQUIT"); None = it serves
+        )
         self.on_cpu = not torch.cuda.is_available()
         self._validate_config()
 
@@ -152,8 +169,12 @@ class RolloutEngine:
             # SGLang's CPU platform: torch-native attention, no CUDA graphs; the memory saver needs libcuda.
             kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
             # The packed weight sync's loader (a string: rollout does not import sync): `direct`'s copy,
-            # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`).
-            kw["custom_weight_loader"] = ["megagrpo.sync.weights.load_packed"]
+            # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`);
+            # and its probe of the engine's real parameter shapes, asked before the first packed send.
+            kw["custom_weight_loader"] = [
+                "megagrpo.sync.weights.load_packed",
+                "megagrpo.sync.weights.report_shape_mismatches",
+            ]
         else:
             kw["enable_memory_saver"] = True  # release/resume really frees device memory
             if not has_flash_attention_3():
@@ -219,7 +240,45 @@ class RolloutEngine:
         self.num_experts = int(experts) if self.topk else None
         self.tokenizer = self._engine.tokenizer_manager.tokenizer
         self._keep_sigterm()
+        self._catch_child_failure()
         return self
+
+    def _catch_child_failure(self) -> None:
+        """SIGQUIT to `_child_failed` (module doc, "SIGQUIT"); signal handlers live on the main thread only."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGQUIT, self._child_failed)
+
+    def _child_failed(self, signum: int, frame: Any) -> None:
+        """SIGQUIT from the engine's scheduler or SGLang's watchdog (module doc, "SIGQUIT"): raise
+        `EngineFailed` here, in the main thread, once (both senders may signal the same death)."""
+        if self.failed is not None or self._engine is None:
+            return
+        self.failed = (
+            f"the SGLang engine serving {self.cfg.model_path} stopped: one of its processes failed (SGLang "
+            "logged its traceback above); the run cannot go on with this engine. Resume from the last "
+            "checkpoint once the cause is fixed"
+        )
+        watchdog = getattr(self._engine.tokenizer_manager, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # it would signal again for the same death
+        _kill_pids(self._child_pids, timeout=10)
+        loop = self._engine.loop
+        if loop.is_running():
+            # Waiting on the engine: uvloop runs this handler as a callback of its own and only logs what it
+            # raises. Stopped, the loop ends the wait with a RuntimeError, which `wait` and the weight sync
+            # turn into EngineFailed.
+            loop.call_soon_threadsafe(loop.stop)  # threadsafe: wakes a loop blocked in its selector
+            return
+        raise EngineFailed(self.failed)
+
+    def wait(self, coro: Any) -> Any:
+        """`coro` run on the engine's loop; EngineFailed when the engine died meanwhile (module doc)."""
+        try:
+            return self.loop.run_until_complete(coro)
+        except RuntimeError:
+            if self.failed is not None:
+                raise EngineFailed(self.failed) from None
+            raise
 
     def _keep_sigterm(self) -> None:
         """Leave SIGTERM to the host process from before the first request on (module docstring, "SIGTERM").
@@ -228,7 +287,8 @@ class RolloutEngine:
         request loop's tasks and, on the main thread only, registers the SIGTERM callback (drain, then
         `sys.exit(0)`) and a SIGQUIT one (a child died). It is run here, before any request, and the
         SIGTERM callback removed in the same step of the loop, so no request ever runs with it, whatever
-        the thread of that request (async rollout generates on a worker thread). SIGQUIT handling is kept.
+        the thread of that request (async rollout generates on a worker thread). The SIGQUIT callback is
+        removed too; `start` installs its own handler (module doc, "SIGQUIT").
         The host's handler, read first, is put back: uvloop leaves the default there, and removes a
         handler only from inside the running loop."""
         tm = self._engine.tokenizer_manager
@@ -238,6 +298,8 @@ class RolloutEngine:
 
         async def create_request_loop_without_sigterm() -> bool:
             tm.auto_create_handle_loop()  # returns at once if the loop already exists
+            if on_main:  # SIGQUIT's callback kills this process's tree: `start` handles it instead
+                loop.remove_signal_handler(signal.SIGQUIT)
             return on_main and loop.remove_signal_handler(signal.SIGTERM)
 
         if loop.run_until_complete(create_request_loop_without_sigterm()) and host is not None:
@@ -275,6 +337,8 @@ class RolloutEngine:
     @property
     def engine(self) -> Any:
         """The underlying `sglang.Engine` (for weight sync)."""
+        if self.failed is not None:
+            raise EngineFailed(self.failed)
         if self._engine is None:
             raise MegagrpoError(
                 "the rollout engine is not running; call start() (or use it as a context manager)"
@@ -415,7 +479,7 @@ class RolloutEngine:
                 batch_ids.append(p)
                 seed = None if sampling.seed is None else sampling.seed + index_offset + i * group_size + g
                 params.append(self._sampling_params(sampling, seed))
-        outs = self.loop.run_until_complete(
+        outs = self.wait(
             self._request(
                 input_ids=batch_ids,
                 sampling_params=params,
@@ -552,7 +616,7 @@ class RolloutEngine:
                 raise MegagrpoError(
                     f"sequences[{i}] has {len(s)} tokens; score needs 2 .. {self.context_len - 1}"
                 )
-        outs = self.loop.run_until_complete(
+        outs = self.wait(
             self._request(
                 input_ids=ids,
                 sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(ids),

@@ -41,6 +41,7 @@ import torch
 
 from megagrpo.bridge.hf_io import open_safetensors
 from megagrpo.errors import MegagrpoError
+from megagrpo.rollout.engine import EngineFailed
 from megagrpo.sync.buckets import NamedTensor, tensor_bytes
 from megagrpo.sync.sglang_layout import FusedParam, fuse_into, sglang_params, sglang_plan
 
@@ -267,6 +268,85 @@ def load_packed(model: torch.nn.Module, named_tensors: list[NamedTensor]) -> Non
             )
             param.data.copy_(t)
     _HELD[:] = list({id(s): s for s in (t.untyped_storage() for _, t in named_tensors)}.values())
+
+
+# The probe of a CPU engine's real parameter shapes (`rollout.engine` names it in `custom_weight_loader`
+# beside `load_packed`). Layout of the probe's one uint8 tensor, both ways: 8 bytes little-endian length,
+# then that many bytes of JSON.
+SHAPES_PROBE = f"{__name__}.report_shape_mismatches"
+_PROBE_NAME = "megagrpo.shape_probe"
+
+
+def report_shape_mismatches(model: torch.nn.Module, named_tensors: list[NamedTensor]) -> None:
+    """SGLang custom weight loader that loads nothing; runs in the CPU engine's scheduler process.
+
+    Its one tensor (`_PROBE_NAME`, in shared memory: the scheduler maps the parent's pages, as for
+    `load_packed`) holds `{sglang_param_name: shape}` as JSON; it is overwritten with the JSON list of
+    `[name, shape sent, shape the engine holds or None]` for every parameter that differs, which the parent
+    reads back when the call returns. Why: the engine's parameters can differ from the checkpoint's
+    shapes (SGLang's CPU MoE pads the expert intermediate size), and a packed load of a misshapen tensor
+    raises inside the scheduler, which kills the scheduler, whose SIGQUIT then kills the trainer
+    (SGLang's process-tree handler) with no error naming the tensor. Asking first keeps the scheduler
+    alive and the error ours."""
+    ((_, buf),) = named_tensors
+    asked = json.loads(_read_probe(buf))
+    params = dict(model.named_parameters())
+    bad = [
+        [name, shape, list(params[name].shape) if name in params else None]
+        for name, shape in asked.items()
+        if name not in params or list(params[name].shape) != shape
+    ]
+    _write_probe(buf, json.dumps(bad).encode())
+
+
+def _read_probe(buf: torch.Tensor) -> bytes:
+    n = int.from_bytes(bytes(buf[:8].tolist()), "little")
+    return bytes(buf[8 : 8 + n].tolist())
+
+
+def _write_probe(buf: torch.Tensor, data: bytes) -> None:
+    if 8 + len(data) > buf.numel():
+        raise ValueError(f"shape probe: {len(data)} bytes do not fit its buffer of {buf.numel()}")
+    buf[: 8 + len(data)] = torch.tensor(list(len(data).to_bytes(8, "little") + data), dtype=torch.uint8)
+
+
+def engine_shape_mismatches(
+    eng: Any, plan: Mapping[str, FusedParam]
+) -> list[tuple[str, tuple, tuple | None]]:
+    """`(sglang name, shape in plan, shape the engine holds or None)` for every parameter of `plan` that the
+    engine does not hold as planned, asked of the engine itself (`report_shape_mismatches`) in the
+    weight-update session the caller has open. Cost: one update call carrying the plan's names and shapes
+    as JSON (tens of KB), and in the scheduler a walk of its parameters; nothing is loaded."""
+    asked = json.dumps({fp.name: list(fp.shape) for fp in plan.values()}).encode()
+    # Shared memory: the scheduler maps these pages and writes its answer into them.
+    buf = torch.zeros(8 + 2 * len(asked) + 4096, dtype=torch.uint8).share_memory_()
+    _write_probe(buf, asked)
+    result = eng.update_weights_from_tensor([(_PROBE_NAME, buf)], load_format=SHAPES_PROBE, flush_cache=False)
+    _check_ok(result, "update_weights_from_tensor (the shape probe)")
+    return [(n, tuple(s), None if h is None else tuple(h)) for n, s, h in json.loads(_read_probe(buf))]
+
+
+def check_engine_shapes(eng: Any, plan: Mapping[str, FusedParam]) -> None:
+    """MegagrpoError naming the first parameter of `plan` whose shape the engine does not hold (or that it
+    lacks), before anything is sent (`engine_shape_mismatches`), once per engine: its shapes are fixed for
+    its lifetime. Engines started without the probe (not by `rollout.engine` on a CPU) are not asked."""
+    if SHAPES_PROBE not in (getattr(eng.server_args, "custom_weight_loader", None) or []):
+        return
+    known = _PER_ENGINE.setdefault(eng, {})
+    if known.get("shapes_held"):
+        return
+    bad = engine_shape_mismatches(eng, plan)
+    if bad:
+        name, sent, held = bad[0]
+        held_says = "does not hold it" if held is None else f"holds {held}"
+        raise MegagrpoError(
+            f"weight sync: the engine's parameter {name!r}: the learner's export packs {sent}, the engine "
+            f"{held_says} ({len(bad)} parameter(s) differ; nothing was sent, the engine keeps its weights). "
+            "The engine's model departs from its checkpoint's shapes (e.g. SGLang's CPU MoE pads "
+            "moe_intermediate_size): set sync.pack=false to send HF-named tensors through SGLang's own "
+            "loader, or use a model whose sizes the engine does not pad"
+        )
+    known["shapes_held"] = True
 
 
 def packed_load_format(eng: Any) -> str:
@@ -501,16 +581,33 @@ def _sync_weights(
         before_send()
     _check_ok(eng.begin_weight_update(), "begin_weight_update")
     fmt = packed_load_format(eng)
+    open_session = True
     try:
+        if owner is not None:
+            check_engine_shapes(eng, owner)
         for i, bucket in enumerate(sends):
             last = i == len(sends) - 1
-            if owner is not None:
-                result = eng.update_weights_from_tensor(bucket, load_format=fmt, flush_cache=last)
-            else:
-                result = eng.update_weights_from_tensor(bucket, flush_cache=last)
+            try:
+                if owner is not None:
+                    result = eng.update_weights_from_tensor(bucket, load_format=fmt, flush_cache=last)
+                else:
+                    result = eng.update_weights_from_tensor(bucket, flush_cache=last)
+            except (EngineFailed, RuntimeError) as e:  # RuntimeError: the failed engine stopped its loop
+                failed = getattr(engine, "failed", None)  # a RolloutEngine's (module doc of rollout.engine)
+                if failed is None:
+                    raise
+                open_session = False  # no scheduler is left to end it: asking would wait forever
+                raise EngineFailed(f"weight sync: {failed}. {_loading(bucket, i, len(sends))}") from e
             _check_ok(result, "update_weights_from_tensor")
+    except (EngineFailed, RuntimeError) as e:
+        if isinstance(e, EngineFailed) or getattr(engine, "failed", None) is not None:
+            open_session = False
+            if not isinstance(e, EngineFailed):
+                raise EngineFailed(f"weight sync: {engine.failed}") from e
+        raise
     finally:
-        _check_ok(eng.end_weight_update(), "end_weight_update")
+        if open_session:
+            _check_ok(eng.end_weight_update(), "end_weight_update")
     seconds = time.perf_counter() - t0
     ok = None
     if checksum:
@@ -523,6 +620,13 @@ def _sync_weights(
         checksum_ok=ok,
         packed=owner is not None,
     )
+
+
+def _loading(bucket: list[NamedTensor], index: int, count: int, shown: int = 4) -> str:
+    """What the engine was loading when it failed, for the error: the bucket and its first tensors."""
+    names = ", ".join(f"{n} {tuple(t.shape)}" for n, t in bucket[:shown])
+    more = f" and {len(bucket) - shown} more" if len(bucket) > shown else ""
+    return f"It failed loading bucket {index + 1} of {count}: {names}{more}; the engine is partly updated"
 
 
 def _full_packing_plan(eng: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam] | None:
@@ -643,6 +747,9 @@ def stream_buckets(
         send(pending, last=True)
         begun = False  # ended here, so that a failure of the last bucket (seen by `end`) is reported below
         transport.end()
+    except EngineFailed:
+        begun = False  # an in-process engine whose scheduler is gone: ending the session would wait forever
+        raise
     except MegagrpoError as e:
         if calls:
             raise MegagrpoError(

@@ -27,11 +27,12 @@ each step (`Session._reward_counts`), over every generated trajectory, kept by d
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from megagrpo.config.schema import MultiTurnConfig
+from megagrpo.data.sources import RowError
 from megagrpo.envs.registry import build_environment, resolve_environment
 from megagrpo.envs.sandbox import SandboxConfig, require_isolation
 from megagrpo.envs.tools import ToolExecutor, ToolSlots
@@ -67,6 +68,26 @@ def check_multi_turn(mt: MultiTurnConfig) -> None:
                 iso.line(),
                 FIELD,
             )
+
+
+def row_check(mt: MultiTurnConfig) -> Callable[[dict], None] | None:
+    """The environment's check of one data row (`check_row`, envs.base), raising `RowError`, so that a row
+    it rejects follows `data.malformed` when the data is loaded (file:line, skipped and counted, or an error)
+    instead of stopping the run when a step draws it; None without multi-turn or a check."""
+    if not mt.enabled:
+        return None
+    env = build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
+    check = getattr(env, "check_row", None)
+    if check is None:
+        return None
+
+    def run(sample: dict) -> None:
+        try:
+            check(dict(sample))
+        except ValueError as e:  # the protocol's way to reject a row
+            raise RowError(str(e)) from None
+
+    return run
 
 
 def episode_completion(e: Episode) -> Completion:

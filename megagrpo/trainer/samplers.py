@@ -287,14 +287,20 @@ class SamplerMixin:
             )
             mine = stats.metrics()
         elif self.engine is not None:
-            stats = sync_weights(
-                self.engine,
-                buckets,
-                checksum=self.checksum_due(),
-                pack=self.cfg.sync.pack,
-                before_send=None if self.asynchronous else (lambda: self.engine.resume(["weights"])),
-                announced=self.export_shapes,
-            )
+            try:
+                stats = sync_weights(
+                    self.engine,
+                    buckets,
+                    checksum=self.checksum_due(),
+                    pack=self.cfg.sync.pack,
+                    before_send=None if self.asynchronous else (lambda: self.engine.resume(["weights"])),
+                    announced=self.export_shapes,
+                )
+            except MegagrpoError as e:  # which engine: a run has one per colocation group
+                raise MegagrpoError(
+                    f"engine {self.engines.engine} of {self.engines.num_engines} (colocated, rank "
+                    f"{self.engines.rank}): {e}"
+                ) from e
             mine = stats.metrics()
         else:
             for _ in buckets:

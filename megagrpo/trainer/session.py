@@ -56,6 +56,7 @@ class Session(SamplerMixin):
         from megagrpo.data.sets import build_prompt_sets
         from megagrpo.data.template import PromptFormatter
         from megagrpo.learner.learner import Learner
+        from megagrpo.trainer.episodes import row_check
 
         self.cfg = cfg
         self.resume_arg = resume if resume is not None else cfg.checkpoint.resume
@@ -76,6 +77,7 @@ class Session(SamplerMixin):
             self.formatter,
             purpose=self.data_purpose(),
             section=self.data_section(),
+            row_check=row_check(cfg.rollout.multi_turn),
         )
         if not self.sets.train:
             raise MegagrpoError(f"{self.data_section()}: no usable training rows")

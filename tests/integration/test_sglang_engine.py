@@ -123,8 +123,11 @@ def test_the_host_keeps_sigterm_after_a_request(sglang_engine):
         loop = sglang_engine.engine.tokenizer_manager.event_loop
 
         async def still_registered() -> bool:  # uvloop removes (and reports) a handler only while running
-            return loop.remove_signal_handler(signal.SIGTERM)
+            return loop.remove_signal_handler(signal.SIGTERM) or loop.remove_signal_handler(signal.SIGQUIT)
 
         assert loop.run_until_complete(still_registered()) is False
+        # SGLang's SIGQUIT callback (kill this process's whole tree when a child dies) is replaced by the
+        # engine's own (issue 36, item 9: EngineFailed instead of exit 137)
+        assert signal.getsignal(signal.SIGQUIT) == sglang_engine._child_failed
     finally:
         signal.signal(signal.SIGTERM, old)

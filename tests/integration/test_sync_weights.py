@@ -119,6 +119,34 @@ def test_bad_export_is_refused_before_sending(sglang_engine, hf_reference, origi
     assert _max_diff(sglang_engine, hf_reference) < LOGPROB_TOL_FP32
 
 
+def test_the_engine_names_the_parameters_it_holds_in_other_shapes(sglang_engine, original_tensors):
+    """The packed sync's shape probe runs in SGLang's scheduler and answers through shared memory (issue 36,
+    item 9): a parameter planned in a shape the engine does not hold comes back named with both shapes,
+    and the scheduler lives on. Before, the packed load's shape assertion killed the scheduler, whose
+    SIGQUIT killed the trainer (a CPU engine pads a Qwen3-MoE's expert intermediate size 20 to 32, so
+    w13_weight is (8, 64, 80) where the learner packs (8, 40, 80))."""
+    from megagrpo.sync.sglang_layout import FusedParam, sglang_plan
+    from megagrpo.sync.weights import engine_shape_mismatches
+
+    baseline = sglang_engine.score(SEQS)
+    plan = sglang_plan({n: tuple(t.shape) for n, t in original_tensors})
+    w13 = "model.layers.0.mlp.experts.w13_weight"
+    e, two_i, h = plan[w13].shape
+    other = dict(plan)
+    other[w13] = FusedParam(w13, plan[w13].parts, (e, two_i - 2, h))
+    other["model.no_such.weight"] = FusedParam("model.no_such.weight", ("model.no_such.weight",), (3,))
+    eng = sglang_engine.engine
+    assert eng.begin_weight_update()[0]
+    try:
+        assert engine_shape_mismatches(eng, plan) == []  # the tiny model's sizes are not padded
+        bad = engine_shape_mismatches(eng, other)
+    finally:
+        assert eng.end_weight_update()[0]
+    assert sorted(bad) == [(w13, (e, two_i - 2, h), (e, two_i, h)), ("model.no_such.weight", (3,), None)]
+    for a, b in zip(baseline, sglang_engine.score(SEQS)):  # alive, and nothing was loaded
+        assert torch.equal(a, b)
+
+
 def _greedy(engine) -> list[list[int]]:
     from megagrpo.rollout import SamplingConfig
 
@@ -175,7 +203,8 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
         )  # fmt: skip
         assert stats.checksum_ok is True and stats.packed == pack
         assert events[0] == "resume" and events.count("resume") == 1
-        assert events.count("update") == stats.buckets
+        # packed: one more update, the engine's shape probe (asked again: the per-engine cache was cleared)
+        assert events.count("update") == stats.buckets + pack
     finally:
         eng.update_weights_from_tensor = update
         sglang_engine.resume()

@@ -228,17 +228,17 @@ def test_load_packed_loads_like_direct_and_keeps_the_mapping_until_the_next_load
     assert held.expired() and torch.equal(model.bias, torch.zeros(3))
 
 
-def test_cpu_engines_are_started_with_the_packed_loader(tmp_path):
+def test_cpu_engines_are_started_with_the_packed_loader_and_its_shape_probe(tmp_path):
     from types import SimpleNamespace
 
     from megagrpo.rollout import RolloutConfig, RolloutEngine
-    from megagrpo.sync.weights import PACKED_LOADER, packed_load_format
+    from megagrpo.sync.weights import PACKED_LOADER, SHAPES_PROBE, packed_load_format
 
     (tmp_path / "config.json").write_text("{}")
     engine = RolloutEngine(RolloutConfig(str(tmp_path), dtype="float32"))
     engine.on_cpu = True
     kw = engine.engine_kwargs()
-    assert kw["custom_weight_loader"] == [PACKED_LOADER]
+    assert kw["custom_weight_loader"] == [PACKED_LOADER, SHAPES_PROBE]
     assert packed_load_format(SimpleNamespace(server_args=SimpleNamespace(**kw))) == PACKED_LOADER
     bare = SimpleNamespace(server_args=SimpleNamespace(custom_weight_loader=None))  # a bare sglang.Engine
     assert packed_load_format(bare) == "direct"

@@ -140,3 +140,14 @@ def test_the_launchers_world_size_is_read_without_starting_anything():
         world_size_from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "2"}) == 2
     )
     assert world_size_from_environ({"MEGAGRPO_BOOTSTRAP": "mpi4py"}) is None
+
+
+@pytest.mark.parametrize("kind", ["disaggregated", "colocated"])
+def test_checksum_with_a_tp_engine_is_refused_at_validation(kind):
+    # Both sync transports hash whole tensors against TP rank 0's parameters: with engine_tp > 1 the check
+    # was refused only after the first full sync had run (sync.broadcast.verify_remote).
+    msg = error(sync={"checksum": True}, rollout={"engine_tp": 2, "placement": {"kind": kind}})
+    assert "sync.checksum: true with rollout.engine_tp=2" in msg
+    assert "set sync.checksum=false or rollout.engine_tp=1" in msg
+    assert make(sync={"checksum": True}, rollout={"placement": {"kind": kind}}).sync.checksum
+    assert make(rollout={"engine_tp": 2, "placement": {"kind": kind}}).rollout.engine_tp == 2

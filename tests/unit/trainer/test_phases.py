@@ -227,3 +227,29 @@ def test_the_weight_checksum_runs_on_the_first_sync_then_every_nth_step():
     assert due == [True, True, False, False, True]
     fake.cfg.sync.checksum = False
     assert not Session.checksum_due(fake)
+
+
+def test_a_failed_sync_names_the_colocated_engine(session, log, monkeypatch):
+    """The sync's error (e.g. the engine's shape probe, issue 36 item 9) says which engine it was."""
+    import megagrpo.bridge.maps as maps_module
+    import megagrpo.sync.weights as sync_module
+    from megagrpo.errors import MegagrpoError
+
+    def fake_sync(engine, buckets, **kw):
+        list(buckets)
+        raise MegagrpoError("weight sync: the engine's parameter 'w13': the learner's export packs (2,)")
+
+    monkeypatch.setattr(
+        samplers_module, "export_buckets", lambda learner, nbytes, *, receive: iter([[("w", torch.zeros(1))]])
+    )
+    monkeypatch.setattr(samplers_module, "check_learner_weights", lambda learner: None)
+    monkeypatch.setattr(sync_module, "sync_weights", fake_sync)
+    monkeypatch.setattr(maps_module, "hf_shapes", lambda arch: {"w": (1,)})
+    session.arch = None
+    session.start_engine()
+    with pytest.raises(MegagrpoError) as e:
+        session.sync_weights()
+    assert str(e.value) == (
+        "engine 0 of 1 (colocated, rank 0): weight sync: the engine's parameter 'w13': the learner's export "
+        "packs (2,)"
+    )

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megagrpo.config.mesh_rules import check_layout, mesh_sizes
 from megagrpo.errors import MegagrpoError
+from megagrpo.net import free_port
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,9 @@ class DistEnv:
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         elif world == 1:
-            port = _free_port()  # a lone process needs no agreed port; a fixed one collides with other jobs
+            port = free_port(
+                "127.0.0.1"
+            )  # a lone process needs no agreed port; a fixed one collides with other jobs
         else:
             port = 29500
         return cls(rank, world, local, addr, port, launcher, node)
@@ -151,14 +154,6 @@ def world_size_from_environ(environ: Mapping[str, str] | None = None) -> int | N
     return None if launcher == "mpi4py" else _world(env, launcher)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 BOOTSTRAP_ENV = "MEGAGRPO_BOOTSTRAP"
 
 
@@ -188,9 +183,7 @@ def _mpi4py_bootstrap(env: dict[str, str]) -> tuple[int, int, int, int]:
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         else:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
+            port = free_port()
     addr, port = comm.bcast((addr, port), root=0)
     env["MASTER_ADDR"], env["MASTER_PORT"] = addr, str(port)
     return rank, world, local, node

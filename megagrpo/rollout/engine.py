@@ -24,6 +24,8 @@ reaches the host process's own handler.
 
 from __future__ import annotations
 
+import abc
+import asyncio
 import atexit
 import contextlib
 import dataclasses
@@ -31,7 +33,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -92,94 +94,24 @@ def has_flash_attention_3() -> bool:
     return any(any(Path(d).glob("flash_ops*.so")) for d in spec.submodule_search_locations)
 
 
-class RolloutEngine:
-    """One SGLang engine. Use as a context manager, or call `start()` and `shutdown()`."""
+class EngineRequests(abc.ABC):
+    """The requests every engine transport sends, built and decoded in one place: prompt checks, sampling
+    parameters and seeds, the layout of SGLang's `GenerateReqInput`, and the decoding of the answers
+    (`generate`, `generate_turn`, `score`). Two transports carry them: `RolloutEngine`, an in-process
+    `sglang.Engine`, and `rollout.remote.RemoteEngine`, SGLang's HTTP server on ranks of its own. A
+    transport provides `_request`, `loop` and `routes_num_experts`, and sets the model's dimensions
+    (`_read_dims`, `context_len`, `tokenizer`) when it starts.
+
+    Memory: only an engine that shares its devices releases any (`RolloutEngine.release`); while some is
+    released, requests are refused (`asleep`)."""
 
     def __init__(self, cfg: RolloutConfig) -> None:
         self.cfg = cfg
-        self._engine: Any = None
-        self._child_pids: list[int] = []
-        self._released: set[str] = set()
-        self.on_cpu = not torch.cuda.is_available()
-        self._validate_config()
+        self._released: set[str] = set()  # memory tags released (`RolloutEngine.release`)
 
-    # ---------------------------------------------------------------- life cycle
-
-    def _validate_config(self) -> None:
-        cfg = self.cfg
-        if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-            raise MegagrpoError(
-                f"rollout.model_path={cfg.model_path!r} is not a Hugging Face model directory (no config.json)"
-            )
-        if cfg.dtype not in DTYPES:
-            raise MegagrpoError(f"rollout.dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
-        if cfg.tp_size < 1:
-            raise MegagrpoError(f"rollout.tp_size={cfg.tp_size} must be >= 1")
-        if not 0.0 < cfg.mem_fraction_static < 1.0:
-            raise MegagrpoError(f"rollout.mem_fraction_static={cfg.mem_fraction_static} must be in (0, 1)")
-        if cfg.fp8 and self.on_cpu:
-            raise MegagrpoError(
-                "rollout.fp8=true needs a CUDA GPU (SGLang's fp8 kernels); set rollout.fp8=false"
-            )
-        head_dim = self._head_dim()
-        if not self.on_cpu and head_dim is not None and head_dim < 64:
-            raise MegagrpoError(
-                f"{cfg.model_path}: head_dim {head_dim}; SGLang's CUDA rotary embedding falls back for head dims "
-                "below 64 and that path cannot write the KV cache (it fails while capturing CUDA graphs). Use "
-                "a model with head_dim >= 64 on a GPU (every released Qwen3/Llama has 64 or 128)"
-            )
-        if self.on_cpu and cfg.tp_size != 1:
-            raise MegagrpoError(f"rollout.tp_size={cfg.tp_size}: the CPU engine runs with tp_size=1 only")
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """The `sglang.Engine` keyword arguments this config maps to."""
-        cfg = self.cfg
-        kw: dict[str, Any] = dict(
-            model_path=cfg.model_path,
-            tp_size=cfg.tp_size,
-            dtype=cfg.dtype,
-            mem_fraction_static=cfg.mem_fraction_static,
-            random_seed=cfg.seed,
-            log_level=cfg.log_level,
-            enable_return_routed_experts=cfg.return_routes and self.is_moe_config(),
-        )
-        if cfg.max_context_len is not None:
-            kw["context_length"] = cfg.max_context_len
-        if cfg.max_total_tokens is not None:
-            kw["max_total_tokens"] = cfg.max_total_tokens
-        if self.on_cpu:
-            # SGLang's CPU platform: torch-native attention, no CUDA graphs; the memory saver needs libcuda.
-            kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
-            # The packed weight sync's loader (a string: rollout does not import sync): `direct`'s copy,
-            # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`).
-            kw["custom_weight_loader"] = ["megagrpo.sync.weights.load_packed"]
-        else:
-            kw["enable_memory_saver"] = True  # release/resume really frees device memory
-            if not has_flash_attention_3():
-                # SGLang defaults to FA3 on Hopper; a bundle trimmed to sm_90 leaves FA3's 1.1 GB module out.
-                kw["attention_backend"] = "triton"
-            # SGLang 0.5.23 captures prefill CUDA graphs by default on CUDA ("breakable"); its capture fails
-            # on models whose rotary embedding takes the fallback path (seen on an H200 with head_dim 16).
-            # Rollouts are decode-bound, so eager prefill costs little; `extra_engine_args` can turn it on.
-            kw["cuda_graph_backend_prefill"] = "disabled"
-            kw["base_gpu_id"] = cfg.base_gpu_id
-            if cfg.fp8:
-                kw["quantization"] = "fp8"
-            if cfg.deterministic:
-                kw["enable_deterministic_inference"] = True
-        kw.update(cfg.extra_engine_args)
-        return kw
-
-    def _head_dim(self) -> int | None:
-        hf = self._hf_config()
-        if hf.get("head_dim"):
-            return int(hf["head_dim"])
-        if hf.get("hidden_size") and hf.get("num_attention_heads"):
-            return int(hf["hidden_size"]) // int(hf["num_attention_heads"])
-        return None
-
-    def is_moe_config(self) -> bool:
-        return self._hf_config().get("num_experts_per_tok", 0) > 0
+    @property
+    def asleep(self) -> bool:
+        return bool(self._released)
 
     def _hf_config(self) -> dict[str, Any]:
         import json
@@ -187,148 +119,15 @@ class RolloutEngine:
         with open(os.path.join(self.cfg.model_path, "config.json")) as f:
             return json.load(f)
 
-    def start(self) -> RolloutEngine:
-        if self._engine is not None:
-            return self
-        import sglang
-
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
-        try:
-            with only_the_served_model_imported(self.cfg.model_path):
-                self._engine = sglang.Engine(**self.engine_kwargs())
-        finally:
-            after = psutil.Process().children(recursive=True)
-            # multiprocessing's resource tracker is started by the first spawn but is shared, not the engine's
-            self._child_pids = [p.pid for p in after if p.pid not in before and not _is_mp_helper(p)]
-            if self._engine is None:
-                _kill_pids(self._child_pids)
-        hf = self._engine.tokenizer_manager.model_config.hf_config
-        self.num_layers = int(hf.num_hidden_layers)
-        self.topk = int(getattr(hf, "num_experts_per_tok", 0) or 0)
-        self.context_len = int(self._engine.tokenizer_manager.context_len)
-        self.vocab_size = int(hf.vocab_size)
+    def _read_dims(self, get: Callable[[str], Any]) -> None:
+        """The model's dimensions from its HF config, read through `get(key)` (None when absent)."""
+        self.num_layers = int(get("num_hidden_layers") or 0)
+        self.topk = int(get("num_experts_per_tok") or 0)
+        self.vocab_size = int(get("vocab_size"))
         experts = next(
-            (
-                getattr(hf, k)
-                for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                if getattr(hf, k, None)
-            ),
-            0,
+            (get(k) for k in ("num_experts", "n_routed_experts", "num_local_experts") if get(k)), 0
         )
         self.num_experts = int(experts) if self.topk else None
-        self.tokenizer = self._engine.tokenizer_manager.tokenizer
-        self._keep_sigterm()
-        return self
-
-    def _keep_sigterm(self) -> None:
-        """Leave SIGTERM to the host process from before the first request on (module docstring, "SIGTERM").
-
-        SGLang's `TokenizerManager.auto_create_handle_loop` runs at the first request: it creates the
-        request loop's tasks and, on the main thread only, registers the SIGTERM callback (drain, then
-        `sys.exit(0)`) and a SIGQUIT one (a child died). It is run here, before any request, and the
-        SIGTERM callback removed in the same step of the loop, so no request ever runs with it, whatever
-        the thread of that request (async rollout generates on a worker thread). SIGQUIT handling is kept.
-        The host's handler, read first, is put back: uvloop leaves the default there, and removes a
-        handler only from inside the running loop."""
-        tm = self._engine.tokenizer_manager
-        loop = self._engine.loop
-        on_main = threading.current_thread() is threading.main_thread()
-        host = signal.getsignal(signal.SIGTERM)
-
-        async def create_request_loop_without_sigterm() -> bool:
-            tm.auto_create_handle_loop()  # returns at once if the loop already exists
-            return on_main and loop.remove_signal_handler(signal.SIGTERM)
-
-        if loop.run_until_complete(create_request_loop_without_sigterm()) and host is not None:
-            signal.signal(signal.SIGTERM, host)
-
-    def shutdown(self) -> None:
-        """Stop the engine and every process it started; idempotent."""
-        engine, self._engine = self._engine, None
-        if engine is None:
-            return
-        from sglang.srt.entrypoints import engine as engine_module
-
-        pids = list(self._child_pids)
-        upstream = engine_module.kill_process_tree
-
-        def kill_own_processes(parent_pid: int, include_parent: bool = True, **kw: Any) -> None:
-            if parent_pid == os.getpid() and not include_parent:
-                _kill_pids(pids, kw.get("wait_timeout", 60))
-            else:
-                upstream(parent_pid, include_parent=include_parent, **kw)
-
-        engine_module.kill_process_tree = kill_own_processes
-        try:
-            engine.shutdown()
-        finally:
-            engine_module.kill_process_tree = upstream
-            atexit.unregister(engine.shutdown)
-            _kill_pids(pids)
-
-    @property
-    def pids(self) -> list[int]:
-        """Process ids this engine started (schedulers, detokenizer)."""
-        return list(self._child_pids)
-
-    @property
-    def engine(self) -> Any:
-        """The underlying `sglang.Engine` (for weight sync)."""
-        if self._engine is None:
-            raise MegagrpoError(
-                "the rollout engine is not running; call start() (or use it as a context manager)"
-            )
-        return self._engine
-
-    def __enter__(self) -> RolloutEngine:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
-
-    # ---------------------------------------------------------------- memory
-
-    def _check_tags(self, tags: Sequence[str] | None) -> list[str]:
-        tags = list(MEMORY_TAGS if tags is None else tags)
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad or not tags:
-            raise MegagrpoError(f"memory tags {tags!r}: each must be one of {', '.join(MEMORY_TAGS)}")
-        return tags
-
-    def release(self, tags: Sequence[str] | None = None) -> None:
-        """Release the engine's `weights` and/or `kv_cache` memory before training.
-
-        On GPU (`enable_memory_saver`) this frees the device memory. On the CPU there is no memory saver
-        (it needs libcuda): SGLang still flushes the KV cache and stashes the static state, but frees no RAM.
-        """
-        tags = [t for t in self._check_tags(tags) if t not in self._released]
-        if tags:
-            self._wait_idle()
-            self.engine.release_memory_occupation(tags=tags)
-            self._released.update(tags)
-
-    def _wait_idle(self, timeout_s: float = 120.0) -> None:
-        """Block until the scheduler is fully idle. SGLang asserts idleness in release_memory_occupation (and
-        the failed assertion kills the scheduler), yet after the last output is returned the scheduler may
-        still hold its finished batch for one more loop turn; flush_cache succeeds only once it is idle."""
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while not getattr(self.engine.flush_cache(), "success", True):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the SGLang scheduler did not become idle within {timeout_s:.0f} s")
-            time.sleep(0.02)
-
-    def resume(self, tags: Sequence[str] | None = None) -> None:
-        """Undo `release` for `tags` (default both). On the CPU nothing was freed, so nothing is reallocated."""
-        tags = [t for t in self._check_tags(tags) if t in self._released]
-        if tags:
-            self.engine.resume_memory_occupation(tags=tags)
-            self._released.difference_update(tags)
-
-    @property
-    def asleep(self) -> bool:
-        return bool(self._released)
 
     # ---------------------------------------------------------------- generation
 
@@ -441,21 +240,21 @@ class RolloutEngine:
             )
         return groups
 
+    @abc.abstractmethod
     async def _request(self, **request: Any) -> Any:
-        """One SGLang generate request (GenerateReqInput's fields), batched or single: the transport that
-        `RemoteEngine` replaces with HTTP, so both share every check and the request's layout."""
-        return await self.engine.async_generate(**request)
+        """One SGLang generate request (GenerateReqInput's fields), batched or single, over this transport:
+        SGLang's answer (a dict, or a list of them for a batch)."""
 
     @property
-    def loop(self) -> Any:
-        """The engine's event loop: every request of this engine is awaited on it (`run_until_complete`)."""
-        return self.engine.loop
+    @abc.abstractmethod
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop every request of this engine is awaited on (`run_until_complete`)."""
 
     @property
+    @abc.abstractmethod
     def routes_num_experts(self) -> int | None:
         """The expert count of the routes this engine returns; None when it returns none (dense model, or
         `rollout.return_routes` off)."""
-        return self.num_experts if self.engine.server_args.enable_return_routed_experts else None
 
     async def generate_turn(
         self,
@@ -538,3 +337,233 @@ class RolloutEngine:
             lp = out["meta_info"]["input_token_logprobs"]  # first entry (token 0) has no logprob
             result.append(torch.tensor([float(x[0]) for x in lp[1 : len(s)]], dtype=torch.float32))
         return result
+
+
+class RolloutEngine(EngineRequests):
+    """One in-process SGLang engine. Use as a context manager, or call `start()` and `shutdown()`."""
+
+    def __init__(self, cfg: RolloutConfig) -> None:
+        super().__init__(cfg)
+        self._engine: Any = None
+        self._child_pids: list[int] = []
+        self.on_cpu = not torch.cuda.is_available()
+        self._validate_config()
+
+    # ---------------------------------------------------------------- life cycle
+
+    def _validate_config(self) -> None:
+        cfg = self.cfg
+        if not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
+            raise MegagrpoError(
+                f"rollout.model_path={cfg.model_path!r} is not a Hugging Face model directory (no config.json)"
+            )
+        if cfg.dtype not in DTYPES:
+            raise MegagrpoError(f"rollout.dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+        if cfg.tp_size < 1:
+            raise MegagrpoError(f"rollout.tp_size={cfg.tp_size} must be >= 1")
+        if not 0.0 < cfg.mem_fraction_static < 1.0:
+            raise MegagrpoError(f"rollout.mem_fraction_static={cfg.mem_fraction_static} must be in (0, 1)")
+        if cfg.fp8 and self.on_cpu:
+            raise MegagrpoError(
+                "rollout.fp8=true needs a CUDA GPU (SGLang's fp8 kernels); set rollout.fp8=false"
+            )
+        head_dim = self._head_dim()
+        if not self.on_cpu and head_dim is not None and head_dim < 64:
+            raise MegagrpoError(
+                f"{cfg.model_path}: head_dim {head_dim}; SGLang's CUDA rotary embedding falls back for head dims "
+                "below 64 and that path cannot write the KV cache (it fails while capturing CUDA graphs). Use "
+                "a model with head_dim >= 64 on a GPU (every released Qwen3/Llama has 64 or 128)"
+            )
+        if self.on_cpu and cfg.tp_size != 1:
+            raise MegagrpoError(f"rollout.tp_size={cfg.tp_size}: the CPU engine runs with tp_size=1 only")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The `sglang.Engine` keyword arguments this config maps to."""
+        cfg = self.cfg
+        kw: dict[str, Any] = dict(
+            model_path=cfg.model_path,
+            tp_size=cfg.tp_size,
+            dtype=cfg.dtype,
+            mem_fraction_static=cfg.mem_fraction_static,
+            random_seed=cfg.seed,
+            log_level=cfg.log_level,
+            enable_return_routed_experts=cfg.return_routes and self.is_moe_config(),
+        )
+        if cfg.max_context_len is not None:
+            kw["context_length"] = cfg.max_context_len
+        if cfg.max_total_tokens is not None:
+            kw["max_total_tokens"] = cfg.max_total_tokens
+        if self.on_cpu:
+            # SGLang's CPU platform: torch-native attention, no CUDA graphs; the memory saver needs libcuda.
+            kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+            # The packed weight sync's loader (a string: rollout does not import sync): `direct`'s copy,
+            # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`).
+            kw["custom_weight_loader"] = ["megagrpo.sync.weights.load_packed"]
+        else:
+            kw["enable_memory_saver"] = True  # release/resume really frees device memory
+            if not has_flash_attention_3():
+                # SGLang defaults to FA3 on Hopper; a bundle trimmed to sm_90 leaves FA3's 1.1 GB module out.
+                kw["attention_backend"] = "triton"
+            # SGLang 0.5.23 captures prefill CUDA graphs by default on CUDA ("breakable"); its capture fails
+            # on models whose rotary embedding takes the fallback path (seen on an H200 with head_dim 16).
+            # Rollouts are decode-bound, so eager prefill costs little; `extra_engine_args` can turn it on.
+            kw["cuda_graph_backend_prefill"] = "disabled"
+            kw["base_gpu_id"] = cfg.base_gpu_id
+            if cfg.fp8:
+                kw["quantization"] = "fp8"
+            if cfg.deterministic:
+                kw["enable_deterministic_inference"] = True
+        kw.update(cfg.extra_engine_args)
+        return kw
+
+    def _head_dim(self) -> int | None:
+        hf = self._hf_config()
+        if hf.get("head_dim"):
+            return int(hf["head_dim"])
+        if hf.get("hidden_size") and hf.get("num_attention_heads"):
+            return int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+        return None
+
+    def is_moe_config(self) -> bool:
+        return self._hf_config().get("num_experts_per_tok", 0) > 0
+
+    def start(self) -> RolloutEngine:
+        if self._engine is not None:
+            return self
+        import sglang
+
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            with only_the_served_model_imported(self.cfg.model_path):
+                self._engine = sglang.Engine(**self.engine_kwargs())
+        finally:
+            after = psutil.Process().children(recursive=True)
+            # multiprocessing's resource tracker is started by the first spawn but is shared, not the engine's
+            self._child_pids = [p.pid for p in after if p.pid not in before and not _is_mp_helper(p)]
+            if self._engine is None:
+                _kill_pids(self._child_pids)
+        hf = self._engine.tokenizer_manager.model_config.hf_config
+        self._read_dims(lambda key: getattr(hf, key, None))
+        self.context_len = int(self._engine.tokenizer_manager.context_len)
+        self.tokenizer = self._engine.tokenizer_manager.tokenizer
+        self._keep_sigterm()
+        return self
+
+    def _keep_sigterm(self) -> None:
+        """Leave SIGTERM to the host process from before the first request on (module docstring, "SIGTERM").
+
+        SGLang's `TokenizerManager.auto_create_handle_loop` runs at the first request: it creates the
+        request loop's tasks and, on the main thread only, registers the SIGTERM callback (drain, then
+        `sys.exit(0)`) and a SIGQUIT one (a child died). It is run here, before any request, and the
+        SIGTERM callback removed in the same step of the loop, so no request ever runs with it, whatever
+        the thread of that request (async rollout generates on a worker thread). SIGQUIT handling is kept.
+        The host's handler, read first, is put back: uvloop leaves the default there, and removes a
+        handler only from inside the running loop."""
+        tm = self._engine.tokenizer_manager
+        loop = self._engine.loop
+        on_main = threading.current_thread() is threading.main_thread()
+        host = signal.getsignal(signal.SIGTERM)
+
+        async def create_request_loop_without_sigterm() -> bool:
+            tm.auto_create_handle_loop()  # returns at once if the loop already exists
+            return on_main and loop.remove_signal_handler(signal.SIGTERM)
+
+        if loop.run_until_complete(create_request_loop_without_sigterm()) and host is not None:
+            signal.signal(signal.SIGTERM, host)
+
+    def shutdown(self) -> None:
+        """Stop the engine and every process it started; idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        from sglang.srt.entrypoints import engine as engine_module
+
+        pids = list(self._child_pids)
+        upstream = engine_module.kill_process_tree
+
+        def kill_own_processes(parent_pid: int, include_parent: bool = True, **kw: Any) -> None:
+            if parent_pid == os.getpid() and not include_parent:
+                _kill_pids(pids, kw.get("wait_timeout", 60))
+            else:
+                upstream(parent_pid, include_parent=include_parent, **kw)
+
+        engine_module.kill_process_tree = kill_own_processes
+        try:
+            engine.shutdown()
+        finally:
+            engine_module.kill_process_tree = upstream
+            atexit.unregister(engine.shutdown)
+            _kill_pids(pids)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids this engine started (schedulers, detokenizer)."""
+        return list(self._child_pids)
+
+    @property
+    def engine(self) -> Any:
+        """The underlying `sglang.Engine` (for weight sync)."""
+        if self._engine is None:
+            raise MegagrpoError(
+                "the rollout engine is not running; call start() (or use it as a context manager)"
+            )
+        return self._engine
+
+    def __enter__(self) -> RolloutEngine:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- memory
+
+    def _check_tags(self, tags: Sequence[str] | None) -> list[str]:
+        tags = list(MEMORY_TAGS if tags is None else tags)
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad or not tags:
+            raise MegagrpoError(f"memory tags {tags!r}: each must be one of {', '.join(MEMORY_TAGS)}")
+        return tags
+
+    def release(self, tags: Sequence[str] | None = None) -> None:
+        """Release the engine's `weights` and/or `kv_cache` memory before training.
+
+        On GPU (`enable_memory_saver`) this frees the device memory. On the CPU there is no memory saver
+        (it needs libcuda): SGLang still flushes the KV cache and stashes the static state, but frees no RAM.
+        """
+        tags = [t for t in self._check_tags(tags) if t not in self._released]
+        if tags:
+            self._wait_idle()
+            self.engine.release_memory_occupation(tags=tags)
+            self._released.update(tags)
+
+    def _wait_idle(self, timeout_s: float = 120.0) -> None:
+        """Block until the scheduler is fully idle. SGLang asserts idleness in release_memory_occupation (and
+        the failed assertion kills the scheduler), yet after the last output is returned the scheduler may
+        still hold its finished batch for one more loop turn; flush_cache succeeds only once it is idle."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not getattr(self.engine.flush_cache(), "success", True):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the SGLang scheduler did not become idle within {timeout_s:.0f} s")
+            time.sleep(0.02)
+
+    def resume(self, tags: Sequence[str] | None = None) -> None:
+        """Undo `release` for `tags` (default both). On the CPU nothing was freed, so nothing is reallocated."""
+        tags = [t for t in self._check_tags(tags) if t in self._released]
+        if tags:
+            self.engine.resume_memory_occupation(tags=tags)
+            self._released.difference_update(tags)
+
+    # ---------------------------------------------------------------- transport
+
+    async def _request(self, **request: Any) -> Any:
+        return await self.engine.async_generate(**request)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.engine.loop
+
+    @property
+    def routes_num_experts(self) -> int | None:
+        return self.num_experts if self.engine.server_args.enable_return_routed_experts else None

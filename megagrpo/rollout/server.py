@@ -24,34 +24,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 from typing import Any
 
+from megagrpo.net import advertised_host, free_port
 from megagrpo.rollout import rendezvous
 from megagrpo.rollout.config import RolloutConfig
 
 POLL_S = 0.5
-
-
-def advertised_host() -> str:
-    """An address of this node that the other nodes of the job reach: the name's address, or loopback
-    on a one-node launch (MEGAGRPO_ENGINE_HOST overrides, for hosts with several interfaces)."""
-    if os.environ.get("MEGAGRPO_ENGINE_HOST"):
-        return os.environ["MEGAGRPO_ENGINE_HOST"]
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def server_args(rc: RolloutConfig, host: str, port: int) -> Any:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.errors import MegagrpoError
+from megagrpo.net import advertised_host, free_port
 from megagrpo.rollout.remote import RemoteEngine
 from megagrpo.sync.buckets import NamedTensor
 from megagrpo.sync.weights import (
@@ -86,8 +87,6 @@ class BroadcastTransport:
     def open(self) -> None:
         """Create the group: this rank hosts its store on a free port, the engine's TP workers join."""
         from sglang.srt.utils.common import init_custom_process_group
-
-        from megagrpo.rollout.server import advertised_host, free_port
 
         if self.group is not None:
             return

@@ -17,9 +17,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megagrpo.dist.agree import agreed
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.groups import node_name
-from megagrpo.trainer.agree import agreed
 from megagrpo.trainer.components import rollout_config
 from megagrpo.trainer.weights import check_learner_weights, export_buckets
 

@@ -30,6 +30,7 @@ import time
 import traceback
 from typing import Any
 
+from megagrpo.errors import MegagrpoError
 from megagrpo.net import advertised_host, free_port
 from megagrpo.rollout import rendezvous
 from megagrpo.rollout.config import RolloutConfig
@@ -58,8 +59,11 @@ def serve(
     port: int,
     timeout_s: float,
     rank: int | None = None,
+    nodes: int = 1,
 ) -> int:
-    """Run engine `engine`'s server (its first rank) or wait beside it (`first=False`) until stopped."""
+    """Run engine `engine`'s server (its first rank) or wait beside it (`first=False`) until stopped.
+    `addr`, `port`: the launch's store (MASTER_ADDR, MASTER_PORT); `nodes`: how many nodes the launch
+    spans (the server's address must reach the others: `net.advertised_host`)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     # torchrun tells its workers to find the store of any tcp:// rendezvous at the agent's; the weights
@@ -71,7 +75,11 @@ def serve(
     where = f"rank {rank if rank is not None else os.environ.get('RANK', '?')} on {node_name()}"
     if first:
         try:
-            _start_server(rc, store, engine, where)
+            _start_server(rc, store, engine, where, advertised_host(addr, nodes=nodes))
+        except MegagrpoError as e:  # a user error (the address, the config): one line, here and at the owner
+            rendezvous.publish_failure(store, engine, str(e))
+            print(f"megagrpo: error: engine {engine}: {e}", file=sys.stderr, flush=True)
+            return 1
         except Exception as e:  # noqa: BLE001 - reported to the owner, which names the engine
             rendezvous.publish_failure(store, engine, f"{type(e).__name__}: {e}")
             traceback.print_exc()
@@ -79,7 +87,7 @@ def serve(
     return _wait_for_stop(store, engine, where)
 
 
-def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str) -> None:
+def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: str) -> None:
     from sglang.srt.entrypoints import http_server
     from sglang.srt.entrypoints.engine import Engine
 
@@ -88,7 +96,7 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str) -> Non
     skipped = skipped_model_modules(rc.model_path)
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
-    host, port = advertised_host(), free_port()
+    port = free_port()
     sa = server_args(rc, host="0.0.0.0", port=port)
 
     def ready() -> None:

@@ -30,6 +30,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import time
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -91,7 +92,11 @@ class BroadcastTransport:
         if self.group is not None:
             return
         tp = int(self.remote.cfg.tp_size)
-        host, port = advertised_host(), free_port()
+        # the engine's TP workers join this rank's store: the address of the interface that routes to them
+        host, port = (
+            advertised_host(urllib.parse.urlsplit(self.remote.url).hostname or "127.0.0.1"),
+            free_port(),
+        )
         timeout = datetime.timedelta(seconds=self.timeout_s)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         self._store = dist.TCPStore(

@@ -75,6 +75,6 @@ def advertised_host(peer: str, *, nodes: int = 1) -> str:
 def free_port(host: str = "") -> int:
     """A TCP port free on `host` now ("" = every interface); another process may take it before it is
     bound again, so the caller binds it at once."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

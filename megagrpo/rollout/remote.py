@@ -10,6 +10,9 @@ Deadlines. Every call waits at most `rollout.placement.engine_timeout_s`; a refu
 (the engine's process is gone) fails at once. Either way the error names the engine, its rank and host,
 and what was asked, and the owner's failure stops every rank (`dist.agree`, or the launcher).
 
+Access. Every request carries the launch's key for this engine (`rendezvous.Endpoint.key`) as
+`Authorization: Bearer <key>`, the header SGLang's `api_key`/`admin_api_key` check (`rollout.server`).
+
 Memory. The engine owns its devices: it never releases any (no `release`/`resume`; the session's memory
 phases skip an engine with devices of its own), and the learner is never offloaded.
 """
@@ -46,13 +49,16 @@ class RemoteEngine(EngineRequests):
         url: str,
         where: str,
         timeout_s: float,
+        key: str | None = None,
         reported_failure: Callable[[], str | None] | None = None,
     ) -> None:
-        """`reported_failure`: what the engine's rank said when its server's processes died, or None (read
-        while a request waits: a dead scheduler leaves the HTTP server up and the request unanswered)."""
+        """`key`: the bearer key its server requires (published with its URL). `reported_failure`: what
+        the engine's rank said when its server's processes died, or None (read while a request waits: a
+        dead scheduler leaves the HTTP server up and the request unanswered)."""
         super().__init__(cfg)  # validated by the engine rank (`RolloutEngine`) before its server started
         self.index, self.url, self.where, self.timeout_s = index, url.rstrip("/"), where, timeout_s
         self.reported_failure = reported_failure
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
         self._failure_read_at, self._failure_seen = float("-inf"), None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: Any = None
@@ -133,10 +139,10 @@ class RemoteEngine(EngineRequests):
             )
         what = "a generate request"
         try:
-            async with self._session.post(f"{self.url}/generate", json=request) as r:
+            async with self._session.post(f"{self.url}/generate", json=request, headers=self._auth) as r:
                 body = await r.text()
                 if r.status != 200:
-                    raise EngineUnreachable(f"{self.name}: {what} failed with HTTP {r.status}: {body[:500]}")
+                    raise EngineUnreachable(self._refused(what, r.status, body[:500]))
                 return json.loads(body)
         except TimeoutError:
             raise EngineUnreachable(
@@ -148,6 +154,15 @@ class RemoteEngine(EngineRequests):
                 "is unreachable. Its rank's log says why; resume from the last checkpoint"
             ) from e
 
+    def _refused(self, what: str, status: int, body: str) -> str:
+        why = ""
+        if status in (401, 403):  # SGLang's answer to a missing or wrong key
+            why = (
+                "; the server refused this launch's key for it: the process at that address is not this "
+                "launch's engine (check the engine rank's log for the URL it published)"
+            )
+        return f"{self.name}: {what} failed with HTTP {status}: {body}{why}"
+
     def get(self, path: str) -> Any:
         return self.call(path, None, method="GET")
 
@@ -156,14 +171,17 @@ class RemoteEngine(EngineRequests):
         from any thread: it does not use the event loop that generation runs on."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json", **self._auth},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
                 return json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:1000]
-            raise EngineUnreachable(f"{self.name}: {path} failed with HTTP {e.code}: {detail}") from None
+            raise EngineUnreachable(self._refused(path, e.code, detail)) from None
         except (urllib.error.URLError, OSError) as e:
             raise EngineUnreachable(
                 f"{self.name}: {path} failed ({e}); the engine's process has died, is unreachable or passed "

@@ -7,13 +7,19 @@ needed: an engine rank publishes its server's URL when the server is ready, the 
 engine waits for it (with the engine deadline), and at the end the owner asks its engine to stop.
 
 Keys (under the prefix `megagrpo/`): `engine/<e>/url`, `engine/<e>/where` (rank and host, for errors),
+`engine/<e>/key` (the bearer key its server requires, made by the engine rank for this launch),
 `engine/<e>/failed` (the engine rank's last words when its server could not start), `stop`.
+
+The key keeps clients outside the launch from driving the engine (generating, or writing its weights);
+the store itself is torch's TCPStore, without authentication, so a process that speaks its protocol on
+MASTER_ADDR:MASTER_PORT can read it: the launch's network is trusted that far, as for the process groups.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -30,18 +36,27 @@ def connect(addr: str, port: int, timeout_s: float) -> dist.Store:
     return dist.PrefixStore(PREFIX, store)
 
 
-def publish(store: dist.Store, engine: int, url: str, where: str) -> None:
+class Endpoint(NamedTuple):
+    """Where engine e listens, as its rank published it."""
+
+    url: str
+    where: str  # its rank and host, for errors
+    key: str  # the bearer key its server requires (`Authorization: Bearer <key>`)
+
+
+def publish(store: dist.Store, engine: int, url: str, where: str, key: str) -> None:
     store.set(f"engine/{engine}/where", where)
-    store.set(f"engine/{engine}/url", url)
+    store.set(f"engine/{engine}/key", key)
+    store.set(f"engine/{engine}/url", url)  # last: the owner waits for it
 
 
 def publish_failure(store: dist.Store, engine: int, message: str) -> None:
     store.set(f"engine/{engine}/failed", message[-4000:])
 
 
-def wait_for(store: dist.Store, engine: int, timeout_s: float) -> tuple[str, str]:
-    """The URL and location of engine `engine`, once its server is ready; MegagrpoError past the deadline
-    or when the engine rank reported that its server failed to start."""
+def wait_for(store: dist.Store, engine: int, timeout_s: float) -> Endpoint:
+    """Where engine `engine` listens, once its server is ready; MegagrpoError past the deadline or when
+    the engine rank reported that its server failed to start."""
     deadline = time.monotonic() + timeout_s
     url_key, failed_key = f"engine/{engine}/url", f"engine/{engine}/failed"
     while True:
@@ -50,7 +65,8 @@ def wait_for(store: dist.Store, engine: int, timeout_s: float) -> tuple[str, str
                 f"engine {engine}: its SGLang server failed to start: {store.get(failed_key).decode()}"
             )
         if store.check([url_key]):
-            return store.get(url_key).decode(), store.get(f"engine/{engine}/where").decode()
+            url, where, key = store.multi_get([url_key, f"engine/{engine}/where", f"engine/{engine}/key"])
+            return Endpoint(url.decode(), where.decode(), key.decode())
         if time.monotonic() > deadline:
             raise MegagrpoError(
                 f"engine {engine} did not come up within rollout.placement.engine_timeout_s={timeout_s:.0f} s; "

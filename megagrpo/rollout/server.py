@@ -5,7 +5,15 @@ samplers (`config.mesh_rules.rank_roles`). The first rank of each engine runs SG
 (`sglang.srt.entrypoints.http_server.launch_server`, the server slime and miles drive) on its devices,
 with the same engine arguments a colocated engine gets (`RolloutEngine.engine_kwargs`), and publishes its
 URL in the launch's store (`rollout.rendezvous`) once it is ready; the other ranks of a TP group only
-wait (their GPUs are the server's). The learner rank that owns the engine talks to it over HTTP
+wait (their GPUs are the server's).
+
+Access. The server listens on the address it advertises (`net.advertised_host`), not on every interface,
+and requires a key made here for this launch (`secrets.token_urlsafe`), published in the store beside the
+URL: SGLang's `api_key` guards its ordinary endpoints (`/generate`, `/server_info`, ...) and its
+`admin_api_key` the ones that change the engine (`/update_weights_from_distributed`,
+`/init_weights_update_group`, `/weights_checker`, ...), which accept only the admin key once it is set;
+both are this one key, sent as `Authorization: Bearer <key>` by every client of the launch
+(`RemoteEngine`). Only `/health*`, `/ready*` and `/metrics*` answer without it (SGLang's rule). The learner rank that owns the engine talks to it over HTTP
 (`rollout.remote.RemoteEngine`) and sends weights over a broadcast group (`sync.broadcast`).
 
 Signals. The server runs on a worker thread, so neither uvicorn nor SGLang installs its SIGTERM handler
@@ -23,6 +31,7 @@ server's processes are killed and the rank exits 0: the learners' exit codes are
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -38,16 +47,18 @@ from megagrpo.rollout.config import RolloutConfig
 POLL_S = 0.5
 
 
-def server_args(rc: RolloutConfig, host: str, port: int) -> Any:
+def server_args(rc: RolloutConfig, host: str, port: int, key: str) -> Any:
     """SGLang's ServerArgs of a disaggregated engine: a colocated engine's arguments (one code path for
-    what the engine computes) and an HTTP address. No warm-up request: the first rollout warms it."""
+    what the engine computes), an HTTP address and the launch's key (module doc, "Access"; set over any
+    `extra_engine_args`). No warm-up request: the first rollout warms it."""
     from sglang.srt.server_args import ServerArgs
 
     from megagrpo.rollout.engine import RolloutEngine
 
     kw = RolloutEngine(rc).engine_kwargs()
     kw.pop("enable_memory_saver", None)  # the engine owns its devices: nothing is ever released
-    return ServerArgs(**kw, host=host, port=port, skip_server_warmup=True)
+    kw.update(host=host, port=port, api_key=key, admin_api_key=key, skip_server_warmup=True)
+    return ServerArgs(**kw)
 
 
 def serve(
@@ -96,12 +107,13 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
     skipped = skipped_model_modules(rc.model_path)
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
-    port = free_port()
-    sa = server_args(rc, host="0.0.0.0", port=port)
+    port, key = free_port(host), secrets.token_urlsafe(32)
+    sa = server_args(rc, host=host, port=port, key=key)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def ready() -> None:
-        rendezvous.publish(store, engine, f"http://{host}:{port}", where)
-        print(f"engine {engine}: SGLang server at http://{host}:{port} ({where})", flush=True)
+        rendezvous.publish(store, engine, url, where, key)
+        print(f"engine {engine}: SGLang server at {url} ({where})", flush=True)
 
     def run() -> None:
         try:

@@ -60,6 +60,7 @@ class RemoteEngine(EngineRequests):
         self.reported_failure = reported_failure
         self._auth = {"Authorization": f"Bearer {key}"} if key else {}
         self._failure_read_at, self._failure_seen = float("-inf"), None
+        self._unreadable: MegagrpoError | None = None  # why `reported_failure` cannot be read (the store)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: Any = None
         self._routes = False
@@ -112,7 +113,11 @@ class RemoteEngine(EngineRequests):
             done, _ = await asyncio.wait({task}, timeout=FAILURE_POLL_S)
             if done:
                 return task.result()
-            failure = self._failure()
+            try:
+                failure = self._failure()
+            except MegagrpoError:
+                task.cancel()
+                raise
             if failure:
                 task.cancel()
                 raise EngineUnreachable(
@@ -121,10 +126,21 @@ class RemoteEngine(EngineRequests):
 
     def _failure(self) -> str | None:
         """`reported_failure`, read at most once per poll interval whatever the number of requests waiting
-        (a multi-turn round has one per trajectory)."""
+        (a multi-turn round has one per trajectory). When it cannot be read (the launch's store is gone:
+        `rendezvous.StoreGone`), that one error, read once, ends every waiting request."""
         now = time.monotonic()
-        if self.reported_failure is not None and now - self._failure_read_at >= FAILURE_POLL_S:
-            self._failure_read_at, self._failure_seen = now, self.reported_failure()
+        if (
+            self.reported_failure is not None
+            and self._unreadable is None
+            and now - self._failure_read_at >= FAILURE_POLL_S
+        ):
+            self._failure_read_at = now
+            try:
+                self._failure_seen = self.reported_failure()
+            except MegagrpoError as e:
+                self._unreadable = e
+        if self._unreadable is not None:
+            raise self._unreadable
         return self._failure_seen
 
     async def _post(self, request: dict[str, Any]) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -119,3 +120,54 @@ def test_every_request_carries_the_launch_key(tmp_path, recording_server):
     finally:
         loop.close()
     assert seen == [("/update_weights_from_distributed", "Bearer k3y"), ("/generate", "Bearer k3y")]
+
+
+class DeadStore:
+    """The launch's store once the process that hosts it has exited: every call fails as torch's
+    TCPStore client does then."""
+
+    underlying_store = SimpleNamespace(host="10.0.0.1", port=29500)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _gone(self, *args):
+        self.calls += 1
+        raise dist.DistNetworkError("Broken pipe")
+
+    check = get = set = multi_get = _gone
+
+
+STORE_GONE = (
+    r"the launch's store at 10\.0\.0\.1:29500 .*does not answer \(DistNetworkError: Broken pipe\).*rank 0"
+)
+
+
+def test_a_dead_store_is_one_clear_error_for_every_waiting_request(tmp_path):
+    """Issue 36, item 9: a multi-turn round's requests all wait on the engine while the store is read for
+    its failure; when the store's host is gone, each request ends with the same error naming the store
+    and what it means, read once, not a raw DistNetworkError per request."""
+    dead = DeadStore()
+    e = Hanging(
+        RolloutConfig(model_path=str(tmp_path)), index=0, url="http://h:1", where="rank 2 on n2",
+        timeout_s=3600, reported_failure=lambda: rendezvous.failure_of(dead, 0),
+    )  # fmt: skip
+
+    async def round_of(n):
+        return await asyncio.gather(*(e._request(input_ids=[i]) for i in range(n)), return_exceptions=True)
+
+    loop = asyncio.new_event_loop()
+    try:
+        errors = loop.run_until_complete(asyncio.wait_for(round_of(16), 30))
+    finally:
+        loop.close()
+    assert all(isinstance(x, rendezvous.StoreGone) for x in errors), errors
+    assert len({str(x) for x in errors}) == 1 and dead.calls == 1
+    with pytest.raises(rendezvous.StoreGone, match=STORE_GONE):
+        raise errors[0]
+
+
+def test_a_dead_store_while_waiting_for_an_engine_and_at_the_stop():
+    with pytest.raises(rendezvous.StoreGone, match=STORE_GONE):
+        rendezvous.wait_for(DeadStore(), 0, timeout_s=60)
+    rendezvous.request_stop(DeadStore())  # nobody to tell: the engine ranks stop when the store goes

@@ -135,8 +135,8 @@ class SamplerMixin:
         if not self.by_stage:  # with PP > 1 the stages send (`connect_stages`)
             self.weights_transport = BroadcastTransport(engine, timeout_s=timeout)
         print(
-            f"engine {index} of {self.engines.num_engines}: {endpoint.where}, owned by rank {self.engines.rank} on "
-            f"{node_name()}",
+            f"engine {index} of {self.engines.num_engines}: {endpoint.where}, owned by rank "
+            f"{self.engines.rank} on {node_name()}",
             flush=True,
         )
         return engine

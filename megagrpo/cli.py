@@ -69,8 +69,8 @@ def _spawn_torchrun(nproc: int, mode: str, argv_rest: list[str]) -> int:
 
 def _report(error: MegagrpoError) -> None:
     """Print a user error; a rank started by `_spawn_torchrun` leaves it for the parent to print once."""
+    from megagrpo.dist.agree import PeerFailed
     from megagrpo.launch.torchrun import leave_user_error
-    from megagrpo.trainer.agree import PeerFailed
 
     if not leave_user_error(str(error), echo=isinstance(error, PeerFailed)):
         print(f"megagrpo: error: {error}", file=sys.stderr)

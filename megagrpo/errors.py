@@ -14,7 +14,7 @@ ECHO = ".echo"  # suffix of a message that only repeats another rank's failure
 
 def leave_user_error(message: str, *, echo: bool = False) -> bool:
     """In a rank started by the CLI's `--nproc`: store `message` for the CLI and return True; else False.
-    `echo`: the message only repeats another rank's failure (`trainer.agree.PeerFailed`), so the CLI
+    `echo`: the message only repeats another rank's failure (`dist.agree.PeerFailed`), so the CLI
     prints it only when no rank left its own (`megagrpo.launch.torchrun.first_user_error`)."""
     where, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
     if not where or rank is None or not Path(where).is_dir():

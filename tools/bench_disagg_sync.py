@@ -275,7 +275,7 @@ def _bcast_seconds(transport: Any, raw: Any) -> float:
 
 def _start_server(
     model_dir: Path, a: argparse.Namespace, log: Path, timing_dir: Path
-) -> tuple[Any, Any, str, str]:
+) -> tuple[Any, Any, Any]:
     import torch.distributed as dist
 
     from megagrpo.errors import MegagrpoError
@@ -306,7 +306,7 @@ def _start_server(
     deadline = time.monotonic() + a.timeout
     while True:  # short waits, so that a server that died before publishing is seen at once
         try:
-            url, where = rendezvous.wait_for(store, ENGINE, 1.0)
+            endpoint = rendezvous.wait_for(store, ENGINE, 1.0)
             break
         except MegagrpoError as e:
             if (
@@ -319,7 +319,7 @@ def _start_server(
             raise SystemExit(
                 f"error: the engine server did not come up ({e}):\n{log.read_text()[-3000:]}"
             ) from e
-    return proc, store, url, where
+    return proc, store, endpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,11 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         timing_dir = Path(tmp) / "timing"
         timing_dir.mkdir()
         t0 = time.monotonic()
-        proc, store, url, where = _start_server(model_dir, a, Path(tmp) / "server.log", timing_dir)
+        proc, store, ep = _start_server(model_dir, a, Path(tmp) / "server.log", timing_dir)
         start_s = time.monotonic() - t0
         engine = RemoteEngine(
-            _rollout_config(str(model_dir)), index=ENGINE, url=url, where=where, timeout_s=a.timeout
-        ).start()
+            _rollout_config(str(model_dir)), index=ENGINE, url=ep.url, where=ep.where, key=ep.key,
+            timeout_s=a.timeout,
+        ).start()  # fmt: skip
         transport = BroadcastTransport(engine, timeout_s=a.timeout)
         try:
             t0 = time.monotonic()

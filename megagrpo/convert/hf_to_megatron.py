@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -27,16 +26,11 @@ from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, copy_side_fil
 from megagrpo.bridge.maps import param_maps
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
+from megagrpo.net import free_port
 
 MARKER = "megagrpo_checkpoint.json"
 FORMAT = "megagrpo-megatron-torch_dist"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_single_process() -> None:
@@ -61,7 +55,7 @@ def init_single_process() -> None:
         return
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise MegagrpoError("conversion needs a TP=PP=EP=1 mesh; run it in its own process")
-    env = None if dist.is_initialized() else DistEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
+    env = None if dist.is_initialized() else DistEnv(0, 1, 0, "127.0.0.1", free_port("127.0.0.1"), "single")
     init_mesh(MeshConfig(), env)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megagrpo.config.mesh_rules import check_layout, mesh_sizes
 from megagrpo.errors import MegagrpoError
+from megagrpo.net import free_port
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class DistEnv:
     master_port: int
     launcher: str  # "torchrun" | "srun" | "mpirun" | "mpi4py" | "single"
     node_rank: int = 0  # index of this process's node (torchrun GROUP_RANK, SLURM_NODEID, MPI node)
+    nodes: int = 1  # nodes the launch spans (torchrun GROUP_WORLD_SIZE, SLURM_STEP_NUM_NODES, MPI)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -77,23 +79,27 @@ class DistEnv:
         under `srun --mpi=pmix`): ranks from COMM_WORLD, rank 0's host and a free port broadcast to all.
         """
         env = dict(os.environ if environ is None else environ)
-        node = 0
+        node, nodes = 0, 1
         launcher = _launcher(env)
         if launcher == "mpi4py":
-            rank, world, local, node = _mpi4py_bootstrap(env)  # also fills MASTER_ADDR/PORT in `env`
+            rank, world, local, node, nodes = _mpi4py_bootstrap(env)  # also fills MASTER_ADDR/PORT in `env`
         elif launcher == "torchrun":
             rank, world = _int(env, "RANK"), _world(env, launcher)
             local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
             node = _int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0
+            nodes = _int(env, "GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in env else 1
         elif launcher == "mpirun":
             rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _world(env, launcher)
             local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0
             if "OMPI_COMM_WORLD_LOCAL_SIZE" in env:  # by-slot mapping (mpirun's default) fills nodes in order
-                node = rank // max(1, _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
+                per_node = max(1, _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
+                node, nodes = rank // per_node, -(-world // per_node)
         elif launcher == "srun":
             rank, world = _int(env, "SLURM_PROCID"), _world(env, launcher)
             local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
             node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+            key = next((k for k in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES") if k in env), None)
+            nodes = _int(env, key) if key else 1
         else:
             rank, world, local = 0, 1, 0
         if LEARNERS_ENV in env:  # a disaggregated launch: the engine ranks follow the learner's
@@ -109,10 +115,12 @@ class DistEnv:
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         elif world == 1:
-            port = _free_port()  # a lone process needs no agreed port; a fixed one collides with other jobs
+            port = free_port(
+                "127.0.0.1"
+            )  # a lone process needs no agreed port; a fixed one collides with other jobs
         else:
             port = 29500
-        return cls(rank, world, local, addr, port, launcher, node)
+        return cls(rank, world, local, addr, port, launcher, node, nodes)
 
 
 def _launcher(env: Mapping[str, str]) -> str:
@@ -151,19 +159,11 @@ def world_size_from_environ(environ: Mapping[str, str] | None = None) -> int | N
     return None if launcher == "mpi4py" else _world(env, launcher)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 BOOTSTRAP_ENV = "MEGAGRPO_BOOTSTRAP"
 
 
-def _mpi4py_bootstrap(env: dict[str, str]) -> tuple[int, int, int, int]:
-    """(rank, world, local rank, node index) from mpi4py's COMM_WORLD; sets MASTER_ADDR/PORT in `env`
+def _mpi4py_bootstrap(env: dict[str, str]) -> tuple[int, int, int, int, int]:
+    """(rank, world, local rank, node index, node count) from mpi4py's COMM_WORLD; sets MASTER_ADDR/PORT in `env`
     from rank 0 (its host name and a free port) unless they are set already."""
     try:
         from mpi4py import MPI
@@ -178,7 +178,8 @@ def _mpi4py_bootstrap(env: dict[str, str]) -> tuple[int, int, int, int]:
     local = local_comm.Get_rank()
     # node index = rank of this node's first process among all nodes' first processes
     leaders = comm.allgather(rank if local == 0 else None)
-    node = sorted(r for r in leaders if r is not None).index(local_comm.bcast(rank if local == 0 else None))
+    firsts = sorted(r for r in leaders if r is not None)
+    node = firsts.index(local_comm.bcast(rank if local == 0 else None))
     local_comm.Free()
     addr, port = None, None
     if rank == 0:
@@ -188,12 +189,10 @@ def _mpi4py_bootstrap(env: dict[str, str]) -> tuple[int, int, int, int]:
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         else:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
+            port = free_port()
     addr, port = comm.bcast((addr, port), root=0)
     env["MASTER_ADDR"], env["MASTER_PORT"] = addr, str(port)
-    return rank, world, local, node
+    return rank, world, local, node, len(firsts)
 
 
 def _int(env: Mapping[str, str], key: str) -> int:

@@ -1,5 +1,6 @@
 """Planning a job before it runs: the per-GPU memory plan (`megagrpo plan`, checked by `megagrpo submit`)."""
 
+from megagrpo.plan.job import plan_memory
 from megagrpo.plan.memory import (
     MemoryPlan,
     PlanMesh,
@@ -7,7 +8,6 @@ from megagrpo.plan.memory import (
     Workload,
     activation_bytes,
     learner_state_bytes,
-    plan_memory,
     plan_workload,
     workload_from_config,
 )

@@ -90,7 +90,7 @@ def plan_for(
 ):
     """(MemoryPlan, or DisaggregatedPlan for a disaggregated config; config.json path) of a loaded config."""
     from megagrpo.bridge.hf_config import arch_from_hf
-    from megagrpo.plan.memory import plan_memory
+    from megagrpo.plan.job import plan_memory
 
     path = model_config_path(cfg, model_config)
     arch = arch_from_hf(path)

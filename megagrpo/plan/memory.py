@@ -1,5 +1,6 @@
 """The memory plan: bytes per GPU of a colocated megagrpo job, from the model's `config.json` alone.
-(A disaggregated job's two pools of GPUs: `plan/pools.py`, on the same arithmetic.)
+(A disaggregated job's two pools of GPUs: `plan/pools.py`, on the same arithmetic; the plan of either
+kind from a config: `plan/job.py`.)
 
 Pure arithmetic on a `ModelArch`, the mesh and the config; no torch, no process group, no weights, so a
 user can plan before downloading anything. What it models, and from which code:
@@ -63,7 +64,6 @@ from megagrpo.errors import MegagrpoError
 
 if TYPE_CHECKING:
     from megagrpo.plan.host import HostPlan
-    from megagrpo.plan.pools import DisaggregatedPlan
 
 GIB = 1 << 30
 # Vocab padding unit; the same as `megagrpo.learner.model.VOCAB_MULTIPLE` (a unit test holds them equal).
@@ -666,39 +666,3 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
         reasons=tuple(reasons),
         rows_in_flight=w.rows_in_flight,
     )
-
-
-def plan_memory(
-    cfg: Any,
-    arch: ModelArch,
-    *,
-    nodes: int,
-    gpus_per_node: int,
-    gpu_mem_gib: float = 80.0,
-    host_mem_gib: float | None = None,
-) -> MemoryPlan | DisaggregatedPlan:
-    """The memory plan of megagrpo config `cfg` for `arch` on nodes x gpus_per_node GPUs: one per-GPU
-    plan when colocated, a learner pool and an engine pool (`plan/pools.py`) when disaggregated; both with
-    the host side of each node (`plan/host.py`), judged against `host_mem_gib` when given."""
-    from megagrpo.plan.host import host_plan
-
-    if nodes < 1 or gpus_per_node < 1:
-        raise MegagrpoError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be >= 1")
-    if cfg.rollout.placement.disaggregated:
-        from megagrpo.plan.pools import plan_disaggregated
-
-        plan = plan_disaggregated(
-            cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib
-        )
-        host = host_plan(
-            cfg, gpus_per_node=gpus_per_node, engines=plan.engine.engines, disaggregated=True,
-            host_mem_gib=host_mem_gib,
-        )  # fmt: skip
-        return replace(plan, host=host)
-    w = workload_from_config(cfg, nodes * gpus_per_node)
-    plan = plan_workload(arch, w, gpu_mem_gib=gpu_mem_gib)
-    host = host_plan(
-        cfg, gpus_per_node=gpus_per_node, engines=max(1, nodes * gpus_per_node // w.engine_tp),
-        disaggregated=False, host_mem_gib=host_mem_gib,
-    )  # fmt: skip
-    return replace(plan, host=host, reasons=plan.reasons + host.reasons, fits=plan.fits and host.fits)

@@ -34,6 +34,8 @@ gone.
 
 from __future__ import annotations
 
+import abc
+import asyncio
 import atexit
 import contextlib
 import dataclasses
@@ -41,7 +43,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -107,14 +109,290 @@ class EngineFailed(MegagrpoError):
     """A process of the in-process SGLang engine died (module doc, "SIGQUIT"): the engine cannot serve."""
 
 
-class RolloutEngine:
-    """One SGLang engine. Use as a context manager, or call `start()` and `shutdown()`."""
+class EngineRequests(abc.ABC):
+    """The requests every engine transport sends, built and decoded in one place: prompt checks, sampling
+    parameters and seeds, the layout of SGLang's `GenerateReqInput`, and the decoding of the answers
+    (`generate`, `generate_turn`, `score`). Two transports carry them: `RolloutEngine`, an in-process
+    `sglang.Engine`, and `rollout.remote.RemoteEngine`, SGLang's HTTP server on ranks of its own. A
+    transport provides `_request`, `loop` and `routes_num_experts`, and sets the model's dimensions
+    (`_read_dims`, `context_len`, `tokenizer`) when it starts.
+
+    Memory: only an engine that shares its devices releases any (`RolloutEngine.release`); while some is
+    released, requests are refused (`asleep`)."""
 
     def __init__(self, cfg: RolloutConfig) -> None:
         self.cfg = cfg
+        self._released: set[str] = set()  # memory tags released (`RolloutEngine.release`)
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._released)
+
+    def _hf_config(self) -> dict[str, Any]:
+        import json
+
+        with open(os.path.join(self.cfg.model_path, "config.json")) as f:
+            return json.load(f)
+
+    def _read_dims(self, get: Callable[[str], Any]) -> None:
+        """The model's dimensions from its HF config, read through `get(key)` (None when absent)."""
+        self.num_layers = int(get("num_hidden_layers") or 0)
+        self.topk = int(get("num_experts_per_tok") or 0)
+        self.vocab_size = int(get("vocab_size"))
+        experts = next(
+            (get(k) for k in ("num_experts", "n_routed_experts", "num_local_experts") if get(k)), 0
+        )
+        self.num_experts = int(experts) if self.topk else None
+
+    # ---------------------------------------------------------------- generation
+
+    def tokenize(self, prompt: Prompt, index: int = 0) -> list[int]:
+        """Token ids of one prompt: ids as given, or chat messages through the chat template."""
+        if isinstance(prompt, str):
+            raise MegagrpoError(
+                f"prompts[{index}] is a string; pass token ids or chat messages [{{'role':..,'content':..}}]"
+            )
+        items = list(prompt)
+        if not items:
+            raise MegagrpoError(f"prompts[{index}] is empty; every prompt needs at least one token")
+        if all(isinstance(m, dict) for m in items):
+            ids = self.tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        if not all(isinstance(t, int) or (torch.is_tensor(t) and t.numel() == 1) for t in items):
+            raise MegagrpoError(f"prompts[{index}] must be token ids (ints) or chat messages (dicts)")
+        ids = [int(t) for t in items]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise MegagrpoError(f"prompts[{index}] has token ids {bad[:5]} outside [0, {self.vocab_size})")
+        return ids
+
+    def _sampling_params(self, s: SamplingConfig, seed: int | None) -> dict[str, Any]:
+        if s.temperature < 0:
+            raise MegagrpoError(f"sampling.temperature={s.temperature} must be >= 0 (0 = greedy)")
+        if not 0.0 < s.top_p <= 1.0:
+            raise MegagrpoError(f"sampling.top_p={s.top_p} must be in (0, 1]")
+        if s.max_new_tokens < 1:
+            raise MegagrpoError(f"sampling.max_new_tokens={s.max_new_tokens} must be >= 1")
+        sp: dict[str, Any] = dict(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_new_tokens=s.max_new_tokens,
+            ignore_eos=s.ignore_eos,
+            no_stop_trim=True,  # keep the text consistent with output_ids (which always hold the stop tokens)
+            skip_special_tokens=False,
+        )
+        if s.stop:
+            sp["stop"] = list(s.stop)
+        if seed is not None:
+            sp["sampling_seed"] = seed
+        return sp
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingConfig,
+        group_size: int = 1,
+        *,
+        index_offset: int = 0,
+    ) -> list[list[Completion]]:
+        """G = `group_size` completions for each prompt, as `[n_prompts][G]`, in one batched engine call.
+
+        Request k of the call (prompt k // G, sample k % G) samples with seed `sampling.seed + index_offset
+        + k`: `index_offset` is the global index of the first request when a call is one engine's share of
+        a larger one (`rollout.groups`), so a request's seed does not depend on which engine serves it.
+
+        Raises MegagrpoError for an empty prompt list, an empty prompt, group_size < 1, or a prompt whose
+        length plus `max_new_tokens` exceeds the engine's context.
+        """
+        if self.asleep:
+            raise MegagrpoError(
+                f"the rollout engine has released {sorted(self._released)}; call resume() first"
+            )
+        if len(prompts) == 0:
+            raise MegagrpoError("generate() got an empty prompt list; pass at least one prompt")
+        if group_size < 1:
+            raise MegagrpoError(f"group_size={group_size} must be >= 1")
+        ids = [self.tokenize(p, i) for i, p in enumerate(prompts)]
+        for i, p in enumerate(ids):
+            if len(p) + sampling.max_new_tokens > self.context_len:
+                raise MegagrpoError(
+                    f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} it exceeds "
+                    f"the engine context of {self.context_len} tokens (rollout.max_context_len). Shorten the "
+                    "prompt or lower max_new_tokens"
+                )
+        batch_ids, params = [], []
+        for i, p in enumerate(ids):
+            for g in range(group_size):
+                batch_ids.append(p)
+                seed = None if sampling.seed is None else sampling.seed + index_offset + i * group_size + g
+                params.append(self._sampling_params(sampling, seed))
+        outs = self.wait(
+            self._request(
+                input_ids=batch_ids,
+                sampling_params=params,
+                return_logprob=True,
+                return_routed_experts=self.routes_num_experts is not None,
+            )
+        )
+        if isinstance(outs, dict):
+            outs = [outs]
+        groups: list[list[Completion]] = []
+        for i, p in enumerate(ids):
+            groups.append(
+                [
+                    completion_from_output(
+                        outs[i * group_size + g],
+                        prompt_index=i,
+                        sample_index=g,
+                        prompt_ids=p,
+                        num_layers=self.num_layers,
+                        topk=self.topk,
+                    )
+                    for g in range(group_size)
+                ]
+            )
+        return groups
+
+    @abc.abstractmethod
+    async def _request(self, **request: Any) -> Any:
+        """One SGLang generate request (GenerateReqInput's fields), batched or single, over this transport:
+        SGLang's answer (a dict, or a list of them for a batch)."""
+
+    @property
+    @abc.abstractmethod
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop every request of this engine is awaited on (`wait`)."""
+
+    def wait(self, coro: Any) -> Any:
+        """`coro` run to its end on the engine's loop."""
+        return self.loop.run_until_complete(coro)
+
+    @property
+    @abc.abstractmethod
+    def routes_num_experts(self) -> int | None:
+        """The expert count of the routes this engine returns; None when it returns none (dense model, or
+        `rollout.return_routes` off)."""
+
+    async def generate_turn(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingConfig,
+        *,
+        seed: int | None,
+        routed_experts_start_len: int = 0,
+        max_new_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """One request, awaited on `self.loop`: SGLang's raw result for `input_ids` (output ids, sampler
+        logprobs, finish reason and, when the engine returns routes, the route rows of sequence positions
+        `[routed_experts_start_len, len(input_ids) + new tokens - 1)`; `rollout.trajectory` decodes them).
+
+        One turn of a multi-turn trajectory: each trajectory sends its own requests, because SGLang takes one
+        `routed_experts_start_len` per call. `max_new_tokens` overrides `sampling.max_new_tokens` (the
+        trajectory's remaining budget). Raises MegagrpoError when the engine sleeps, for an empty request, a
+        start outside `[0, len(input_ids)]`, or a request past the engine's context.
+
+        When the engine recomputed part of the held prefix (`meta_info["cached_tokens"]` below the start: the
+        radix cache evicted it since the last turn), the routes of that recompute are read back at once and
+        added under `trajectory.PREFIX_REREAD` (`_reread_prefix_routes`; `rollout.trajectory` module doc)."""
+        if self.asleep:
+            raise MegagrpoError(
+                f"the rollout engine has released {sorted(self._released)}; call resume() first"
+            )
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise MegagrpoError(
+                "generate_turn() got an empty request; every request needs at least one token"
+            )
+        if not 0 <= routed_experts_start_len <= len(ids):
+            raise MegagrpoError(
+                f"routed_experts_start_len={routed_experts_start_len} is outside [0, {len(ids)}] (the request's "
+                "tokens); it is the number of route rows the trajectory holds"
+            )
+        if max_new_tokens is not None:
+            sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
+        if len(ids) + sampling.max_new_tokens > self.context_len:
+            raise MegagrpoError(
+                f"a request of {len(ids)} tokens with max_new_tokens={sampling.max_new_tokens} exceeds the engine "
+                f"context of {self.context_len} tokens (rollout.max_context_len); lower the trajectory's "
+                "max_tokens or raise the context"
+            )
+        want_routes = self.routes_num_experts is not None
+        out = await self._request(
+            input_ids=ids,
+            sampling_params=self._sampling_params(sampling, seed),
+            return_logprob=True,
+            return_routed_experts=want_routes,
+            routed_experts_start_len=routed_experts_start_len if want_routes else 0,
+        )
+        cached = out["meta_info"].get("cached_tokens")
+        if want_routes and cached is not None and int(cached) < routed_experts_start_len:
+            out[PREFIX_REREAD] = await self._reread_prefix_routes(ids, routed_experts_start_len, int(cached))
+        return out
+
+    async def _reread_prefix_routes(self, ids: list[int], held: int, cached: int) -> dict[str, Any]:
+        """The routes of positions `[cached, held)` as the turn that just recomputed them left them in the
+        cache: a greedy one-token request over `ids[: held + 1]` whose prefix match reuses the turn's KV slots
+        (at most `held` tokens: SGLang computes the last one), returning the rows of `[cached, held + 1)`.
+
+        Cost: one forward over the tokens its cache lacks (1 on a hit) and `held + 1 - cached` rows of
+        layers x topk int32 back, only on a turn whose prefix was recomputed."""
+        got = await self._request(
+            input_ids=ids[: held + 1],
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_routed_experts=True,
+            routed_experts_start_len=cached,
+        )
+        meta = got["meta_info"]
+        return {
+            "start": cached,
+            "routed_experts": meta["routed_experts"],
+            "cached_tokens": meta["cached_tokens"],
+        }
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Engine log p(token t | tokens < t) for t = 1 .. L-1 of each sequence: float32 `[L - 1]` each.
+
+        One prefill per sequence (no sampling), in one batched call; used to compare the engine's weights
+        with a reference model on fixed sequences.
+        """
+        if self.asleep:
+            raise MegagrpoError(
+                f"the rollout engine has released {sorted(self._released)}; call resume() first"
+            )
+        if len(sequences) == 0:
+            raise MegagrpoError("score() got an empty list of sequences")
+        ids = [self.tokenize(s, i) for i, s in enumerate(sequences)]
+        for i, s in enumerate(ids):
+            if len(s) < 2 or len(s) + 1 > self.context_len:
+                raise MegagrpoError(
+                    f"sequences[{i}] has {len(s)} tokens; score needs 2 .. {self.context_len - 1}"
+                )
+        outs = self.wait(
+            self._request(
+                input_ids=ids,
+                sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(ids),
+                return_logprob=True,
+                logprob_start_len=0,
+            )
+        )
+        if isinstance(outs, dict):
+            outs = [outs]
+        result = []
+        for s, out in zip(ids, outs):
+            lp = out["meta_info"]["input_token_logprobs"]  # first entry (token 0) has no logprob
+            result.append(torch.tensor([float(x[0]) for x in lp[1 : len(s)]], dtype=torch.float32))
+        return result
+
+
+class RolloutEngine(EngineRequests):
+    """One in-process SGLang engine. Use as a context manager, or call `start()` and `shutdown()`."""
+
+    def __init__(self, cfg: RolloutConfig) -> None:
+        super().__init__(cfg)
         self._engine: Any = None
         self._child_pids: list[int] = []
-        self._released: set[str] = set()
         self.failed: str | None = (
             None  # why the engine stopped serving (module doc, "SIGQUIT"); None = it serves
         )
@@ -203,12 +481,6 @@ class RolloutEngine:
     def is_moe_config(self) -> bool:
         return self._hf_config().get("num_experts_per_tok", 0) > 0
 
-    def _hf_config(self) -> dict[str, Any]:
-        import json
-
-        with open(os.path.join(self.cfg.model_path, "config.json")) as f:
-            return json.load(f)
-
     def start(self) -> RolloutEngine:
         if self._engine is not None:
             return self
@@ -225,19 +497,8 @@ class RolloutEngine:
             if self._engine is None:
                 _kill_pids(self._child_pids)
         hf = self._engine.tokenizer_manager.model_config.hf_config
-        self.num_layers = int(hf.num_hidden_layers)
-        self.topk = int(getattr(hf, "num_experts_per_tok", 0) or 0)
+        self._read_dims(lambda key: getattr(hf, key, None))
         self.context_len = int(self._engine.tokenizer_manager.context_len)
-        self.vocab_size = int(hf.vocab_size)
-        experts = next(
-            (
-                getattr(hf, k)
-                for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                if getattr(hf, k, None)
-            ),
-            0,
-        )
-        self.num_experts = int(experts) if self.topk else None
         self.tokenizer = self._engine.tokenizer_manager.tokenizer
         self._keep_sigterm()
         self._catch_child_failure()
@@ -391,243 +652,15 @@ class RolloutEngine:
             self.engine.resume_memory_occupation(tags=tags)
             self._released.difference_update(tags)
 
-    @property
-    def asleep(self) -> bool:
-        return bool(self._released)
-
-    # ---------------------------------------------------------------- generation
-
-    def tokenize(self, prompt: Prompt, index: int = 0) -> list[int]:
-        """Token ids of one prompt: ids as given, or chat messages through the chat template."""
-        if isinstance(prompt, str):
-            raise MegagrpoError(
-                f"prompts[{index}] is a string; pass token ids or chat messages [{{'role':..,'content':..}}]"
-            )
-        items = list(prompt)
-        if not items:
-            raise MegagrpoError(f"prompts[{index}] is empty; every prompt needs at least one token")
-        if all(isinstance(m, dict) for m in items):
-            ids = self.tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        if not all(isinstance(t, int) or (torch.is_tensor(t) and t.numel() == 1) for t in items):
-            raise MegagrpoError(f"prompts[{index}] must be token ids (ints) or chat messages (dicts)")
-        ids = [int(t) for t in items]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise MegagrpoError(f"prompts[{index}] has token ids {bad[:5]} outside [0, {self.vocab_size})")
-        return ids
-
-    def _sampling_params(self, s: SamplingConfig, seed: int | None) -> dict[str, Any]:
-        if s.temperature < 0:
-            raise MegagrpoError(f"sampling.temperature={s.temperature} must be >= 0 (0 = greedy)")
-        if not 0.0 < s.top_p <= 1.0:
-            raise MegagrpoError(f"sampling.top_p={s.top_p} must be in (0, 1]")
-        if s.max_new_tokens < 1:
-            raise MegagrpoError(f"sampling.max_new_tokens={s.max_new_tokens} must be >= 1")
-        sp: dict[str, Any] = dict(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            max_new_tokens=s.max_new_tokens,
-            ignore_eos=s.ignore_eos,
-            no_stop_trim=True,  # keep the text consistent with output_ids (which always hold the stop tokens)
-            skip_special_tokens=False,
-        )
-        if s.stop:
-            sp["stop"] = list(s.stop)
-        if seed is not None:
-            sp["sampling_seed"] = seed
-        return sp
-
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        sampling: SamplingConfig,
-        group_size: int = 1,
-        *,
-        index_offset: int = 0,
-    ) -> list[list[Completion]]:
-        """G = `group_size` completions for each prompt, as `[n_prompts][G]`, in one batched engine call.
-
-        Request k of the call (prompt k // G, sample k % G) samples with seed `sampling.seed + index_offset
-        + k`: `index_offset` is the global index of the first request when a call is one engine's share of
-        a larger one (`rollout.groups`), so a request's seed does not depend on which engine serves it.
-
-        Raises MegagrpoError for an empty prompt list, an empty prompt, group_size < 1, or a prompt whose
-        length plus `max_new_tokens` exceeds the engine's context.
-        """
-        if self.asleep:
-            raise MegagrpoError(
-                f"the rollout engine has released {sorted(self._released)}; call resume() first"
-            )
-        if len(prompts) == 0:
-            raise MegagrpoError("generate() got an empty prompt list; pass at least one prompt")
-        if group_size < 1:
-            raise MegagrpoError(f"group_size={group_size} must be >= 1")
-        ids = [self.tokenize(p, i) for i, p in enumerate(prompts)]
-        for i, p in enumerate(ids):
-            if len(p) + sampling.max_new_tokens > self.context_len:
-                raise MegagrpoError(
-                    f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} it exceeds "
-                    f"the engine context of {self.context_len} tokens (rollout.max_context_len). Shorten the "
-                    "prompt or lower max_new_tokens"
-                )
-        batch_ids, params = [], []
-        for i, p in enumerate(ids):
-            for g in range(group_size):
-                batch_ids.append(p)
-                seed = None if sampling.seed is None else sampling.seed + index_offset + i * group_size + g
-                params.append(self._sampling_params(sampling, seed))
-        outs = self.wait(
-            self._request(
-                input_ids=batch_ids,
-                sampling_params=params,
-                return_logprob=True,
-                return_routed_experts=self.routes_num_experts is not None,
-            )
-        )
-        if isinstance(outs, dict):
-            outs = [outs]
-        groups: list[list[Completion]] = []
-        for i, p in enumerate(ids):
-            groups.append(
-                [
-                    completion_from_output(
-                        outs[i * group_size + g],
-                        prompt_index=i,
-                        sample_index=g,
-                        prompt_ids=p,
-                        num_layers=self.num_layers,
-                        topk=self.topk,
-                    )
-                    for g in range(group_size)
-                ]
-            )
-        return groups
+    # ---------------------------------------------------------------- transport
 
     async def _request(self, **request: Any) -> Any:
-        """One SGLang generate request (GenerateReqInput's fields), batched or single: the transport that
-        `RemoteEngine` replaces with HTTP, so both share every check and the request's layout."""
         return await self.engine.async_generate(**request)
 
     @property
-    def loop(self) -> Any:
-        """The engine's event loop: every request of this engine is awaited on it (`run_until_complete`)."""
+    def loop(self) -> asyncio.AbstractEventLoop:
         return self.engine.loop
 
     @property
     def routes_num_experts(self) -> int | None:
-        """The expert count of the routes this engine returns; None when it returns none (dense model, or
-        `rollout.return_routes` off)."""
         return self.num_experts if self.engine.server_args.enable_return_routed_experts else None
-
-    async def generate_turn(
-        self,
-        input_ids: Sequence[int],
-        sampling: SamplingConfig,
-        *,
-        seed: int | None,
-        routed_experts_start_len: int = 0,
-        max_new_tokens: int | None = None,
-    ) -> dict[str, Any]:
-        """One request, awaited on `self.loop`: SGLang's raw result for `input_ids` (output ids, sampler
-        logprobs, finish reason and, when the engine returns routes, the route rows of sequence positions
-        `[routed_experts_start_len, len(input_ids) + new tokens - 1)`; `rollout.trajectory` decodes them).
-
-        One turn of a multi-turn trajectory: each trajectory sends its own requests, because SGLang takes one
-        `routed_experts_start_len` per call. `max_new_tokens` overrides `sampling.max_new_tokens` (the
-        trajectory's remaining budget). Raises MegagrpoError when the engine sleeps, for an empty request, a
-        start outside `[0, len(input_ids)]`, or a request past the engine's context.
-
-        When the engine recomputed part of the held prefix (`meta_info["cached_tokens"]` below the start: the
-        radix cache evicted it since the last turn), the routes of that recompute are read back at once and
-        added under `trajectory.PREFIX_REREAD` (`_reread_prefix_routes`; `rollout.trajectory` module doc)."""
-        if self.asleep:
-            raise MegagrpoError(
-                f"the rollout engine has released {sorted(self._released)}; call resume() first"
-            )
-        ids = [int(t) for t in input_ids]
-        if not ids:
-            raise MegagrpoError(
-                "generate_turn() got an empty request; every request needs at least one token"
-            )
-        if not 0 <= routed_experts_start_len <= len(ids):
-            raise MegagrpoError(
-                f"routed_experts_start_len={routed_experts_start_len} is outside [0, {len(ids)}] (the request's "
-                "tokens); it is the number of route rows the trajectory holds"
-            )
-        if max_new_tokens is not None:
-            sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
-        if len(ids) + sampling.max_new_tokens > self.context_len:
-            raise MegagrpoError(
-                f"a request of {len(ids)} tokens with max_new_tokens={sampling.max_new_tokens} exceeds the engine "
-                f"context of {self.context_len} tokens (rollout.max_context_len); lower the trajectory's "
-                "max_tokens or raise the context"
-            )
-        want_routes = self.routes_num_experts is not None
-        out = await self._request(
-            input_ids=ids,
-            sampling_params=self._sampling_params(sampling, seed),
-            return_logprob=True,
-            return_routed_experts=want_routes,
-            routed_experts_start_len=routed_experts_start_len if want_routes else 0,
-        )
-        cached = out["meta_info"].get("cached_tokens")
-        if want_routes and cached is not None and int(cached) < routed_experts_start_len:
-            out[PREFIX_REREAD] = await self._reread_prefix_routes(ids, routed_experts_start_len, int(cached))
-        return out
-
-    async def _reread_prefix_routes(self, ids: list[int], held: int, cached: int) -> dict[str, Any]:
-        """The routes of positions `[cached, held)` as the turn that just recomputed them left them in the
-        cache: a greedy one-token request over `ids[: held + 1]` whose prefix match reuses the turn's KV slots
-        (at most `held` tokens: SGLang computes the last one), returning the rows of `[cached, held + 1)`.
-
-        Cost: one forward over the tokens its cache lacks (1 on a hit) and `held + 1 - cached` rows of
-        layers x topk int32 back, only on a turn whose prefix was recomputed."""
-        got = await self._request(
-            input_ids=ids[: held + 1],
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-            return_routed_experts=True,
-            routed_experts_start_len=cached,
-        )
-        meta = got["meta_info"]
-        return {
-            "start": cached,
-            "routed_experts": meta["routed_experts"],
-            "cached_tokens": meta["cached_tokens"],
-        }
-
-    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Engine log p(token t | tokens < t) for t = 1 .. L-1 of each sequence: float32 `[L - 1]` each.
-
-        One prefill per sequence (no sampling), in one batched call; used to compare the engine's weights
-        with a reference model on fixed sequences.
-        """
-        if self.asleep:
-            raise MegagrpoError(
-                f"the rollout engine has released {sorted(self._released)}; call resume() first"
-            )
-        if len(sequences) == 0:
-            raise MegagrpoError("score() got an empty list of sequences")
-        ids = [self.tokenize(s, i) for i, s in enumerate(sequences)]
-        for i, s in enumerate(ids):
-            if len(s) < 2 or len(s) + 1 > self.context_len:
-                raise MegagrpoError(
-                    f"sequences[{i}] has {len(s)} tokens; score needs 2 .. {self.context_len - 1}"
-                )
-        outs = self.wait(
-            self._request(
-                input_ids=ids,
-                sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(ids),
-                return_logprob=True,
-                logprob_start_len=0,
-            )
-        )
-        if isinstance(outs, dict):
-            outs = [outs]
-        result = []
-        for s, out in zip(ids, outs):
-            lp = out["meta_info"]["input_token_logprobs"]  # first entry (token 0) has no logprob
-            result.append(torch.tensor([float(x[0]) for x in lp[1 : len(s)]], dtype=torch.float32))
-        return result

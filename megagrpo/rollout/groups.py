@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megagrpo.dist.wire import wire_device
+
 
 def _dist() -> tuple[int, int]:
     if dist.is_initialized():
@@ -148,13 +150,6 @@ def node_name() -> str:
     import socket
 
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def wire_device(group=None) -> torch.device:
-    """Where a collective's byte buffers live: the current GPU for NCCL, the host for gloo."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # The data plane's byte movers hold at most this many bytes per direction at once. On GPUs the world and

@@ -1,15 +1,20 @@
-"""A disaggregated engine seen from the learner rank that owns it: `RolloutEngine`'s interface over HTTP.
+"""A disaggregated engine seen from the learner rank that owns it: the engine's requests over HTTP.
 
 The engine runs on ranks of its own (`rollout.server`); its owner sends the same requests a colocated
-engine gets (`RolloutEngine.generate`, `generate_turn`, `score` build them: one code path for seeds, checks
-and the decoding of logprobs and routes) as JSON to SGLang's `/generate`, on an aiohttp session bound to
-this object's own event loop, so a multi-turn rollout's coroutines share one connection pool.
+engine gets (`rollout.engine.EngineRequests`: `generate`, `generate_turn`, `score` build them, one code
+path for seeds, checks and the decoding of logprobs and routes) as JSON to SGLang's `/generate`, on an
+aiohttp session bound to this object's own event loop, so a multi-turn rollout's coroutines share one
+connection pool.
 
 Deadlines. Every call waits at most `rollout.placement.engine_timeout_s`; a refused or dropped connection
 (the engine's process is gone) fails at once. Either way the error names the engine, its rank and host,
-and what was asked, and the owner's failure stops every rank (`trainer.agree`, or the launcher).
+and what was asked, and the owner's failure stops every rank (`dist.agree`, or the launcher).
 
-Memory. The engine owns its devices: `release`/`resume` do nothing, and the learner is never offloaded.
+Access. Every request carries the launch's key for this engine (`rendezvous.Endpoint.key`) as
+`Authorization: Bearer <key>`, the header SGLang's `api_key`/`admin_api_key` check (`rollout.server`).
+
+Memory. The engine owns its devices: it never releases any (no `release`/`resume`; the session's memory
+phases skip an engine with devices of its own), and the learner is never offloaded.
 """
 
 from __future__ import annotations
@@ -19,12 +24,12 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.config import RolloutConfig
-from megagrpo.rollout.engine import RolloutEngine
+from megagrpo.rollout.engine import EngineRequests
 
 FAILURE_POLL_S = 1.0
 
@@ -33,7 +38,7 @@ class EngineUnreachable(MegagrpoError):
     """A disaggregated engine did not answer: its process died, or it passed the deadline."""
 
 
-class RemoteEngine(RolloutEngine):
+class RemoteEngine(EngineRequests):
     """Engine `index` of a disaggregated launch, reached at `url` (published by its rank)."""
 
     def __init__(
@@ -44,20 +49,21 @@ class RemoteEngine(RolloutEngine):
         url: str,
         where: str,
         timeout_s: float,
+        key: str | None = None,
         reported_failure: Callable[[], str | None] | None = None,
     ) -> None:
-        """`reported_failure`: what the engine's rank said when its server's processes died, or None (read
-        while a request waits: a dead scheduler leaves the HTTP server up and the request unanswered)."""
+        """`key`: the bearer key its server requires (published with its URL). `reported_failure`: what
+        the engine's rank said when its server's processes died, or None (read while a request waits: a
+        dead scheduler leaves the HTTP server up and the request unanswered)."""
+        super().__init__(cfg)  # validated by the engine rank (`RolloutEngine`) before its server started
         self.index, self.url, self.where, self.timeout_s = index, url.rstrip("/"), where, timeout_s
         self.reported_failure = reported_failure
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
         self._failure_read_at, self._failure_seen = float("-inf"), None
+        self._unreadable: MegagrpoError | None = None  # why `reported_failure` cannot be read (the store)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._session: Any = None
         self._routes = False
-        super().__init__(cfg)
-
-    def _validate_config(self) -> None:
-        pass  # the engine rank validated it (the same RolloutEngine checks) before its server started
 
     @property
     def name(self) -> str:
@@ -66,21 +72,13 @@ class RemoteEngine(RolloutEngine):
     # ---------------------------------------------------------------- life cycle
 
     def start(self) -> RemoteEngine:
-        if self._engine is not None:
+        if self._loop is not None:
             return self
         from transformers import AutoTokenizer
 
         info = self.get("/server_info")
         models = self.get("/v1/models")
-        self._engine = info
-        hf = self._hf_config()
-        self.num_layers = int(hf.get("num_hidden_layers", 0))
-        self.topk = int(hf.get("num_experts_per_tok", 0) or 0)
-        self.vocab_size = int(hf["vocab_size"])
-        experts = next(
-            (hf[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if hf.get(k)), 0
-        )
-        self.num_experts = int(experts) if self.topk else None
+        self._read_dims(self._hf_config().get)
         self._routes = bool(info.get("enable_return_routed_experts")) and self.num_experts is not None
         self.context_len = int(models["data"][0]["max_model_len"])
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
@@ -90,28 +88,11 @@ class RemoteEngine(RolloutEngine):
     def shutdown(self) -> None:
         """Close this side's connections; the engine rank stops when the launch's store says so."""
         loop, self._loop = self._loop, None
-        self._engine = None
         if loop is not None:
             if self._session is not None:
                 loop.run_until_complete(self._session.close())
                 self._session = None
             loop.close()
-
-    @property
-    def pids(self) -> list[int]:
-        return []
-
-    # ---------------------------------------------------------------- memory: the engine's own devices
-
-    def release(self, tags: Sequence[str] | None = None) -> None:
-        self._check_tags(tags)
-
-    def resume(self, tags: Sequence[str] | None = None) -> None:
-        self._check_tags(tags)
-
-    @property
-    def asleep(self) -> bool:
-        return False
 
     # ---------------------------------------------------------------- transport
 
@@ -132,7 +113,11 @@ class RemoteEngine(RolloutEngine):
             done, _ = await asyncio.wait({task}, timeout=FAILURE_POLL_S)
             if done:
                 return task.result()
-            failure = self._failure()
+            try:
+                failure = self._failure()
+            except MegagrpoError:
+                task.cancel()
+                raise
             if failure:
                 task.cancel()
                 raise EngineUnreachable(
@@ -141,10 +126,21 @@ class RemoteEngine(RolloutEngine):
 
     def _failure(self) -> str | None:
         """`reported_failure`, read at most once per poll interval whatever the number of requests waiting
-        (a multi-turn round has one per trajectory)."""
+        (a multi-turn round has one per trajectory). When it cannot be read (the launch's store is gone:
+        `rendezvous.StoreGone`), that one error, read once, ends every waiting request."""
         now = time.monotonic()
-        if self.reported_failure is not None and now - self._failure_read_at >= FAILURE_POLL_S:
-            self._failure_read_at, self._failure_seen = now, self.reported_failure()
+        if (
+            self.reported_failure is not None
+            and self._unreadable is None
+            and now - self._failure_read_at >= FAILURE_POLL_S
+        ):
+            self._failure_read_at = now
+            try:
+                self._failure_seen = self.reported_failure()
+            except MegagrpoError as e:
+                self._unreadable = e
+        if self._unreadable is not None:
+            raise self._unreadable
         return self._failure_seen
 
     async def _post(self, request: dict[str, Any]) -> Any:
@@ -159,10 +155,10 @@ class RemoteEngine(RolloutEngine):
             )
         what = "a generate request"
         try:
-            async with self._session.post(f"{self.url}/generate", json=request) as r:
+            async with self._session.post(f"{self.url}/generate", json=request, headers=self._auth) as r:
                 body = await r.text()
                 if r.status != 200:
-                    raise EngineUnreachable(f"{self.name}: {what} failed with HTTP {r.status}: {body[:500]}")
+                    raise EngineUnreachable(self._refused(what, r.status, body[:500]))
                 return json.loads(body)
         except TimeoutError:
             raise EngineUnreachable(
@@ -174,6 +170,15 @@ class RemoteEngine(RolloutEngine):
                 "is unreachable. Its rank's log says why; resume from the last checkpoint"
             ) from e
 
+    def _refused(self, what: str, status: int, body: str) -> str:
+        why = ""
+        if status in (401, 403):  # SGLang's answer to a missing or wrong key
+            why = (
+                "; the server refused this launch's key for it: the process at that address is not this "
+                "launch's engine (check the engine rank's log for the URL it published)"
+            )
+        return f"{self.name}: {what} failed with HTTP {status}: {body}{why}"
+
     def get(self, path: str) -> Any:
         return self.call(path, None, method="GET")
 
@@ -182,20 +187,20 @@ class RemoteEngine(RolloutEngine):
         from any thread: it does not use the event loop that generation runs on."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json", **self._auth},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
                 return json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:1000]
-            raise EngineUnreachable(f"{self.name}: {path} failed with HTTP {e.code}: {detail}") from None
+            raise EngineUnreachable(self._refused(path, e.code, detail)) from None
         except (urllib.error.URLError, OSError) as e:
             raise EngineUnreachable(
                 f"{self.name}: {path} failed ({e}); the engine's process has died, is unreachable or passed "
                 f"rollout.placement.engine_timeout_s={self.timeout_s:.0f} s. Its rank's log says why; resume "
                 "from the last checkpoint"
             ) from None
-
-    def _wait_idle(self, timeout_s: float = 120.0) -> None:
-        pass  # nothing is ever released, so nothing needs an idle scheduler

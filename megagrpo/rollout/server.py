@@ -5,7 +5,15 @@ samplers (`config.mesh_rules.rank_roles`). The first rank of each engine runs SG
 (`sglang.srt.entrypoints.http_server.launch_server`, the server slime and miles drive) on its devices,
 with the same engine arguments a colocated engine gets (`RolloutEngine.engine_kwargs`), and publishes its
 URL in the launch's store (`rollout.rendezvous`) once it is ready; the other ranks of a TP group only
-wait (their GPUs are the server's). The learner rank that owns the engine talks to it over HTTP
+wait (their GPUs are the server's).
+
+Access. The server listens on the address it advertises (`net.advertised_host`), not on every interface,
+and requires a key made here for this launch (`secrets.token_urlsafe`), published in the store beside the
+URL: SGLang's `api_key` guards its ordinary endpoints (`/generate`, `/server_info`, ...) and its
+`admin_api_key` the ones that change the engine (`/update_weights_from_distributed`,
+`/init_weights_update_group`, `/weights_checker`, ...), which accept only the admin key once it is set;
+both are this one key, sent as `Authorization: Bearer <key>` by every client of the launch
+(`RemoteEngine`). Only `/health*`, `/ready*` and `/metrics*` answer without it (SGLang's rule). The learner rank that owns the engine talks to it over HTTP
 (`rollout.remote.RemoteEngine`) and sends weights over a broadcast group (`sync.broadcast`).
 
 Signals. The server runs on a worker thread, so neither uvicorn nor SGLang installs its SIGTERM handler
@@ -23,47 +31,34 @@ server's processes are killed and the rank exits 0: the learners' exit codes are
 from __future__ import annotations
 
 import os
+import secrets
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 from typing import Any
 
+from megagrpo.errors import MegagrpoError
+from megagrpo.net import advertised_host, free_port
 from megagrpo.rollout import rendezvous
 from megagrpo.rollout.config import RolloutConfig
 
 POLL_S = 0.5
 
 
-def advertised_host() -> str:
-    """An address of this node that the other nodes of the job reach: the name's address, or loopback
-    on a one-node launch (MEGAGRPO_ENGINE_HOST overrides, for hosts with several interfaces)."""
-    if os.environ.get("MEGAGRPO_ENGINE_HOST"):
-        return os.environ["MEGAGRPO_ENGINE_HOST"]
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def server_args(rc: RolloutConfig, host: str, port: int) -> Any:
+def server_args(rc: RolloutConfig, host: str, port: int, key: str) -> Any:
     """SGLang's ServerArgs of a disaggregated engine: a colocated engine's arguments (one code path for
-    what the engine computes) and an HTTP address. No warm-up request: the first rollout warms it."""
+    what the engine computes), an HTTP address and the launch's key (module doc, "Access"; set over any
+    `extra_engine_args`). No warm-up request: the first rollout warms it."""
     from sglang.srt.server_args import ServerArgs
 
     from megagrpo.rollout.engine import RolloutEngine
 
     kw = RolloutEngine(rc).engine_kwargs()
     kw.pop("enable_memory_saver", None)  # the engine owns its devices: nothing is ever released
-    return ServerArgs(**kw, host=host, port=port, skip_server_warmup=True)
+    kw.update(host=host, port=port, api_key=key, admin_api_key=key, skip_server_warmup=True)
+    return ServerArgs(**kw)
 
 
 def serve(
@@ -75,8 +70,11 @@ def serve(
     port: int,
     timeout_s: float,
     rank: int | None = None,
+    nodes: int = 1,
 ) -> int:
-    """Run engine `engine`'s server (its first rank) or wait beside it (`first=False`) until stopped."""
+    """Run engine `engine`'s server (its first rank) or wait beside it (`first=False`) until stopped.
+    `addr`, `port`: the launch's store (MASTER_ADDR, MASTER_PORT); `nodes`: how many nodes the launch
+    spans (the server's address must reach the others: `net.advertised_host`)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     # torchrun tells its workers to find the store of any tcp:// rendezvous at the agent's; the weights
@@ -88,7 +86,11 @@ def serve(
     where = f"rank {rank if rank is not None else os.environ.get('RANK', '?')} on {node_name()}"
     if first:
         try:
-            _start_server(rc, store, engine, where)
+            _start_server(rc, store, engine, where, advertised_host(addr, nodes=nodes))
+        except MegagrpoError as e:  # a user error (the address, the config): one line, here and at the owner
+            rendezvous.publish_failure(store, engine, str(e))
+            print(f"megagrpo: error: engine {engine}: {e}", file=sys.stderr, flush=True)
+            return 1
         except Exception as e:  # noqa: BLE001 - reported to the owner, which names the engine
             rendezvous.publish_failure(store, engine, f"{type(e).__name__}: {e}")
             traceback.print_exc()
@@ -96,7 +98,7 @@ def serve(
     return _wait_for_stop(store, engine, where)
 
 
-def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str) -> None:
+def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: str) -> None:
     from sglang.srt.entrypoints import http_server
     from sglang.srt.entrypoints.engine import Engine
 
@@ -105,12 +107,13 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str) -> Non
     skipped = skipped_model_modules(rc.model_path)
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
-    host, port = advertised_host(), free_port()
-    sa = server_args(rc, host="0.0.0.0", port=port)
+    port, key = free_port(host), secrets.token_urlsafe(32)
+    sa = server_args(rc, host=host, port=port, key=key)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def ready() -> None:
-        rendezvous.publish(store, engine, f"http://{host}:{port}", where)
-        print(f"engine {engine}: SGLang server at http://{host}:{port} ({where})", flush=True)
+        rendezvous.publish(store, engine, url, where, key)
+        print(f"engine {engine}: SGLang server at {url} ({where})", flush=True)
 
     def run() -> None:
         try:

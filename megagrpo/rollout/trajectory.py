@@ -60,7 +60,7 @@ from the recompute on inexact, the final turn's included, and silently so: the n
 of the recompute, so nothing would mark them.
 
 The request of turn k cannot ask for rows it does not know it needs (`cached_tokens` is known only after
-it ran), so `RolloutEngine.generate_turn` reads them back at once with one more request over the prefix
+it ran), so `EngineRequests.generate_turn` reads them back at once with one more request over the prefix
 (`PREFIX_REREAD`), which hits the KV the turn just cached; `add_engine_output` replaces rows `[c, s)` with
 them and counts the turn (`prefix_recomputed_turns`, `prefix_recomputed_rows`). A read-back that finds the
 prefix evicted again returns rows of its own prefill, not of the turn's: they are kept (the next turn
@@ -85,7 +85,7 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import NO_ROUTE, Completion, finish_reason_of
 
 PREFIX_REREAD = "megagrpo_prefix_reread"
-"""The key under which `RolloutEngine.generate_turn` adds, to SGLang's result, the route rows of a prefix that
+"""The key under which `EngineRequests.generate_turn` adds, to SGLang's result, the route rows of a prefix that
 the turn recomputed: `{"start": c, "routed_experts": base64 int32 rows of positions [c, s + 1),
 "cached_tokens": the read-back request's own cache hit}` (module doc)."""
 
@@ -266,7 +266,7 @@ class Trajectory:
     def add_engine_output(self, out: dict, new_env_ids: Sequence[int] | Tensor = (), *, version: int) -> None:
         """`add_turn` from one result of `sglang.Engine.async_generate` (input_ids = `next_input_ids(
         new_env_ids)`, `return_logprob=True`, and with routes `routed_experts_start_len` as above), as
-        `RolloutEngine.generate_turn` returns it: when `meta_info["cached_tokens"]` says the engine recomputed
+        `EngineRequests.generate_turn` returns it: when `meta_info["cached_tokens"]` says the engine recomputed
         part of the held prefix, the rows it read back (`PREFIX_REREAD`) replace the held ones."""
         meta = out["meta_info"]
         gen = out["output_ids"]
@@ -295,7 +295,7 @@ class Trajectory:
             raise RuntimeError(
                 f"the engine recomputed positions [{int(cached)}, {held}) of the trajectory's prefix (its cache "
                 f"held {int(cached)} tokens) and the result carries no read-back of their routes from "
-                f"{int(cached)}; RolloutEngine.generate_turn adds them under {PREFIX_REREAD!r}"
+                f"{int(cached)}; EngineRequests.generate_turn adds them under {PREFIX_REREAD!r}"
             )
         n = held + 1 - int(cached)  # the read-back's rows run to the prefix's next token, which it recomputes
         rows = route_rows_from_b64(got["routed_experts"], n, self.num_layers, self.topk)[: n - 1]

@@ -29,7 +29,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.errors import MegagrpoError
+from megagrpo.net import advertised_host, free_port
 from megagrpo.rollout.remote import RemoteEngine
 from megagrpo.sync.buckets import NamedTensor
 from megagrpo.sync.weights import (
@@ -84,15 +87,21 @@ class BroadcastTransport:
         self.shapes: dict[str, tuple[int, ...]] | None = None  # the engine checkpoint's names and shapes
 
     def open(self) -> None:
-        """Create the group: this rank hosts its store on a free port, the engine's TP workers join."""
-        from sglang.srt.utils.common import init_custom_process_group
-
-        from megagrpo.rollout.server import advertised_host, free_port
-
+        """Create the group: this rank hosts its store on a free port, the engine's TP workers join. The
+        group forms on a thread of its own while the engine's answer to `/init_weights_update_group` is
+        awaited here: an engine that refuses (HTTP 400, say a group of that name exists) ends the wait at
+        once with its answer, rather than leaving this rank in the group's rendezvous until
+        `engine_timeout_s` and a bare `DistStoreError`. Cost: one HTTP round trip, the group's rendezvous
+        over this rank's store (1 + engine_tp ranks), and on a refusal one thread left in that rendezvous
+        until its deadline (the run stops)."""
         if self.group is not None:
             return
         tp = int(self.remote.cfg.tp_size)
-        host, port = advertised_host(), free_port()
+        # the engine's TP workers join this rank's store: the address of the interface that routes to them
+        host, port = (
+            advertised_host(urllib.parse.urlsplit(self.remote.url).hostname or "127.0.0.1"),
+            free_port(),
+        )
         timeout = datetime.timedelta(seconds=self.timeout_s)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         self._store = dist.TCPStore(
@@ -110,24 +119,42 @@ class BroadcastTransport:
                 backend=backend,
             ),
         )
-        kw: dict[str, Any] = {}
-        if backend == "nccl":
-            kw["device_id"] = torch.device("cuda", torch.cuda.current_device())
-        self.group = init_custom_process_group(
-            backend=backend,
-            store=dist.PrefixStore(self.group_name, self._store),
-            world_size=1 + tp,
-            rank=0,
-            group_name=self.group_name,
-            timeout=timeout,
-            **kw,
-        )
-        self._ok(joined.result(), "/init_weights_update_group")
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        formed: concurrent.futures.Future = concurrent.futures.Future()
+        store = dist.PrefixStore(self.group_name, self._store)
+
+        def form() -> None:
+            try:
+                formed.set_result(weights_group(backend, store, 1 + tp, self.group_name, timeout, device))
+            except BaseException as e:  # noqa: BLE001 - read by `open`, which names the engine
+                formed.set_exception(e)
+
+        threading.Thread(target=form, name=f"{self.group_name}-rendezvous", daemon=True).start()
+        self.group = self._formed(formed, joined, f"{backend}, {1 + tp} ranks")
         print(f"{self.name}: weights group {self.group_name} over {backend}, {1 + tp} ranks", flush=True)
 
-    def _ok(self, result: Any, what: str) -> None:
-        if not (isinstance(result, dict) and result.get("success", False)):
-            raise MegagrpoError(f"{self.name}: {what} failed: {result}")
+    def _formed(self, formed: concurrent.futures.Future, joined: concurrent.futures.Future, what: str) -> Any:
+        """The group once it formed and the engine answered success; MegagrpoError naming the engine as
+        soon as its answer is a refusal, or when the group did not form (with the engine's answer, if
+        any)."""
+        path = "/init_weights_update_group"
+        pending = {formed, joined}
+        while pending:
+            _, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            if joined.done() and not self._succeeded(joined):
+                raise MegagrpoError(
+                    f"{self.name}: the engine refused {path} (group {self.group_name}, {what}): "
+                    f"{self._answer(joined)}. The run stops; its rank's log says more"
+                )
+            if formed.done() and formed.exception() is not None:
+                e = formed.exception()
+                answer = self._answer(joined) if joined.done() else "no answer yet"
+                raise MegagrpoError(
+                    f"{self.name}: its weights group {self.group_name} ({what}) did not form within "
+                    f"rollout.placement.engine_timeout_s={self.timeout_s:.0f} s ({type(e).__name__}: {e}); "
+                    f"the engine's answer to {path}: {answer}. The run stops; its rank's log says why"
+                ) from e
+        return formed.result()
 
     def begin(self) -> None:
         self.open()
@@ -305,6 +332,19 @@ class BroadcastTransport:
             if self.group is not None:
                 dist.destroy_process_group(self.group)
                 self.group = None
+
+
+def weights_group(
+    backend: str, store: Any, world_size: int, name: str, timeout: datetime.timedelta, device: Any
+) -> Any:
+    """Rank 0 of a weights group with an engine's TP workers (SGLang's own `init_custom_process_group`,
+    the one its workers call): returns once every rank joined, DistStoreError past `timeout`."""
+    from sglang.srt.utils.common import init_custom_process_group
+
+    kw = {} if device is None else {"device_id": device}
+    return init_custom_process_group(
+        backend=backend, store=store, world_size=world_size, rank=0, group_name=name, timeout=timeout, **kw
+    )
 
 
 def engine_call(remote: RemoteEngine, path: str) -> None:

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.config.mesh_rules import StageRoute
+from megagrpo.dist.agree import agree, raise_agreed
+from megagrpo.dist.wire import wire_device
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync.broadcast import engine_call, engine_dtype, verify_remote
 from megagrpo.sync.buckets import NamedTensor
@@ -87,20 +89,6 @@ class FanOut:
             raise errors[0]
 
 
-def _failed(err: BaseException | None) -> int | None:
-    from megagrpo.trainer.agree import failed_rank
-
-    return failed_rank(err is not None)
-
-
-def _raise(err: BaseException | None, rank: int, what: str) -> None:
-    from megagrpo.trainer.agree import PeerFailed
-
-    if err is not None:
-        raise err
-    raise PeerFailed(rank, what)
-
-
 def sync_stages(
     routes: Sequence[tuple[StageRoute, Any]],
     buckets: Iterable[list[NamedTensor]],
@@ -127,12 +115,12 @@ def sync_stages(
             opened = owned[1]
     except Exception as e:
         err = e
-    failed = _failed(err)
+    failed = agree(err)
     if failed is not None:
         for _ in it:
             pass
         _close(opened)
-        _raise(err, failed, "opening the engines' weight-update sessions")
+        raise_agreed(err, failed, "opening the engines' weight-update sessions")
 
     transports = [t for _, t in routes]
     kept: list[Any] | None = [] if checksum and transports else None
@@ -160,16 +148,13 @@ def sync_stages(
     if stats is not None:
         for r, _ in routes:
             counts[r.engine] = stats.tensors
-    failed = _failed(err)
+    failed = agree(err)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from megagrpo.rollout.groups import wire_device
-
         counts = counts.to(wire_device(None))
         dist.all_reduce(counts)
         counts = counts.cpu()
     closing = _close(opened)
-    if failed is not None:
-        _raise(err, failed, "the weight sync of a pipeline stage")
+    raise_agreed(err, failed, "the weight sync of a pipeline stage")
     if closing is not None:
         raise closing
     if owned is not None and int(counts[owned[0]]) != len(announced):

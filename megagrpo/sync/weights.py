@@ -505,7 +505,7 @@ def sync_weights(
 
     On any error `buckets` is still consumed to its end (each bucket dropped as it comes) before the error
     is raised: the streaming export's gathers are collectives that the other ranks of this owner's replica
-    are in, so they finish the export and reach the caller's agreement on the failure (`trainer.agree`).
+    are in, so they finish the export and reach the caller's agreement on the failure (`dist.agree`).
     """
     it = iter(buckets)
     try:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megagrpo.dist.agree import agreed
 from megagrpo.rollout.dynamic import DynamicSamplingConfig
 from megagrpo.rollout.prefetch import QueuedRound, RolloutQueue
-from megagrpo.trainer.agree import agreed
 
 # A queued round that failed surfaces on its engine's owner only (the worker runs there); every rank
 # calls `take` and `drain` at the same points, so they agree there before the next collective.
@@ -57,7 +57,7 @@ class AsyncRollout:
 
     def take(self, step: int) -> tuple[QueuedRound | None, StepLag]:
         """The queued round of `step` (None: sample it now), waiting for it if it is still generating.
-        Every rank: a round that failed on its owner raises there and stops the others (`trainer.agree`;
+        Every rank: a round that failed on its owner raises there and stops the others (`dist.agree`;
         one int64 all-reduce over WORLD)."""
         with agreed(_WORKER):
             return self._take(step)

@@ -66,4 +66,5 @@ def serve_if_engine_rank(cfg: Config) -> int | None:
         addr=env.master_addr,
         port=env.master_port,
         timeout_s=r.placement.engine_timeout_s,
+        nodes=env.nodes,
     )

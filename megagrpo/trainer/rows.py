@@ -23,7 +23,7 @@ example) over TCP instead of NVLink and InfiniBand; moving the rows after `engin
 whole DP rank's rows on the device beside the learner's reload instead, and reorder the step.
 
 Failures. A row whose routes do not fit the learner's model is found on the owner that sampled it, before
-any bytes move, and every rank learns of it there (`trainer.agree`): the owner raises the error, the
+any bytes move, and every rank learns of it there (`dist.agree`): the owner raises the error, the
 others name the owner, instead of waiting in the exchange until `dist.timeout_minutes`.
 """
 
@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megagrpo.dist.agree import agreed
 from megagrpo.errors import MegagrpoError
 from megagrpo.learner.mesh import Mesh
 from megagrpo.learner.row_plan import RowPlan
 from megagrpo.rollout.completion import Completion
 from megagrpo.rollout.dynamic import DynamicBatch
 from megagrpo.rollout.groups import EngineGroups, broadcast_bytes
-from megagrpo.trainer.agree import agreed
 
 
 @dataclass(frozen=True)

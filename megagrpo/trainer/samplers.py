@@ -17,9 +17,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megagrpo.dist.agree import agreed
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.groups import node_name
-from megagrpo.trainer.agree import agreed
 from megagrpo.trainer.components import rollout_config
 from megagrpo.trainer.weights import check_learner_weights, export_buckets
 
@@ -120,7 +120,7 @@ class SamplerMixin:
         timeout = self.cfg.rollout.placement.engine_timeout_s
         env = DistEnv.from_environ()
         store = self.engine_store = rendezvous.connect(env.master_addr, env.master_port, timeout)
-        url, where = rendezvous.wait_for(store, index, timeout)
+        endpoint = rendezvous.wait_for(store, index, timeout)
         rc = rollout_config(self.cfg, self.model_path)
         lock = threading.Lock()  # the async worker's requests read it too
 
@@ -129,13 +129,14 @@ class SamplerMixin:
                 return rendezvous.failure_of(store, index)
 
         engine = RemoteEngine(
-            rc, index=index, url=url, where=where, timeout_s=timeout, reported_failure=reported_failure
-        ).start()
+            rc, index=index, url=endpoint.url, where=endpoint.where, key=endpoint.key, timeout_s=timeout,
+            reported_failure=reported_failure,
+        ).start()  # fmt: skip
         if not self.by_stage:  # with PP > 1 the stages send (`connect_stages`)
             self.weights_transport = BroadcastTransport(engine, timeout_s=timeout)
         print(
-            f"engine {index} of {self.engines.num_engines}: {where}, owned by rank {self.engines.rank} on "
-            f"{node_name()}",
+            f"engine {index} of {self.engines.num_engines}: {endpoint.where}, owned by rank "
+            f"{self.engines.rank} on {node_name()}",
             flush=True,
         )
         return engine
@@ -170,8 +171,10 @@ class SamplerMixin:
             if r.engine == self.engines.engine:
                 remote = self.engine
             else:  # control requests only: the owner generates
-                url, where = rendezvous.wait_for(self.engine_store, r.engine, timeout)
-                remote = RemoteEngine(rc, index=r.engine, url=url, where=where, timeout_s=timeout)
+                e = rendezvous.wait_for(self.engine_store, r.engine, timeout)
+                remote = RemoteEngine(
+                    rc, index=r.engine, url=e.url, where=e.where, key=e.key, timeout_s=timeout
+                )
             t = BroadcastTransport(remote, timeout_s=timeout, stage=r.stage)
             self.stage_routes.append((r, t))
         stages = ", ".join(f"engine {r.engine} stage {r.stage}" for r in routes)

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.config.loader import dump_config
 from megagrpo.config.schema import Config
+from megagrpo.dist.agree import agreed
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.groups import EngineGroups
 from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.trainer import checkpointing
-from megagrpo.trainer.agree import agreed
 from megagrpo.trainer.batch import turn_index
 from megagrpo.trainer.components import learner_config, optimizer_factory, sampling_config
 from megagrpo.trainer.health import HealthConfig, health_warnings

@@ -37,6 +37,7 @@ class EngineServer:
     store: Any  # the launch's store, under rendezvous.PREFIX
     url: str
     where: str
+    key: str  # the bearer key the server requires (`rollout.server`, "Access")
     log: Path
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
@@ -79,8 +80,7 @@ def engine_server(model_dir: Path | str, log: Path, *, timeout_s: float = 600.0)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        url, where = _wait_for_url(store, proc, log, timeout_s)
-        yield EngineServer(proc, store, url, where, log)
+        yield EngineServer(proc, store, *_wait_for_url(store, proc, log, timeout_s), log)
     finally:
         if proc.poll() is None:
             rendezvous.request_stop(store)
@@ -99,7 +99,7 @@ def rollout_config(model_dir: Path | str) -> Any:
     return RolloutConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=4096, seed=0)
 
 
-def _wait_for_url(store: Any, proc: subprocess.Popen, log: Path, timeout_s: float) -> tuple[str, str]:
+def _wait_for_url(store: Any, proc: subprocess.Popen, log: Path, timeout_s: float) -> Any:
     from megagrpo.errors import MegagrpoError
     from megagrpo.rollout import rendezvous
 

@@ -10,6 +10,7 @@ in a subprocess, tiny Qwen3-MoE, fp32 on the CPU), fed over its gloo weights gro
   for bit, without the checksum's buffer per bucket;
 - a bucket that the engine fails to load while the owner copies the next is reported by the next send,
   naming the engine, the bucket and that it is partly updated;
+- the server listens on its advertised address only and refuses every request without the launch's key;
 - the server exits 0 when the store says stop, and leaves no SGLang process behind.
 
 One server start for the module (20 s of the 33 s the module takes here); tests that change the weights put
@@ -72,8 +73,9 @@ def served(tmp_path_factory):
     with engine_server(model, tmp / "server.log", timeout_s=TIMEOUT_S) as server:
         print(f"engine server up in {time.monotonic() - t0:.1f} s at {server.url}")
         engine = RemoteEngine(
-            rollout_config(model), index=0, url=server.url, where=server.where, timeout_s=TIMEOUT_S
-        ).start()
+            rollout_config(model), index=0, url=server.url, where=server.where, key=server.key,
+            timeout_s=TIMEOUT_S,
+        ).start()  # fmt: skip
         transport = BroadcastTransport(engine, timeout_s=TIMEOUT_S)
         try:
             yield Served(server, engine, transport, original, *_greedy(engine))
@@ -177,6 +179,42 @@ def test_a_bucket_the_engine_fails_to_load_is_reported_by_the_next_send(served, 
     message = str(err.value)
     assert "engine 0" in message and "partly updated" in message, message
     assert "bucket 2 of this sync" in message and "Failed to update parameter online" in message, message
+
+
+def test_only_this_launch_drives_the_engine(served):
+    """Issue 36, item 7: the server listens on its advertised address only, and refuses every request
+    without the launch's key: generation, information and, above all, its weights (SGLang's api_key and
+    admin_api_key); only the health probe answers."""
+    from urllib.parse import urlsplit
+
+    from megagrpo.rollout.remote import EngineUnreachable, RemoteEngine
+
+    where = urlsplit(served.server.url)
+    listening = {
+        c.laddr.ip
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == where.port
+    }
+    assert listening == {where.hostname}, listening  # not 0.0.0.0
+    cfg = rollout_config(served.engine.cfg.model_path)
+    for key in (None, "not-the-launch-key"):
+        stranger = RemoteEngine(
+            cfg, index=0, url=served.server.url, where="a stranger", key=key, timeout_s=60
+        )
+        asked = [
+            ("/generate", {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 1}}),
+            ("/server_info", None),
+            ("/weights_checker", {"action": "checksum"}),
+            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                            "world_size": 2, "group_name": "stranger", "backend": "gloo"}),
+            ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "group_name": "x"}),
+        ]  # fmt: skip
+        for path, body in asked:
+            with pytest.raises(EngineUnreachable, match=rf"{path} failed with HTTP 401.*not this launch's"):
+                stranger.call(path, body, method="GET" if body is None else "POST")
+        assert stranger.get("/health") is None  # SGLang's probes stay open
+    ids, _ = _greedy(served.engine)  # the launch's own client, with its key, still drives it
+    assert ids == served.ids
 
 
 def test_the_server_exits_0_when_the_store_says_stop(served):

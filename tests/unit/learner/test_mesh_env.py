@@ -86,3 +86,18 @@ def test_data_parallel_inferred_and_impossible_meshes_named():
         MeshConfig(ep=4).data_parallel_size(2)
     with pytest.raises(MegagrpoError, match="sequence_parallel"):
         MeshConfig(sequence_parallel=True).validate()
+
+
+@pytest.mark.parametrize(
+    "variables, nodes",
+    [
+        ({"RANK": "3", "WORLD_SIZE": "8", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}, 2),
+        ({"RANK": "3", "WORLD_SIZE": "8"}, 1),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "12", "SLURM_NNODES": "4", "SLURM_STEP_NUM_NODES": "3"}, 3),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "12", "SLURM_NNODES": "4"}, 4),
+        ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "10", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 3),
+    ],
+)
+def test_the_node_count_of_the_launch(variables, nodes):
+    """Issue 36, item 8: a loopback address is refused only on a launch of several nodes."""
+    assert DistEnv.from_environ({"MASTER_ADDR": "10.0.0.1", **variables}).nodes == nodes

@@ -11,13 +11,13 @@ from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.cli import main
 from megagrpo.config import load_config
 from megagrpo.errors import MegagrpoError
+from megagrpo.plan.job import plan_memory
 from megagrpo.plan.memory import (
     GIB,
     MemoryPlan,
     engine_weight_bytes,
     kv_bytes_per_token,
     learner_state_bytes,
-    plan_memory,
     rows_wire_bytes,
 )
 from megagrpo.plan.pools import DisaggregatedPlan, plan_disaggregated

@@ -14,6 +14,7 @@ import pytest
 from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.cli import main
 from megagrpo.config import load_config
+from megagrpo.plan.job import plan_memory
 from megagrpo.plan.memory import (
     GIB,
     PlanMesh,
@@ -23,7 +24,6 @@ from megagrpo.plan.memory import (
     learner_state_bytes,
     model_numel,
     padded_vocab,
-    plan_memory,
     plan_workload,
     stage_tensor_numels,
 )

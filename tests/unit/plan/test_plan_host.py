@@ -12,7 +12,8 @@ from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.cli import main
 from megagrpo.config import load_config
 from megagrpo.envs.python_tool import SANDBOX_OVERHEAD_MB
-from megagrpo.plan.memory import GIB, plan_memory
+from megagrpo.plan.job import plan_memory
+from megagrpo.plan.memory import GIB
 
 REPO = Path(__file__).resolve().parents[3]
 QWEN3_30B = arch_from_hf(REPO / "configs" / "models" / "Qwen3-30B-A3B")

@@ -12,6 +12,7 @@ import torch
 
 from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.config import load_config
+from megagrpo.plan.job import plan_memory
 from megagrpo.plan.memory import (
     GIB,
     GROUP_SCALAR_BYTES,
@@ -19,7 +20,6 @@ from megagrpo.plan.memory import (
     ROWS_WIRE_CHUNK_BYTES,
     PlanMesh,
     Workload,
-    plan_memory,
     plan_workload,
     rows_wire_bytes,
 )

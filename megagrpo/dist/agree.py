@@ -1,11 +1,15 @@
 """Agreement on a failure before the next collective (issue 25, item 18).
 
 An error raised on one rank while the others go on into a collective leaves them waiting there until
-`dist.timeout_minutes`, and the job's log then shows a timeout on every rank but one. `agreed` wraps a piece
-of work that may fail on some ranks only (an engine owner's generation or weight sync, one DP rank's rows):
-after it, every rank of the group learns whether any rank failed, and then every rank raises: the failing
-rank its own error, the others `PeerFailed` naming it. So the job ends at once, with the cause in the
-failing rank's log and its rank in every other's.
+`dist.timeout_minutes`, and the job's log then shows a timeout on every rank but one. After a piece of work
+that may fail on some ranks only (an engine owner's generation or weight sync, one DP rank's rows, one
+pipeline stage's weights), every rank of the group learns whether any rank failed, and then every rank
+raises: the failing rank its own error, the others `PeerFailed` naming it. So the job ends at once, with
+the cause in the failing rank's log and its rank in every other's.
+
+One mechanism, two forms: `agreed` wraps the work as a context manager and raises at once; `agree` and
+`raise_agreed` are its two halves, for a caller that has cleanup of its own to run between learning the
+outcome and raising it (`sync.stages`: the rest of the export, a weight-update session to close).
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megagrpo.dist.wire import wire_device
 from megagrpo.errors import MegagrpoError, leave_user_error
-from megagrpo.rollout.groups import wire_device
 
 
 class PeerFailed(MegagrpoError):
@@ -43,6 +47,28 @@ def failed_rank(failed: bool, group: dist.ProcessGroup | None = None) -> int | N
     return n - 1 if n else None
 
 
+def agree(error: BaseException | None, group: dist.ProcessGroup | None = None) -> int | None:
+    """Collective over `group` (None = WORLD): this rank's outcome (`error`, None when it succeeded)
+    against every other's; the (highest) failing rank, or None when none failed. A failing rank leaves
+    its user error for the CLI first. Per-rank cost: one all-reduce of one int64 over `group`."""
+    if isinstance(error, MegagrpoError) and not isinstance(error, PeerFailed):
+        # Left before the others learn of it: they exit at once, and the launcher may stop this rank
+        # while its cleanup runs, before the CLI's own report (seen: a dead engine during a weight sync
+        # ended a run with only the peers' "rank 0 failed" echo).
+        leave_user_error(str(error))
+    return failed_rank(error is not None, group)
+
+
+def raise_agreed(error: BaseException | None, rank: int | None, what: str) -> None:
+    """After `agree`: nothing when no rank failed (`rank` None); else this rank's own `error`, or
+    `PeerFailed` naming `rank` when this rank succeeded."""
+    if rank is None:
+        return
+    if error is not None:
+        raise error
+    raise PeerFailed(rank, what)
+
+
 @contextlib.contextmanager
 def agreed(what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """Run the body, then agree over `group` (None = WORLD) on whether it failed anywhere: the failing
@@ -54,13 +80,6 @@ def agreed(what: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if isinstance(e, MegagrpoError) and not isinstance(e, PeerFailed):
-            # Left before the others learn of it: they exit at once, and the launcher may stop this rank
-            # while its cleanup runs, before the CLI's own report (seen: a dead engine during a weight sync
-            # ended a run with only the peers' "rank 0 failed" echo).
-            leave_user_error(str(e))
-        failed_rank(True, group)
+        agree(e, group)
         raise
-    rank = failed_rank(False, group)
-    if rank is not None:
-        raise PeerFailed(rank, what)
+    raise_agreed(None, agree(None, group), what)

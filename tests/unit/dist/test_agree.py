@@ -1,4 +1,4 @@
-"""Issue 25, item 18: `trainer.agree.agreed`, the failure flag agreed before the next collective. The real
+"""Issue 25, item 18: `dist.agree.agreed`, the failure flag agreed before the next collective. The real
 thing runs on 4 gloo ranks in tests/dist/test_rows.py (a bad route on one owner); here the protocol, with
 the other ranks' flags supplied to the one all-reduce it makes."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.trainer import agree
-from megagrpo.trainer.agree import PeerFailed, agreed
+from megagrpo.dist import agree
+from megagrpo.dist.agree import PeerFailed, agreed
 
 
 @pytest.fixture

@@ -387,6 +387,7 @@ def test_a_call_killed_from_outside_is_interrupted_counted_and_ends_its_trajecto
             {"id": "c", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}
         ],
     }
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # earlier tests' helpers
     stop = threading.Event()
     killer = threading.Thread(target=_kill_boot_when_running, args=(stop,), daemon=True)
 
@@ -402,8 +403,13 @@ def test_a_call_killed_from_outside_is_interrupted_counted_and_ends_its_trajecto
     assert (step.done, step.reward, step.info["finish"], step.messages) == (True, None, "interrupted", [])
     assert env.results[0].status == "interrupted" and "killed from outside" in env.results[0].content
     assert env.counters.interrupted_calls == 1
-    assert _sandbox_processes_left() == []
+    assert _sandbox_processes_left(before) == []
 
 
-def _sandbox_processes_left() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+def _sandbox_processes_left(before: set[int]) -> list[psutil.Process]:
+    """Live children of this process started by the test (not in `before`)."""
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE
+    ]

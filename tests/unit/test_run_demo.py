@@ -78,3 +78,15 @@ def test_the_demo_judges_its_own_run_by_the_readmes_bar(before, after, learned):
         "verdict: the demo learned as expected" if learned else "verdict: the demo did NOT"
     )
     assert f"{before:.3f} -> {after:.3f}" in line and ">= 1.5x and >= +15 points" in line
+
+
+@pytest.mark.parametrize("after,learned", [(0.80, True), (0.10, False), (0.0, False)])
+def test_a_zero_baseline_reads_as_points_with_no_ratio(after, learned):
+    # `make demo-agentic` printed "0.000 -> 0.800: infx": a ratio over nothing is undefined, not infinite,
+    # so the line gives the points and says why there is no ratio, and the points alone judge.
+    from tools.run_demo import verdict
+
+    ok, line = verdict(0.0, after)
+    assert ok is learned
+    assert "inf" not in line and "nan" not in line
+    assert f"0.000 -> {after:.3f}: {100 * after:+.0f} points from zero, where the ratio is undefined" in line

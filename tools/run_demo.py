@@ -40,11 +40,20 @@ LEARNED_NOT = 3  # exit code of a finished demo that did not clear the bar
 
 
 def verdict(before: float, after: float) -> tuple[bool, str]:
-    """(cleared the bar, one line saying so) for held-out accuracy before and after GRPO."""
-    ratio = after / before if before > 0 else float("inf") if after > 0 else 0.0
+    """(cleared the bar, one line saying so) for held-out accuracy before and after GRPO.
+
+    From a zero baseline the ratio is undefined, not infinite: any accuracy is "infinitely many times"
+    nothing, so the 1.5x half of the bar says nothing there and the points alone decide."""
     gain = after - before
-    ok = ratio >= BAR_RATIO and gain >= BAR_POINTS
-    figures = f"{before:.3f} -> {after:.3f}: {ratio:.2f}x and {100 * gain:+.0f} points"
+    if before > 0:
+        ratio_ok = after / before >= BAR_RATIO
+        figures = f"{before:.3f} -> {after:.3f}: {after / before:.2f}x and {100 * gain:+.0f} points"
+    else:
+        ratio_ok = True
+        figures = (
+            f"{before:.3f} -> {after:.3f}: {100 * gain:+.0f} points from zero, where the ratio is undefined"
+        )
+    ok = ratio_ok and gain >= BAR_POINTS
     bar = f"the bar is >= {BAR_RATIO}x and >= +{100 * BAR_POINTS:.0f} points"
     if ok:
         return True, f"verdict: the demo learned as expected ({figures}; {bar})"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_v3_family
+from megagrpo.bridge.hf_fields import require, unsupported
 from megagrpo.config.model import FAMILIES, ModelArch
 from megagrpo.errors import MegagrpoError
 
@@ -75,15 +76,9 @@ def _rope_theta(cfg: dict[str, Any], where: str) -> float:
     return float(cfg.get("rope_theta", 10000.0))
 
 
-def _require(cfg: dict[str, Any], key: str, where: str) -> Any:
-    if cfg.get(key) is None:
-        raise MegagrpoError(f"{where}: required field {key!r} is missing")
-    return cfg[key]
-
-
 def _reject(cond: bool, where: str, field: str, value: Any, why: str) -> None:
     if cond:
-        raise MegagrpoError(f"{where}: {field}={value!r} is not supported ({why})")
+        raise unsupported(where, field, value, why)
 
 
 def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
@@ -96,11 +91,11 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
         )
     if family in V3_FAMILIES:
         return ModelArch(**parse_v3_family(cfg, where, family))
-    hidden = int(_require(cfg, "hidden_size", where))
-    heads = int(_require(cfg, "num_attention_heads", where))
+    hidden = int(require(cfg, "hidden_size", where))
+    heads = int(require(cfg, "num_attention_heads", where))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    layers = int(_require(cfg, "num_hidden_layers", where))
+    layers = int(require(cfg, "num_hidden_layers", where))
 
     act = cfg.get("hidden_act", "silu")
     _reject(act != "silu", where, "hidden_act", act, "the maps fuse gate/up for SwiGLU only")
@@ -124,14 +119,14 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
 
     fields: dict[str, Any] = dict(
         family=family,
-        vocab_size=int(_require(cfg, "vocab_size", where)),
+        vocab_size=int(require(cfg, "vocab_size", where)),
         hidden_size=hidden,
         num_layers=layers,
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        ffn_hidden_size=int(_require(cfg, "intermediate_size", where)),
-        max_position_embeddings=int(_require(cfg, "max_position_embeddings", where)),
+        ffn_hidden_size=int(require(cfg, "intermediate_size", where)),
+        max_position_embeddings=int(require(cfg, "max_position_embeddings", where)),
         rope_theta=_rope_theta(cfg, where),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
@@ -147,12 +142,12 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
         experts = cfg.get("num_experts", cfg.get("num_local_experts"))
         if experts is None:
             raise MegagrpoError(f"{where}: required field 'num_local_experts' (or 'num_experts') is missing")
-        fields.update(num_experts=int(experts), moe_topk=int(_require(cfg, "num_experts_per_tok", where)))
+        fields.update(num_experts=int(experts), moe_topk=int(require(cfg, "num_experts_per_tok", where)))
         if family == "mixtral":
             fields.update(moe_ffn_hidden_size=fields["ffn_hidden_size"], moe_renormalize_topk=True)
         else:
             fields.update(
-                moe_ffn_hidden_size=int(_require(cfg, "moe_intermediate_size", where)),
+                moe_ffn_hidden_size=int(require(cfg, "moe_intermediate_size", where)),
                 moe_renormalize_topk=bool(cfg.get("norm_topk_prob", True)),
             )
             step = int(cfg.get("decoder_sparse_step", 1) or 1)

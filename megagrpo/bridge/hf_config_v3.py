@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from megagrpo.bridge.hf_fields import require, unsupported
 from megagrpo.errors import MegagrpoError
 
 log = logging.getLogger(__name__)
@@ -27,16 +28,6 @@ _YARN_KEYS = {
     "mscale": "rope_mscale",
     "mscale_all_dim": "rope_mscale_all_dim",
 }
-
-
-def _fail(where: str, field: str, value: Any, why: str) -> MegagrpoError:
-    return MegagrpoError(f"{where}: {field}={value!r} is not supported ({why})")
-
-
-def _req(cfg: dict[str, Any], key: str, where: str) -> Any:
-    if cfg.get(key) is None:
-        raise MegagrpoError(f"{where}: required field {key!r} is missing")
-    return cfg[key]
 
 
 def _rope(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) -> dict[str, Any]:
@@ -58,18 +49,20 @@ def _rope(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) -> dict
     if factor is None:
         factor = 1.0
     if float(factor) != 1.0 and not partial:
-        raise _fail(where, "partial_rotary_factor", factor, "this family rotates whole heads")
+        raise unsupported(where, "partial_rotary_factor", factor, "this family rotates whole heads")
     out["rotary_percent"] = float(factor)
     if rope_type == "yarn":
         if not yarn:
-            raise _fail(
+            raise unsupported(
                 where, "rope_scaling.type", rope_type, "YaRN is implemented for multi-latent attention"
             )
         if params.get("attention_factor") is not None:
-            raise _fail(where, "rope_scaling.attention_factor", params["attention_factor"],
+            raise unsupported(where, "rope_scaling.attention_factor", params["attention_factor"],
                         "megatron derives the YaRN attention factor from mscale/mscale_all_dim")  # fmt: skip
         if params.get("truncate", True) is not True:
-            raise _fail(where, "rope_scaling.truncate", params["truncate"], "megatron rounds the YaRN range")
+            raise unsupported(
+                where, "rope_scaling.truncate", params["truncate"], "megatron rounds the YaRN range"
+            )
         params.pop("attention_factor", None)
         params.pop("truncate", None)
         if "factor" not in params or "original_max_position_embeddings" not in params:
@@ -81,14 +74,14 @@ def _rope(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) -> dict
         if not (mscale and all_dim) and (mscale not in (None, 1, 1.0) or all_dim):
             # transformers then scales cos/sin by 0.1 ln(factor) + 1 and ignores the one given; megatron
             # divides the mscale term by the mscale_all_dim term
-            raise _fail(where, "rope_scaling.mscale", (mscale, all_dim),
+            raise unsupported(where, "rope_scaling.mscale", (mscale, all_dim),
                         "mscale and mscale_all_dim must both be set, or mscale 1 and no mscale_all_dim")  # fmt: skip
         defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
         for key, field in _YARN_KEYS.items():
             value = params.pop(key, defaults.get(key))
             out[field] = int(value) if key == "original_max_position_embeddings" else float(value or 0.0)
     elif rope_type != "default":
-        raise _fail(where, "rope_scaling.type", rope_type, "only default rope and YaRN are implemented")
+        raise unsupported(where, "rope_scaling.type", rope_type, "only default rope and YaRN are implemented")
     if params:
         raise MegagrpoError(f"{where}: rope parameters {sorted(params)} are not supported")
     return out
@@ -96,37 +89,41 @@ def _rope(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) -> dict
 
 def _moe(cfg: dict[str, Any], where: str, layers: int, hidden: int) -> dict[str, Any]:
     experts = int(
-        _req(cfg, "n_routed_experts", where)
+        require(cfg, "n_routed_experts", where)
         if "n_routed_experts" in cfg
-        else _req(cfg, "num_local_experts", where)
+        else require(cfg, "num_local_experts", where)
     )
-    topk = int(_req(cfg, "num_experts_per_tok", where))
-    ffn = int(_req(cfg, "moe_intermediate_size", where))
+    topk = int(require(cfg, "num_experts_per_tok", where))
+    ffn = int(require(cfg, "moe_intermediate_size", where))
     groups = int(cfg.get("n_group") or 1)
     group_topk = int(cfg.get("topk_group") or 1)
     if topk > experts:
         raise MegagrpoError(f"{where}: num_experts_per_tok={topk} > n_routed_experts={experts}")
     if experts % groups:
-        raise _fail(where, "n_group", groups, f"n_routed_experts={experts} must split into equal groups")
+        raise unsupported(
+            where, "n_group", groups, f"n_routed_experts={experts} must split into equal groups"
+        )
     if not 1 <= group_topk <= groups:
-        raise _fail(where, "topk_group", group_topk, f"must be in [1, n_group={groups}]")
+        raise unsupported(where, "topk_group", group_topk, f"must be in [1, n_group={groups}]")
     if groups > 1 and topk // group_topk != 2:
         # HF scores a group by its top-2 experts; megatron by its top (topk // topk_group)
-        raise _fail(where, "topk_group", group_topk,
+        raise unsupported(where, "topk_group", group_topk,
                     f"a group is scored by its top-2 experts, reproduced only when num_experts_per_tok / topk_group = 2 "
                     f"(num_experts_per_tok={topk})")  # fmt: skip
     scoring = cfg.get("scoring_func", "sigmoid")
     if scoring not in (None, "sigmoid"):
-        raise _fail(where, "scoring_func", scoring, "these families' router scores with a sigmoid")
+        raise unsupported(where, "scoring_func", scoring, "these families' router scores with a sigmoid")
     method = cfg.get("topk_method", "noaux_tc")
     if method not in (None, "noaux_tc"):
-        raise _fail(where, "topk_method", method, "only noaux_tc (bias-corrected group-limited top-k)")
+        raise unsupported(where, "topk_method", method, "only noaux_tc (bias-corrected group-limited top-k)")
     freq = cfg.get("moe_layer_freq", 1)
     if freq not in (None, 1):
-        raise _fail(where, "moe_layer_freq", freq, "only every layer after first_k_dense_replace is MoE")
+        raise unsupported(
+            where, "moe_layer_freq", freq, "only every layer after first_k_dense_replace is MoE"
+        )
     norm = cfg.get("norm_topk_prob", True)
     if norm is False and topk > 1:
-        raise _fail(
+        raise unsupported(
             where, "norm_topk_prob", norm, "megatron renormalises sigmoid scores over the chosen experts"
         )
     dense = int(cfg.get("first_k_dense_replace") or 0)
@@ -163,50 +160,55 @@ def parse_v3_family(cfg: dict[str, Any], where: str, family: str) -> dict[str, A
     """The `ModelArch` fields of a `deepseek_v3` or `glm4_moe` config."""
     if cfg.get("quantization_config") is not None:
         method = (cfg["quantization_config"] or {}).get("quant_method", "?")
-        raise _fail(where, "quantization_config", method,
+        raise unsupported(where, "quantization_config", method,
                     "quantised weights (DeepSeek-V3 ships block-wise FP8): dequantise the checkpoint to bf16 "
                     "and remove quantization_config")  # fmt: skip
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise _fail(where, "hidden_act", act, "the maps fuse gate/up for SwiGLU only")
+        raise unsupported(where, "hidden_act", act, "the maps fuse gate/up for SwiGLU only")
     tp = cfg.get("pretraining_tp", 1)
     if tp not in (None, 1):
-        raise _fail(where, "pretraining_tp", tp, "sliced linear layers are not implemented")
-    hidden = int(_req(cfg, "hidden_size", where))
-    heads = int(_req(cfg, "num_attention_heads", where))
-    layers = int(_req(cfg, "num_hidden_layers", where))
+        raise unsupported(where, "pretraining_tp", tp, "sliced linear layers are not implemented")
+    hidden = int(require(cfg, "hidden_size", where))
+    heads = int(require(cfg, "num_attention_heads", where))
+    layers = int(require(cfg, "num_hidden_layers", where))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     bias = bool(cfg.get("attention_bias", False))
     fields: dict[str, Any] = dict(
         family=family,
-        vocab_size=int(_req(cfg, "vocab_size", where)),
+        vocab_size=int(require(cfg, "vocab_size", where)),
         hidden_size=hidden,
         num_layers=layers,
         num_attention_heads=heads,
-        ffn_hidden_size=int(_req(cfg, "intermediate_size", where)),
-        max_position_embeddings=int(_req(cfg, "max_position_embeddings", where)),
+        ffn_hidden_size=int(require(cfg, "intermediate_size", where)),
+        max_position_embeddings=int(require(cfg, "max_position_embeddings", where)),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
     if family == "deepseek_v3":
         if kv_heads != heads:
-            raise _fail(where, "num_key_value_heads", kv_heads,
+            raise unsupported(where, "num_key_value_heads", kv_heads,
                         f"multi-latent attention has one key per head (num_attention_heads={heads})")  # fmt: skip
         if bias:
-            raise _fail(where, "attention_bias", bias, "megatron's MLA has no projection biases")
+            raise unsupported(where, "attention_bias", bias, "megatron's MLA has no projection biases")
         interleave = cfg.get("rope_interleave", True)
         if interleave is not True:
-            raise _fail(where, "rope_interleave", interleave, "megatron's MLA rotates interleaved pairs only")
+            raise unsupported(
+                where, "rope_interleave", interleave, "megatron's MLA rotates interleaved pairs only"
+            )
         q_lora = cfg.get("q_lora_rank")
-        nope, rope = int(_req(cfg, "qk_nope_head_dim", where)), int(_req(cfg, "qk_rope_head_dim", where))
+        nope, rope = (
+            int(require(cfg, "qk_nope_head_dim", where)),
+            int(require(cfg, "qk_rope_head_dim", where)),
+        )
         fields.update(
             num_kv_heads=heads,
             head_dim=nope + rope,
             q_lora_rank=None if q_lora is None else int(q_lora),
-            kv_lora_rank=int(_req(cfg, "kv_lora_rank", where)),
+            kv_lora_rank=int(require(cfg, "kv_lora_rank", where)),
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope,
-            v_head_dim=int(_req(cfg, "v_head_dim", where)),
+            v_head_dim=int(require(cfg, "v_head_dim", where)),
             **_rope(cfg, where, yarn=True, partial=False),
         )
     else:

@@ -38,17 +38,15 @@ REPO = Path(__file__).resolve().parents[2]
 # The site-packages that holds the dependencies (torch's): the shared venv's, whether .venv is this clone's
 # overlay (whose own site-packages holds only the .pth that reaches it) or a link to the shared venv.
 SHARED_SITE = Path(torch.__file__).resolve().parents[1]
-NOT_SOURCE = (
-    ".git",
-    ".venv",
-    "outputs",
-    "build",
-    "dist",
-    "__pycache__",
-    "*.egg-info",
-    ".*_cache",
-    ".hypothesis",
-)
+# Left out of the copy the wheel is built from: at the clone's root only (a package may be named `dist`:
+# megagrpo/dist is one), and anywhere for the caches.
+NOT_SOURCE_ROOT = {".git", ".venv", "outputs", "build", "dist"}
+NOT_SOURCE = ("__pycache__", "*.egg-info", ".*_cache", ".hypothesis")
+
+
+def _not_source(directory: str, names: list[str]) -> set[str]:
+    skip = shutil.ignore_patterns(*NOT_SOURCE)(directory, names)
+    return skip | (NOT_SOURCE_ROOT & set(names) if Path(directory) == REPO else set())
 
 
 def _run(cmd: list, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -65,7 +63,7 @@ def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("install")
     src, wheels, venv, work = tmp / "src", tmp / "wheels", tmp / "venv", tmp / "work"
     # Build from a copy, so the build's egg-info and build/ never land in the shared working tree.
-    shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+    shutil.copytree(REPO, src, symlinks=True, ignore=_not_source)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     _run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
@@ -165,7 +163,7 @@ def test_two_clones_side_by_side_each_run_their_own_code(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     clones = {name: tmp_path / name for name in ("a", "b")}
     for name, clone in clones.items():
-        shutil.copytree(REPO, clone, symlinks=True, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+        shutil.copytree(REPO, clone, symlinks=True, ignore=_not_source)
         cli = clone / "megagrpo" / "cli.py"  # each clone's `megagrpo --help` says which clone it is
         text = cli.read_text()
         assert CLI_DESCRIPTION in text

@@ -270,6 +270,10 @@ DISAGG = (
 # torchrun gives each of several processes per host one thread; the same on every launch, whatever its number
 # of processes per host, so that a local run and a Slurm job of one layout reduce in the same order.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# The cluster's two nodes are this one host, so loopback is the address every node reaches, and a launch of
+# several nodes refuses to advertise loopback unless it is set outright (`megagrpo.net.advertised_host`), as
+# a user of such a cluster would set it.
+SHARED_HOST = {**ONE_THREAD, "MEGAGRPO_ENGINE_HOST": "127.0.0.1"}
 # One engine against two: compared with `run_metrics.engine_count_differences` (its tolerances, and why).
 
 
@@ -341,7 +345,7 @@ def slurm_jobs(cluster, model_dir, tmp_path_factory):
             cfg, *extra,
             "--nodes", 2, "--gpus-per-node", per_node, "--layout", "torchrun", "--job-name", f"mg-{name}",
             "--env", f"MEGAGRPO_TEST_RECORD_DIR={dirs[name] / 'sampled'}",
-            *(a for k, v in ONE_THREAD.items() for a in ("--env", f"{k}={v}")),
+            *(a for k, v in SHARED_HOST.items() for a in ("--env", f"{k}={v}")),
         )  # fmt: skip
     for name, (job, log) in jobs.items():
         preempt_after_first_step(cluster, job, log, dirs[name] / "run" / "metrics.jsonl")

@@ -111,10 +111,13 @@ class Session(SamplerMixin):
 
             self.rewards = RewardRunner(cfg)
         self.episodes = None  # rollout.multi_turn: trajectories instead of completions, on engine owners
-        if self.rewards is not None and cfg.rollout.multi_turn.enabled:
-            from megagrpo.trainer.episodes import EpisodeSampler
+        # The owners probe their host's sandbox here (it may deny what the CLI's host allowed): a refusal
+        # stops every rank at once, not at the start's barrier.
+        with agreed("the multi-turn check on the engine owners (rollout.multi_turn)"):
+            if self.rewards is not None and cfg.rollout.multi_turn.enabled:
+                from megagrpo.trainer.episodes import EpisodeSampler
 
-            self.episodes = EpisodeSampler(cfg.rollout.multi_turn, cfg.model.chat_template_kwargs)
+                self.episodes = EpisodeSampler(cfg.rollout.multi_turn, cfg.model.chat_template_kwargs)
         self.start_engine()
         self.sampling = sampling_config(cfg)
         # rollout.mode=async: future steps' first rounds, generated while the learner trains

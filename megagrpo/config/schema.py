@@ -121,9 +121,9 @@ class ModelConfig(Section):
         "per optimizer step, megatron's auxiliary-loss-free rule moves each expert's bias by this rate "
         "towards balance (b_e += rate * sign(mean load - load_e) over the step's training tokens; "
         "DeepSeek-V3 arXiv:2412.19437 section 2.1.2). 0 keeps the checkpoint's bias frozen: the default, "
-        "because the bias decides the selection, and a learner whose bias drifts from the sampler's routes "
-        "differently unless the weight sync carries it every step. The updated bias is exported with the "
-        "weights. A model without a correction bias refuses a rate above 0.",
+        "because the bias decides the selection, so a learner whose bias moved routes differently from a "
+        "sampler that did not receive it (the weight sync must then carry it every step). The updated bias "
+        "is exported with the weights. A model without a correction bias refuses a rate above 0.",
     )
 
     @model_validator(mode="after")

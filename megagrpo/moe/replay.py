@@ -432,8 +432,8 @@ class StepReplay:
             self.turns_pred[:, :-1] = turns.cpu()[:, 1:].clamp(max=num_turns - 1)
         c = taps.config
         self.score_function = c.moe_router_score_function
-        # megatron renormalises a sigmoid top-k > 1 always, a softmax top-k unless pre-softmax
-        self.renormalize = c.moe_router_score_function == "sigmoid" or not c.moe_router_pre_softmax
+        # megatron renormalises a sigmoid router's top-k > 1 always (a softmax router's r does not read it)
+        self.renormalize = True
         self.recompute_routers = c.recompute_granularity == "full" or (
             c.recompute_granularity == "selective" and "moe" in (c.recompute_modules or [])
         )

@@ -196,3 +196,13 @@ def test_rspo_gamma_on_sigmoid_router_sees_only_what_changes_the_model():
     # top-1: the renormalised weight is always 1, so r is the score megatron combines with
     one = stats.router_logp(z_old, routes[..., :1], score_function="sigmoid", renormalize=True)
     assert float(one) == pytest.approx(math.log(float(s[0, 0, 0])), rel=1e-6)
+
+
+def test_router_logp_refuses_an_unknown_score_function():
+    with pytest.raises(ValueError, match="score_function"):
+        stats.router_logp(
+            torch.zeros(1, 1, 4),
+            torch.zeros(1, 1, 2, dtype=torch.int64),
+            score_function="sqrtsoftplus",
+            renormalize=True,
+        )

@@ -114,6 +114,17 @@ class ModelConfig(Section):
         description="Keep the frozen KL reference model's weights on CPU between uses (GPU memory saver). "
         "Only used when algo.kl.coef > 0.",
     )
+    router_bias_update_rate: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Routers with a correction bias (deepseek_v3, glm4_moe: HF e_score_correction_bias): "
+        "per optimizer step, megatron's auxiliary-loss-free rule moves each expert's bias by this rate "
+        "towards balance (b_e += rate * sign(mean load - load_e) over the step's training tokens; "
+        "DeepSeek-V3 arXiv:2412.19437 section 2.1.2). 0 keeps the checkpoint's bias frozen: the default, "
+        "because the bias decides the selection, so a learner whose bias moved routes differently from a "
+        "sampler that did not receive it (the weight sync must then carry it every step). The updated bias "
+        "is exported with the weights. A model without a correction bias refuses a rate above 0.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

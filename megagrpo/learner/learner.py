@@ -45,6 +45,7 @@ class LearnerConfig:
     fp8_recipe: str = "delayed"
     recompute: str | None = None  # None | full | selective
     routing_replay: bool = False  # megatron moe_enable_routing_replay (R2/R3, issue 7)
+    router_bias_update_rate: float = 0.0  # megatron's expert-bias update per step; 0 = frozen bias
     num_micro_batches: int = 1  # per DP rank and optimizer step
     packed: bool = True  # THD packing; False = padded micro-batches
     balance: bool = True  # token-balanced DP shards / micro-batches
@@ -82,6 +83,7 @@ class Learner:
             recompute=cfg.recompute,
             routing_replay=cfg.routing_replay,
             layer_spec=cfg.layer_spec,
+            router_bias_update_rate=cfg.router_bias_update_rate,
         )
         self.chunks = build_gpt_model(arch, cfg.mesh, **build)
         self.model = wrap_ddp(self.chunks, distributed_optimizer=cfg.distributed_optimizer)
@@ -99,7 +101,9 @@ class Learner:
             # No routing replay for the reference: megatron's RouterReplay keeps ONE process-global list of
             # router instances, which must hold only the policy's layers.
             self.reference = build_gpt_model(
-                arch, cfg.mesh, **{**build, "recompute": None, "routing_replay": False}
+                arch,
+                cfg.mesh,
+                **{**build, "recompute": None, "routing_replay": False, "router_bias_update_rate": 0.0},
             )
             for chunk in self.reference:
                 chunk.requires_grad_(False)

@@ -158,6 +158,7 @@ def transformer_config_from_arch(
     recompute: Recompute = None,
     routing_replay: bool = False,
     layer_spec: str = "auto",
+    router_bias_update_rate: float = 0.0,
     **overrides: Any,
 ) -> Any:
     """A megatron `TransformerConfig` for `arch` on `mesh_cfg`.
@@ -165,11 +166,17 @@ def transformer_config_from_arch(
     fp8: None/"none", "hybrid" or "e4m3" (TE only); fp8_recipe "delayed" or "blockwise".
     recompute: None, "full" (every layer, uniform) or "selective" (core attention).
     routing_replay: sets `moe_enable_routing_replay` so megatron's `RouterReplay` can record/replay.
+    router_bias_update_rate: megatron's expert-bias update per optimizer step (0 freezes the bias).
     overrides: any further TransformerConfig field (wins over the derived values).
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     _check_arch(arch, mesh_cfg)
+    if router_bias_update_rate and not arch.moe_router_expert_bias:
+        raise MegagrpoError(
+            f"model.router_bias_update_rate={router_bias_update_rate}: {arch.family} has no router "
+            "correction bias to update; set it to 0"
+        )
     te = use_transformer_engine(layer_spec)
     fp8 = None if fp8 in (None, "none") else fp8
     if fp8 is not None and not te:
@@ -269,9 +276,9 @@ def transformer_config_from_arch(
             )
         if arch.moe_router_expert_bias:
             # The correction bias is a buffer, not a parameter: no optimizer touches it. Megatron moves it
-            # in finalize_model_grads by its aux-loss-free rule at moe_router_bias_update_rate; 0 freezes
-            # it, so RL keeps the checkpoint's bias (and the sampler's routing) unchanged.
-            kw.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+            # in finalize_model_grads by its aux-loss-free rule at moe_router_bias_update_rate; 0 (the
+            # default) freezes it, so RL keeps the checkpoint's bias (and the sampler's routing) unchanged.
+            kw.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=router_bias_update_rate)
         if arch.moe_router_num_groups > 1:
             kw.update(
                 moe_router_num_groups=arch.moe_router_num_groups,
@@ -331,6 +338,7 @@ def build_gpt_model(
     recompute: Recompute = None,
     routing_replay: bool = False,
     layer_spec: str = "auto",
+    router_bias_update_rate: float = 0.0,
     config_overrides: dict[str, Any] | None = None,
 ) -> list[Any]:
     """This rank's `GPTModel` chunks (one per virtual pipeline stage; one chunk without VPP).
@@ -355,6 +363,7 @@ def build_gpt_model(
         recompute=recompute,
         routing_replay=routing_replay,
         layer_spec=layer_spec,
+        router_bias_update_rate=router_bias_update_rate,
         **(config_overrides or {}),
     )
     vpp = mesh_cfg.vpp if mesh_cfg.vpp and mesh_cfg.vpp > 1 else None

@@ -431,7 +431,9 @@ class StepReplay:
             self.turns_pred = torch.full(turns.shape, -1, dtype=torch.int64)
             self.turns_pred[:, :-1] = turns.cpu()[:, 1:].clamp(max=num_turns - 1)
         c = taps.config
-        self.score = "probs" if c.moe_router_score_function == "sigmoid" else "logits"
+        self.score_function = c.moe_router_score_function
+        # megatron renormalises a sigmoid router's top-k > 1 always (a softmax router's r does not read it)
+        self.renormalize = True
         self.recompute_routers = c.recompute_granularity == "full" or (
             c.recompute_granularity == "selective" and "moe" in (c.recompute_modules or [])
         )
@@ -628,10 +630,12 @@ class StepReplay:
     # -- RSPO ------------------------------------------------------------------------------------------
 
     def _router_logp(self, logits: Tensor, routes: Tensor) -> Tensor:
-        """log r(e_k) `[n, K]`: r the router's softmax over all experts (sigmoid scores for sigmoid routers)."""
-        x = logits if self.score == "logits" else torch.sigmoid(logits)
+        """log r(e_k) `[n, K]` from the router's unbiased logits `[n, E]` (`stats.router_logp`: the softmax
+        over all experts, or a sigmoid router's combine weights at `routes`)."""
         idx = routes.to(torch.int64).unsqueeze(1)  # gather wants int64; stores keep int16
-        return stats.gather_router_logp(x.unsqueeze(1), idx, scores=self.score)[:, 0]
+        return stats.router_logp(
+            logits.unsqueeze(1), idx, score_function=self.score_function, renormalize=self.renormalize
+        )[:, 0]
 
     def _gamma_raw(self, d_tok: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(exp(-(1/L) sum_l (1/K) sum_k |d log r|) `[b, T]`, bool `[b, T]` tokens the old pass routed at

@@ -172,13 +172,17 @@ def gather_router_logp(
     """log r^{(l)}(e_k) at the given experts: router `[*lead, L, E]`, routes `[*lead, L, K]` -> `[*lead, L, K]`.
 
     scores="logits": r = softmax over all E experts (normalize="all") or over the K given experts
-    (normalize="topk"). scores="probs": the router's probabilities as given (normalize="all"; right for
-    sigmoid routers whose scores do not sum to 1) or renormalised over the K experts ("topk"); values are
-    floored at 1e-30 before the log. Computed in at least fp32, without autograd (the result is detached).
-    Keeping only this `[*lead, L, K]` result of the old-policy pass is enough for `router_shift_from_logp`.
+    (normalize="topk"). scores="sigmoid": the router outputs are logits z of a sigmoid router, s = sigmoid(z)
+    (DeepSeek-V3, arXiv:2412.19437 eq. 15); r = s per expert ("all") or s_k / sum_j s_j over the K given
+    experts ("topk", eq. 13: the combine weight before the constant scaling factor), computed as
+    logsigmoid(z_k) - logsumexp_j logsigmoid(z_j) so that saturated scores lose no precision.
+    scores="probs": the router's probabilities as given, or renormalised over the K experts ("topk");
+    values are floored at 1e-30 before the log. Computed in at least fp32, without autograd (the result is
+    detached). Keeping only this `[*lead, L, K]` result of the old-policy pass is enough for
+    `router_shift_from_logp`.
     """
-    if scores not in ("logits", "probs"):
-        raise ValueError(f"scores must be 'logits' or 'probs', got {scores!r}")
+    if scores not in ("logits", "probs", "sigmoid"):
+        raise ValueError(f"scores must be 'logits', 'sigmoid' or 'probs', got {scores!r}")
     if normalize not in ("all", "topk"):
         raise ValueError(f"normalize must be 'all' or 'topk', got {normalize!r}")
     safe = routes.clamp(0, router.shape[-1] - 1)  # masked positions may hold -1; their values are unused
@@ -188,11 +192,43 @@ def gather_router_logp(
             if normalize == "all":
                 return torch.log_softmax(x, -1).gather(-1, safe)
             return torch.log_softmax(x.gather(-1, safe), -1)
-        lp = x.clamp_min(1e-30).log()
-        g = lp.gather(-1, safe)
+        if scores == "sigmoid":
+            g = torch.nn.functional.logsigmoid(x.gather(-1, safe))
+        else:
+            g = x.clamp_min(1e-30).log().gather(-1, safe)
         if normalize == "all":
             return g
         return g - torch.logsumexp(g, -1, keepdim=True)
+
+
+def router_logp(
+    logits: torch.Tensor, routes: torch.Tensor, *, score_function: str, renormalize: bool
+) -> torch.Tensor:
+    """The router's log-probability of the given experts, log r^{(l)}(e_k), as RSPO's router shift reads
+    it (arXiv 2510.23027, Sec. 3): logits `[*lead, L, E]` (pre-score-function, WITHOUT any correction
+    bias), routes `[*lead, L, K]` -> `[*lead, L, K]` fp32+, detached.
+
+    What r is, per router (see docs/metrics.md, "Sigmoid routers"):
+    - softmax routers (Mixtral, Qwen-MoE): r = softmax over all E experts, the distribution the router
+      defines (the paper's router scores; mass that moves to experts outside the old top-k lowers gamma).
+    - sigmoid routers (DeepSeek-V3, arXiv:2412.19437 eqs. 12-16; GLM-4.5): the scores
+      s_e = sigmoid(z_e) are E independent gates that do not sum to one, so there is no distribution over
+      all experts. r is the combine weight the model applies to e_k: with `renormalize` (HF
+      `norm_topk_prob`; megatron always renormalises a sigmoid top-k > 1) r(e_k) = s_k / sum_{j in S} s_j
+      over the replayed set S (eq. 13), else r(e_k) = s_k. The scaling factor (`routed_scaling_factor`)
+      cancels in log r_theta - log r_old, and the correction bias enters only the selection (section
+      2.1.2), never r. With S held fixed (R2/R3, and RSPO's conditioning on the old experts), the router
+      changes the token's likelihood, hence a GSPO/GRPO ratio, only through these weights: r is exactly
+      the router's share of pi_theta / pi_old, and a change of the scores that leaves the weights
+      unchanged (all s_k in S scaled alike) gives gamma = 1, as it changes no logprob.
+    A top-1 router's renormalised weight is always 1: then r = s_k (what megatron combines with).
+    """
+    if score_function == "softmax":
+        return gather_router_logp(logits, routes, scores="logits", normalize="all")
+    if score_function == "sigmoid":
+        norm = "topk" if renormalize and routes.shape[-1] > 1 else "all"
+        return gather_router_logp(logits, routes, scores="sigmoid", normalize=norm)
+    raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
 
 
 @dataclass
@@ -339,7 +375,8 @@ def router_shift(
     probability mass that moves to experts outside the old top-k also lowers gamma. This matches the paper's
     description of gamma as computed from router logits/scores of the old-activated experts, and the one
     public implementation found (softmax over all experts, then gather). `normalize="topk"` renormalises
-    over the old top-k instead (only relative weights inside the old set count).
+    over the old top-k instead (only relative weights inside the old set count). For sigmoid routers pass
+    their logits with scores="sigmoid" (see `router_logp` for which normalisation is the model's).
     Provenance: the stored copies of the paper reachable from this project show the formula above, the
     old-top-k conditioning, stop-gradient and the floor, but not the Sec. 3 sentence on normalisation nor
     a numeric gamma_min; DEFAULT_GAMMA_MIN = 0.8 follows the config default `algo.router_shift_gamma_min`

@@ -42,6 +42,7 @@ def learner_config(
         seed=cfg.schedule.seed,
         reference_model=cfg.algo.kl.coef > 0,
         ref_offload=cfg.model.ref_offload,
+        router_bias_update_rate=cfg.model.router_bias_update_rate,
         distributed_optimizer=cfg.optimizer.distributed,
         timeout_minutes=cfg.dist.timeout_minutes,
     )

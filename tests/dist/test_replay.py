@@ -148,11 +148,12 @@ def test_r3_bad_routes_raise_before_any_pass(results, case, words):
     assert msg is not None and words in msg
 
 
-def test_r3_r2_on_a_sigmoid_bias_corrected_grouped_router(results):
-    """DeepSeek-V3's router under R3 and R2: the replayed experts, weights from the learner's current
-    unbiased scores."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_r3_r2_on_a_sigmoid_bias_corrected_grouped_router(results, family):
+    """DeepSeek-V3's and GLM-4.5's router under R3 and R2: the replayed experts, weights from the learner's
+    current unbiased scores, gradients through them; RSPO gamma from those weights."""
     for rank in results:
-        r = rank["r3_sigmoid"]
+        r = rank[f"r3_sigmoid_{family}"]
         assert r["applied_checked"] > 50 and r["applied_mismatched"] == 0, r
         assert r["weight_err"] <= 1e-6, r  # sigmoid at the replayed experts, renormalised, x 2.5
         assert r["bias_gap"] > 1e-3, r  # a bias entering the weights would have been seen
@@ -161,4 +162,19 @@ def test_r3_r2_on_a_sigmoid_bias_corrected_grouped_router(results):
         # R2: the recorded routes replayed in a training pass after a router perturbation
         assert r["r2_checked"] > 50 and r["r2_mismatched"] == 0, r
         assert r["r2_weight_err"] <= 1e-6 and r["r2_bias_gap"] > 1e-3, r
+        assert r["r2_router_grad_norm"] > 1e-6, r  # the router learns through the replayed weights
         assert {k: r["r2_metrics"][k] for k in CLEAN} == CLEAN, r
+        # RSPO: gamma is exp(-mean |d log w|) of the model's combine weights, not of the per-expert score
+        assert r["gamma_below_one"] > 10 and r["gamma_err"] < 1e-5, r
+        assert r["gamma_vs_score_def"] > 1e-3, r
+        assert r["frozen_bias_moved"] == 0.0, r  # model.router_bias_update_rate defaults to 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_router_bias_update_moves_the_bias_by_megatron_rule_and_exports_it(results, family):
+    """model.router_bias_update_rate > 0: after a training pass every correction bias moved by exactly
+    +-rate or not at all (sign of the load offset), equal on every DP rank, and the HF export carries it."""
+    for rank in results:
+        u = rank[f"r3_sigmoid_{family}"]["bias_update"]
+        assert set(u["bias_steps"]) <= {-1.0, 0.0, 1.0} and u["bias_moved"] > 0, u
+        assert u["bias_rank_diff"] == 0.0 and u["export_eq_updated"], u

@@ -9,9 +9,11 @@ replay logprobs differ after the perturbation; router weights get gradients; acc
 R3: a synthetic sampler route table (recorded from a differently perturbed copy, last token and padding
 -1), replayed packed, padded, with 2 micro-batches in balanced (reordered) order, and on PP2: identical
 logprobs; the applied routing equals the table; bad inputs raise MegagrpoError before any pass.
-R3 and R2 on DeepSeek-V3's router (sigmoid, correction bias, group-limited top-k, scaled): the applied
-routing is the sampler's (recorded) table and the combine weights are the current unbiased sigmoid scores at those experts,
-renormalised and scaled, against a hand computation at every router call.
+R3 and R2 on DeepSeek-V3's and GLM-4.5's router (sigmoid, correction bias, group-limited top-k, scaled): the
+applied routing is the sampler's (recorded) table and the combine weights are the current unbiased sigmoid
+scores at those experts, renormalised and scaled, against a hand computation at every router call; the
+router weight gets gradients through them; RSPO's gamma equals the hand value from those weights; the
+correction bias stays frozen, or with model.router_bias_update_rate moves by megatron's rule and is exported.
 Each rank writes rank{r}.json.
 """
 
@@ -36,6 +38,7 @@ from megagrpo.moe.routers import router_taps
 from megagrpo.trainer.rows import route_slices
 from tests.dist._common import (
     TINY_DEEPSEEK_V3,
+    TINY_GLM4_MOE,
     TINY_MOE,
     load_params,
     make_batch,
@@ -353,9 +356,11 @@ def run_r3(outdir: Path) -> dict[str, Any]:
 class _SigmoidWeights(_Applied):
     """Also the combine weights each router applied, against the hand computation of DeepSeek-V3's rule
     (arXiv:2412.19437 eqs. 12-13 and 16 with the correction bias of section 2.1.2): at the replayed experts,
-    sigmoid(logits) renormalised over them, times the scaling factor; the bias only in the selection."""
+    sigmoid(logits) renormalised over them, times the scaling factor; the bias only in the selection.
+    And, per token, RSPO's sum over layers of (1/K) sum_k |d log r| by hand: r the renormalised unbiased
+    score at the applied experts (`d_weight`), and for contrast the per-expert sigmoid score (`d_score`)."""
 
-    def __init__(self, learner: Learner) -> None:
+    def __init__(self, learner: Learner, B: int = 8, T: int = 20) -> None:
         super().__init__(learner)
         for h in self.handles:
             h.remove()
@@ -365,36 +370,107 @@ class _SigmoidWeights(_Applied):
         ]
         self.weight_err = 0.0
         self.bias_gap = 0.0
+        K = learner.arch.moe_topk
+        self.old_logr = {s.moe: torch.zeros(2, B, T, K) for s in self.taps.slots}
+        self.d_weight, self.d_score = torch.zeros(B, T), torch.zeros(B, T)
+
+    def share_old(self) -> None:
+        """The old pass's log r on every rank: a later pass may hold a row on another DP rank."""
+        for t in self.old_logr.values():
+            dist.all_reduce(t)  # each (row, position) was routed on exactly one rank, zeros elsewhere
 
     def _weights(self, slot, hidden, out) -> None:
         self._post(slot, out)
         p = self.taps.active
-        if self.table is None or p is None or p.ctx is None:
+        if p is None or p.ctx is None:
             return
         c = p.ctx
+        cfg = slot.module.config
+        scores = torch.sigmoid(slot.logits(hidden))
+        v = c.valid
+        applied = out[1][v].nonzero()[:, 1].view(-1, cfg.moe_router_topk)  # ascending ids per token
+        s = scores[v].gather(1, applied)
+        logr = torch.stack([(s / s.sum(-1, keepdim=True)).log(), s.log()])  # [2, n, K]
+        at = (c.grow[v], c.pos[v])
+        if p.kind == "old":
+            self.old_logr[slot.moe][:, at[0], at[1]] = logr
+        else:
+            d = (logr - self.old_logr[slot.moe][:, at[0], at[1]]).abs().mean(-1)
+            self.d_weight[at] += d[0]
+            self.d_score[at] += d[1]
+        if self.table is None:
+            return
         keep = c.valid & ~c.last
         want = self.table[c.grow[keep], c.pos[keep], slot.moe].long()
-        scores = torch.sigmoid(slot.logits(hidden)[keep])
-        cfg = slot.module.config
 
         def combine(s: torch.Tensor) -> torch.Tensor:
             w = s.gather(1, want)
             w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.moe_router_topk_scaling_factor
             return torch.zeros_like(s).scatter_(1, want, w)
 
-        expected = combine(scores)
+        expected = combine(scores[keep])
         self.weight_err = max(self.weight_err, float((out[0][keep].float() - expected).abs().max()))
-        biased = combine(scores + slot.module.expert_bias.float())
+        biased = combine(scores[keep] + slot.module.expert_bias.float())
         self.bias_gap = max(self.bias_gap, float((biased - expected).abs().max()))
 
 
-def run_r3_sigmoid(outdir: Path) -> dict[str, Any]:
-    """R3 on the sigmoid, bias-corrected, group-limited router (the tiny DeepSeek-V3 shape)."""
+def _gamma_vs_hand(check: _SigmoidWeights, gammas: list, loss_mask: torch.Tensor, L: int) -> dict[str, Any]:
+    """token_weights' gamma (floor 0) vs exp(-(1/L) sum_l (1/K) sum_k |d log r|) by hand, at the loss tokens
+    (position t - 1 predicts token t), on this rank's rows."""
+    out = {"gamma_err": 0.0, "gamma_vs_score_def": 0.0, "gamma_below_one": 0}
+    for rows, tw in gammas:
+        m = loss_mask[rows]
+        for key, d in (("gamma_err", check.d_weight), ("gamma_vs_score_def", check.d_score)):
+            ref = torch.ones_like(tw)
+            ref[:, 1:] = torch.exp(-d[rows][:, :-1] / L)
+            out[key] = max(out[key], float((tw - ref)[m].abs().max()))
+        out["gamma_below_one"] += int((tw[m] < 0.999).sum())
+    return out
+
+
+def _expert_biases(learner: Learner) -> dict[int, torch.Tensor]:
+    return {s.moe: s.module.expert_bias.detach().clone() for s in router_taps(learner).slots}
+
+
+def _bias_update(arch, batch, rate: float, outdir: Path) -> dict[str, Any]:
+    """One R3 training pass on a learner built with model.router_bias_update_rate: megatron's rule moves
+    each expert's bias by exactly +-rate (or 0), the same on every DP rank, and the export carries it."""
+    from megagrpo.bridge.export import export_tensors, iter_hf_buckets
+
+    lrn = Learner(
+        arch, LearnerConfig(mesh=MeshConfig(), routing_replay=True, seed=5, router_bias_update_rate=rate)
+    )
+    randomise_expert_bias(lrn.chunks)
+    lb = {k: v for k, v in batch.items() if k != "routes"}
+    rep = StepReplay.for_step("R3", lrn, batch)
+    lb["old_logp"] = lrn.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    before = _expert_biases(lrn)
+    _train_pass(lrn, lb, rep, torch.arange(8))
+    after = _expert_biases(lrn)
+    steps = torch.stack([after[k] - before[k] for k in sorted(before)])
+    out: dict[str, Any] = {"bias_steps": sorted({round(float(x) / rate, 6) for x in steps.flatten()})}
+    out["bias_moved"] = int((steps != 0).sum())
+    same = torch.stack([after[k] for k in sorted(after)])
+    other = same.clone()
+    dist.broadcast(other, src=0)
+    out["bias_rank_diff"] = float((same - other).abs().max())
+    exported = {
+        n: t for b in iter_hf_buckets(export_tensors(lrn.chunks[0]), arch, bucket_bytes=1 << 20) for n, t in b
+    }
+    layers = router_taps(lrn).moe_layers
+    got = [exported[f"model.layers.{layers[k]}.mlp.gate.e_score_correction_bias"] for k in sorted(after)]
+    out["export_eq_updated"] = all(torch.equal(g.float(), after[k]) for k, g in zip(sorted(after), got))
+    lrn.close()
+    return out
+
+
+def run_r3_sigmoid(outdir: Path, arch) -> dict[str, Any]:
+    """R3 and R2 on the sigmoid, bias-corrected, group-limited router (the tiny DeepSeek-V3 / GLM-4.5 shape)."""
     out: dict[str, Any] = {}
     batch = _batch()
-    lrn = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=MeshConfig(), routing_replay=True, seed=5))
+    lrn = Learner(arch, LearnerConfig(mesh=MeshConfig(), routing_replay=True, seed=5))
     randomise_expert_bias(lrn.chunks)
-    _sampler_routes(lrn, batch, outdir / "r3_sigmoid_weights")
+    _sampler_routes(lrn, batch, outdir / f"r3_sigmoid_weights_{arch.family}")
     lb = {k: v for k, v in batch.items() if k != "routes"}
     check = _SigmoidWeights(lrn)
     rep = StepReplay.for_step("R3", lrn, batch)
@@ -407,19 +483,27 @@ def run_r3_sigmoid(outdir: Path) -> dict[str, Any]:
     free = lrn.forward(lb)["logprobs"]
     out["r3_vs_free"] = float((lp - free)[batch["loss_mask"]].abs().max())
     # R2: the learner's own bias-corrected, group-limited routes recorded, the routers perturbed, the
-    # training pass (forward and backward) replays them with weights from the perturbed scores
+    # training pass (forward and backward) replays them with weights from the perturbed scores, and RSPO
+    # weighs its tokens (floor 0, so that gamma is compared unclipped)
     check = _SigmoidWeights(lrn)
-    rep = StepReplay.for_step("R2", lrn, lb)
+    rep = StepReplay.for_step("R2", lrn, lb, router_shift=True, gamma_min=0.0)
     lb["old_logp"] = lrn.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
     rep.old_pass_metrics()
     check.table = rep.old_routes()
+    check.share_old()
+    bias0 = _expert_biases(lrn)
     _perturb_routers(lrn, 0.03, seed=1)
-    _train_pass(lrn, lb, rep, torch.arange(8))
+    gammas: list = []
+    _train_pass(lrn, lb, rep, torch.arange(8), gammas=gammas)
     out["r2_metrics"] = rep.step_metrics()
     out["r2_checked"], out["r2_mismatched"] = check.checked, check.mismatched
     out["r2_weight_err"], out["r2_bias_gap"] = check.weight_err, check.bias_gap
+    out["r2_router_grad_norm"] = _router_grad_norm(lrn)
+    out.update(_gamma_vs_hand(check, gammas, lb["loss_mask"], len(router_taps(lrn).slots)))
+    out["frozen_bias_moved"] = max(float((b - bias0[k]).abs().max()) for k, b in _expert_biases(lrn).items())
     check.remove()
     lrn.close()
+    out["bias_update"] = _bias_update(arch, batch, 1e-2, outdir)
     return out
 
 
@@ -458,6 +542,7 @@ def main(rank: int, world: int, outdir: Path, only: str | None = None) -> None:
         res[f"r2_{name}"] = run_r2(name, mesh, recompute)
     if not only or only == "r3":
         res["r3"] = run_r3(outdir)
-    if not only or only == "r3_sigmoid":
-        res["r3_sigmoid"] = run_r3_sigmoid(outdir)
+    for arch in (TINY_DEEPSEEK_V3, TINY_GLM4_MOE):
+        if not only or only == f"r3_sigmoid_{arch.family}":
+            res[f"r3_sigmoid_{arch.family}"] = run_r3_sigmoid(outdir, arch)
     write_json(outdir / f"rank{rank}.json", res)

@@ -46,3 +46,20 @@ def test_unreproducible_descriptions_are_refused(change, words):
 def test_yarn_without_mla_is_refused():
     with pytest.raises(MegagrpoError, match="YaRN"):
         transformer_config_from_arch(dataclasses.replace(TINY_GLM4_MOE, rope_type="yarn"), MeshConfig())
+
+
+def test_router_bias_update_rate_reaches_megatron_from_the_config():
+    """model.router_bias_update_rate (default 0: frozen) becomes megatron's expert-bias update rate; a
+    model without a correction bias refuses a non-zero rate by the field's name."""
+    from megagrpo.config.schema import Config
+    from megagrpo.trainer.components import learner_config
+
+    cfg = Config.model_validate({"model": {"hf_path": "m"}})
+    assert cfg.model.router_bias_update_rate == 0.0 and learner_config(cfg).router_bias_update_rate == 0.0
+    cfg = Config.model_validate({"model": {"hf_path": "m", "router_bias_update_rate": 1e-3}})
+    rate = learner_config(cfg).router_bias_update_rate
+    c = transformer_config_from_arch(TINY_GLM4_MOE, MeshConfig(), router_bias_update_rate=rate)
+    assert c.moe_router_enable_expert_bias and c.moe_router_bias_update_rate == 1e-3
+    no_bias = dataclasses.replace(TINY_GLM4_MOE, moe_router_expert_bias=False)
+    with pytest.raises(MegagrpoError, match="model.router_bias_update_rate"):
+        transformer_config_from_arch(no_bias, MeshConfig(), router_bias_update_rate=1e-3)

@@ -16,7 +16,16 @@ per TENSOR on both sides (one fd handshake with the parent's resource sharer per
 tests per layer), and on a loaded CPU every small torch op also pays an OpenMP barrier. Packed, a sync is
 about 10 tensors per layer whatever the number of experts, so its time follows the bytes. The packed
 path is used when the engine holds every packed name (looked up once per engine) and, for `partial`
-syncs, when every fused group is complete; otherwise the HF-named path (`load_weights`) is used. All
+syncs, when every fused group is complete; otherwise the HF-named path (`load_weights`) is used.
+Padding: SGLang's CPU engine pads MLP intermediate sizes (`sglang_layout` module doc, "Padding"), so the
+engine's shapes are asked once, before the first packing (`engine_held_shapes`), and each parameter is
+packed in them, its parts in zeroed slots: padded on send rather than loaded into the padded view by a
+loader of ours, because the engine's copy then stays one contiguous `copy_` per parameter (SGLang's own
+`direct` load works unchanged) and the staged bytes hash like the engine's; the cost is the padding's
+zeros in the staging buffer and in both copies, (Ip - I) / I of the expert bytes (none at TP 1 for
+every released checkpoint we know of: their sizes are multiples of 32). The HF-named transports send the
+checkpoint's shapes (the fewest bytes per rank) and SGLang's loader pads, per TP shard where a GPU kernel
+asks for it. All
 buckets are packed (and checked) before the first is sent, into one shared-memory staging buffer kept per
 engine (`_Staging`): one extra copy of the model in the engine's dtype, held while the engine lives.
 

@@ -209,7 +209,7 @@ def sglang_params(
     shapes = {n: tuple(t.shape) for n, t in hf.items()}
     out: dict[str, torch.Tensor] = {}
     for name, fp in sglang_plan(shapes).items():
-        if held is not None and name in held:
+        if held is not None and held.get(name) is not None:
             fp = laid_out(fp, held[name], shapes) or fp
         parts = [hf[p] for p in fp.parts]
         dst = torch.empty(fp.shape, dtype=parts[0].dtype)

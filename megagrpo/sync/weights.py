@@ -25,9 +25,9 @@ loader of ours, because the engine's copy then stays one contiguous `copy_` per 
 zeros in the staging buffer and in both copies, (Ip - I) / I of the expert bytes (none at TP 1 for
 every released checkpoint we know of: their sizes are multiples of 32). The HF-named transports send the
 checkpoint's shapes (the fewest bytes per rank) and SGLang's loader pads, per TP shard where a GPU kernel
-asks for it. All
-buckets are packed (and checked) before the first is sent, into one shared-memory staging buffer kept per
-engine (`_Staging`): one extra copy of the model in the engine's dtype, held while the engine lives.
+asks for it. All buckets are packed (and checked) before the first is sent, into one shared-memory
+staging buffer kept per engine (`_Staging`): one extra copy of the model in the engine's dtype, held while
+the engine lives.
 
 Transport, GPU engine: one `FlattenedTensorBucket` per bucket (`load_format="flattened_bucket"`), so each
 bucket is a single CUDA-IPC handle per TP rank instead of one per tensor; SGLang's `load_weights` shards it.
@@ -347,14 +347,15 @@ def engine_held_shapes(eng: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[
     def ask() -> dict[str, tuple[int, ...]]:
         plan = sglang_plan(shapes)
         _check_ok(eng.begin_weight_update(), "begin_weight_update (the shape probe)")
+        open_session = True
         try:
             bad = engine_shape_mismatches(eng, plan)
         except EngineFailed:
-            raise  # no scheduler is left to end the session: asking would wait forever
-        except BaseException:
-            _check_ok(eng.end_weight_update(), "end_weight_update (the shape probe)")
+            open_session = False  # no scheduler is left to end the session: asking would wait forever
             raise
-        _check_ok(eng.end_weight_update(), "end_weight_update (the shape probe)")
+        finally:
+            if open_session:
+                _check_ok(eng.end_weight_update(), "end_weight_update (the shape probe)")
         held = {fp.name: fp.shape for fp in plan.values()}
         held.update({name: h for name, _, h in bad})
         return held

@@ -120,9 +120,12 @@ def test_a_padded_engine_gets_each_part_in_a_zeroed_slot_and_computes_the_same(c
         assert torch.equal(w13[e], want)
         assert torch.equal(w2[e], torch.cat([hf[f"{p}.{e}.down_proj.weight"], zeros.T], dim=1))
     unpadded = sglang_params(hf)
-    x = torch.randn(5, H)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
     assert torch.allclose(
-        _moe(x, w13, w2), _moe(x, unpadded[f"{p}.w13_weight"], unpadded[f"{p}.w2_weight"]), atol=1e-6
+        _moe(x, w13, w2),
+        _moe(x, unpadded[f"{p}.w13_weight"], unpadded[f"{p}.w2_weight"]),
+        atol=1e-5,
+        rtol=1e-5,
     )
     q = eng.model.params["model.layers.0.self_attn.qkv_proj.weight"]  # unpadded parameters as before
     assert torch.equal(q, unpadded["model.layers.0.self_attn.qkv_proj.weight"])

@@ -112,7 +112,7 @@ def _swiglu(x, gate_up, down):
 def test_zero_padded_experts_compute_what_the_checkpoints_do():
     hf = _hf()
     padded, unpadded = sglang_params(hf, _held(hf)), sglang_params(hf)
-    x = torch.randn(7, H)
+    x = torch.randn(7, H, generator=torch.Generator().manual_seed(1))
     for name_13, name_2 in [
         ("model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w2_weight"),
         ("model.layers.1.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight"),
@@ -122,7 +122,7 @@ def test_zero_padded_experts_compute_what_the_checkpoints_do():
         if a.dim() == 2:
             a, b, c, d = a[None], b[None], c[None], d[None]
         for e in range(a.shape[0]):
-            assert torch.allclose(_swiglu(x, a[e], b[e]), _swiglu(x, c[e], d[e]), atol=1e-6, rtol=0)
+            assert torch.allclose(_swiglu(x, a[e], b[e]), _swiglu(x, c[e], d[e]), atol=1e-5, rtol=1e-5)
 
 
 def test_fuse_into_overwrites_every_padded_slot_and_casts():
@@ -227,7 +227,7 @@ def test_the_ipc_path_sends_hf_tensors_that_sglang_lays_into_padded_shards_exact
     )
     assert stats.tensors == len(hf) and eng.formats == ["flattened_bucket"]
     ref = sglang_params(hf)
-    x = torch.randn(5, H)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
     for e in range(E):
         want = _swiglu(
             x, ref["model.layers.0.mlp.experts.w13_weight"][e], ref["model.layers.0.mlp.experts.w2_weight"][e]
@@ -236,3 +236,42 @@ def test_the_ipc_path_sends_hf_tensors_that_sglang_lays_into_padded_shards_exact
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
         for r in range(2):  # every padded row and column holds zero, none the garbage it started with
             assert torch.isfinite(eng.w13[r][e]).all() and torch.isfinite(eng.w2[r][e]).all()
+
+
+# ---------------------------------------------------------------- the disaggregated engine's checksum
+
+
+class _Remote:
+    """A disaggregated engine at TP 1 as `verify_remote` sees it over HTTP: its device and its hashes."""
+
+    def __init__(self, device: str, params: dict[str, torch.Tensor]):
+        from megagrpo.sync.weights import _hash
+
+        self.device, self.name = device, "engine 0"
+        self.cfg = type("Cfg", (), {"tp_size": 1})()
+        self.checksums = {n: _hash(t) for n, t in params.items()}
+
+    def get(self, path):
+        assert path == "/server_info"
+        return {"device": self.device, "tp_size": 1}
+
+    def call(self, path, body):
+        assert path == "/weights_checker" and body == {"action": "checksum"}
+        return {"success": True, "ranks": [{"checksums": self.checksums}]}
+
+
+def test_a_cpu_engines_checksum_lays_the_sent_tensors_out_as_it_pads_them():
+    """The broadcast's checksum (issue 37): a CPU engine holds every MLP intermediate size padded to 32
+    (its shapes cannot be asked over HTTP, so SGLang's rule is applied), a GPU engine at TP 1 the
+    checkpoint's. Before, the CPU engine's padded experts never matched: checksum_ok was False."""
+    from megagrpo.sync.broadcast import verify_remote
+
+    hf = _hf()
+    sent = [list(hf.items())]
+    cpu = _Remote("cpu", sglang_params(hf, _held(hf)))
+    assert verify_remote(cpu, sent)
+    changed = dict(
+        hf, **{"model.layers.1.mlp.down_proj.weight": hf["model.layers.1.mlp.down_proj.weight"] + 1}
+    )
+    assert not verify_remote(cpu, [list(changed.items())])  # and it can fail
+    assert verify_remote(_Remote("cuda", sglang_params(hf)), sent)

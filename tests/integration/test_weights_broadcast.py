@@ -107,7 +107,7 @@ def _perturbed(tensors: list[NamedTensor], seed: int = 0) -> list[NamedTensor]:
     return [(n, t + 1e-3 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in tensors]
 
 
-def test_a_nan_in_the_first_bucket_is_refused_before_any_write(served):
+def test_a_nan_in_the_first_bucket_is_refused_before_any_write(served, tmp_path):
     from megagrpo.sync.broadcast import sync_remote, verify_remote
 
     buckets = list(bucketize(served.original, SMALL_BUCKET))
@@ -121,10 +121,10 @@ def test_a_nan_in_the_first_bucket_is_refused_before_any_write(served):
     ids, logprobs = _greedy(served.engine)
     assert ids == served.ids
     assert _moved(logprobs, served.logprobs) < ROUND_OFF
-    assert ids == _hf_greedy(served.engine.cfg.model_path, served.original)  # the padded engine is exact
+    assert ids == _hf_greedy(served.engine.cfg.model_path, served.original, tmp_path)  # padded, yet exact
 
 
-def test_perturbed_weights_arrive_over_gloo_and_the_checksum_tells_them_apart(served, restore):
+def test_perturbed_weights_arrive_over_gloo_and_the_checksum_tells_them_apart(served, restore, tmp_path):
     from megagrpo.sync.broadcast import sync_remote, verify_remote
 
     perturbed = _perturbed(served.original)
@@ -138,15 +138,21 @@ def test_perturbed_weights_arrive_over_gloo_and_the_checksum_tells_them_apart(se
     moved = _moved(logprobs, served.logprobs)
     print(f"perturbed weights: greedy ids changed: {ids != served.ids}, max |logprob change| {moved:.2e}")
     assert ids != served.ids or moved > 100 * ROUND_OFF, moved
-    assert ids == _hf_greedy(served.engine.cfg.model_path, perturbed)  # zero-padded slots: logits unchanged
+    assert ids == _hf_greedy(
+        served.engine.cfg.model_path, perturbed, tmp_path
+    )  # zero-padded: logits unchanged
 
 
-def _hf_greedy(model_dir, tensors: list[NamedTensor]) -> list[list[int]]:
+def _hf_greedy(model_dir, tensors: list[NamedTensor], tmp) -> list[list[int]]:
+    """transformers' greedy ids for PROMPTS with `tensors` (checkpoint names) in place of the model's."""
+    import shutil
+
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict(dict(tensors), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
+    shutil.copytree(model_dir, tmp, dirs_exist_ok=True)
+    save_file(dict(tensors), tmp / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     with torch.no_grad():
         return [
             model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=GREEDY.max_new_tokens)[

@@ -15,15 +15,18 @@ the number of experts.
 
 Padding. An engine may hold a parameter larger than its checkpoint: SGLang's CPU engine rounds every MLP
 intermediate size (`moe_intermediate_size`, `intermediate_size`, `shared_expert_intermediate_size`) up
-to a multiple of `tp_size * 32` before building the model (`adjust_config_with_unaligned_cpu_tp`), and
-some GPU MoE kernels round each TP shard's (flashinfer_trtllm to 128). Its loaders
-(`narrow_padded_param_and_loaded_weight`, `FusedMoE._load_w13/_load_w2`) then put each HF part at the start
-of a slot of the padded size and zero the rest: with I real and Ip padded rows, `w13_weight [E, 2Ip, H]`
-is `[g_0; 0; u_0; 0; g_1; ...]` (each part in an `[Ip, H]` slot), `w2_weight [E, H, Ip]` and a dense
-`down_proj [H, Ip]` have zero columns I..Ip, a dense `gate_up_proj [2Ip, H]` is `[g; 0; u; 0]`. Zeros are
-exact: a zero gate and up row gives silu(0) * 0 = 0, and a zero down column adds nothing. `laid_out`
-gives a `FusedParam` the engine's shape and each part its `slot`; `fuse_into` then zeroes the slots' tails
-and writes every part in one op, so the packed tensor is, byte for byte, what SGLang's own loader leaves.
+to a multiple of `tp_size * 32` before building the model (`adjust_config_with_unaligned_cpu_tp`; AMX
+kernels take only multiples of 32), and some GPU MoE kernels round each TP shard's (flashinfer_trtllm
+to 128: GLM-4.5's 1408 over TP 8 is 176 a shard, held as 256). Its loaders
+(`narrow_padded_param_and_loaded_weight`, `FusedMoE._load_w13/_load_w2`) shard HF tensors themselves,
+then put each part at the start of a slot of the padded size and zero the rest (the HF-named transports,
+GPU ones included, rely on that). At TP 1, the packed CPU sync's case, with I real and Ip padded rows:
+`w13_weight [E, 2Ip, H]` is `[g_0; 0; u_0; 0; g_1; ...]` (each part in an `[Ip, H]` slot), `w2_weight
+[E, H, Ip]` and a dense `down_proj [H, Ip]` have zero columns I..Ip, a dense `gate_up_proj [2Ip, H]` is
+`[g; 0; u; 0]`. Zeros are exact: a zero gate and up row gives silu(0) * 0 = 0, and a zero down column
+adds nothing. `laid_out` gives a `FusedParam` the engine's shape and each part its `slot`; `fuse_into`
+then zeroes the slots' tails and writes every part in one op, so the packed tensor is, byte for byte,
+what SGLang's own loader leaves.
 """
 
 from __future__ import annotations

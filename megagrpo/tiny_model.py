@@ -82,6 +82,7 @@ def make_config(
     topk: int,
     tie: bool,
     max_pos: int,
+    moe_intermediate: int | None = None,
 ):
     from transformers import AutoConfig
 
@@ -110,7 +111,7 @@ def make_config(
             head_dim=head_dim,
             num_experts=experts,
             num_experts_per_tok=topk,
-            moe_intermediate_size=hidden,
+            moe_intermediate_size=moe_intermediate or hidden,
             decoder_sparse_step=1,
             mlp_only_layers=[],
             norm_topk_prob=True,
@@ -126,7 +127,7 @@ def make_config(
         common.update(
             n_routed_experts=experts,
             num_experts_per_tok=topk,
-            moe_intermediate_size=hidden // 2,
+            moe_intermediate_size=moe_intermediate or hidden // 2,
             n_shared_experts=1,
             n_group=2,
             topk_group=topk // 2,
@@ -186,8 +187,11 @@ def make_tiny_model(
     max_pos: int = 512,
     seed: int = 0,
     init_std: float = 0.02,
+    moe_intermediate: int | None = None,
 ) -> Path:
-    """Create the model directory atomically (written beside it, then renamed) and return its path."""
+    """Create the model directory atomically (written beside it, then renamed) and return its path.
+    `moe_intermediate`: the experts' intermediate size (default: `hidden`, or `hidden // 2` for the
+    DeepSeek-V3-shaped archs); one that is no multiple of 32 is padded by SGLang's CPU engine."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -207,6 +211,7 @@ def make_tiny_model(
         topk=topk,
         tie=tie,
         max_pos=max_pos,
+        moe_intermediate=moe_intermediate,
     )
     cfg.initializer_range = init_std
     torch.manual_seed(seed)

@@ -404,12 +404,22 @@ def remote_checksums(remote: RemoteEngine) -> dict[str, str]:
 
 def verify_remote(remote: RemoteEngine, sent: list[list[NamedTensor]]) -> bool:
     """True when every SGLang parameter built from the sent tensors hashes like the engine's copy
-    (TP 1: a TP engine's parameters are shards)."""
-    from megagrpo.sync.sglang_layout import sglang_params
+    (TP 1: a TP engine's parameters are shards). The sent tensors are laid out as the engine holds them:
+    a CPU engine zero-pads every MLP intermediate size to SGLang's multiple (`sglang_layout` module doc,
+    "Padding"; its shapes cannot be asked over HTTP, so its rule is applied); a GPU engine at TP 1 is
+    taken to hold the checkpoint's shapes. Cost: the engine's hashes and `/server_info` over HTTP."""
+    from megagrpo.sync.sglang_layout import padded_mlp_shapes, sglang_params, sglang_plan
 
     if int(remote.cfg.tp_size) != 1:
         raise MegagrpoError("sync.checksum supports engines with engine_tp=1 only; set sync.checksum=false")
-    expected = sglang_params({n: t for b in sent for n, t in b})
+    hf = {n: t for b in sent for n, t in b}
+    engine_shapes = None
+    if remote.get("/server_info").get("device") == "cpu":
+        from sglang.srt.configs.update_config import DEFAULT_MOE_PADDING_SIZE
+
+        padded = padded_mlp_shapes({n: tuple(t.shape) for n, t in hf.items()}, DEFAULT_MOE_PADDING_SIZE)
+        engine_shapes = {fp.name: fp.shape for fp in sglang_plan(padded).values()}
+    expected = sglang_params(hf, engine_shapes)
     held = remote_checksums(remote)
     common = [n for n in expected if n in held]
     if not common:

@@ -12,6 +12,21 @@ Every fusion above is a concatenation on dim 0 of the parts, in `FusedParam.part
 tensor viewed as `[-1, *part.shape[1:]]`: w13 is `[g_0; u_0; g_1; u_1; ...]` as `[E*2I, H]` and w2 is
 `[d_0; d_1; ...]` as `[E*H, I]`. `fuse_into` therefore fills any fused parameter with ONE torch op, whatever
 the number of experts.
+
+Padding. An engine may hold a parameter larger than its checkpoint: SGLang's CPU engine rounds every MLP
+intermediate size (`moe_intermediate_size`, `intermediate_size`, `shared_expert_intermediate_size`) up
+to a multiple of `tp_size * 32` before building the model (`adjust_config_with_unaligned_cpu_tp`; AMX
+kernels take only multiples of 32), and some GPU MoE kernels round each TP shard's (flashinfer_trtllm
+to 128: GLM-4.5's 1408 over TP 8 is 176 a shard, held as 256). Its loaders
+(`narrow_padded_param_and_loaded_weight`, `FusedMoE._load_w13/_load_w2`) shard HF tensors themselves,
+then put each part at the start of a slot of the padded size and zero the rest (the HF-named transports,
+GPU ones included, rely on that). At TP 1, the packed CPU sync's case, with I real and Ip padded rows:
+`w13_weight [E, 2Ip, H]` is `[g_0; 0; u_0; 0; g_1; ...]` (each part in an `[Ip, H]` slot), `w2_weight
+[E, H, Ip]` and a dense `down_proj [H, Ip]` have zero columns I..Ip, a dense `gate_up_proj [2Ip, H]` is
+`[g; 0; u; 0]`. Zeros are exact: a zero gate and up row gives silu(0) * 0 = 0, and a zero down column
+adds nothing. `laid_out` gives a `FusedParam` the engine's shape and each part its `slot`; `fuse_into`
+then zeroes the slots' tails and writes every part in one op, so the packed tensor is, byte for byte,
+what SGLang's own loader leaves.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ _EXPERT = re.compile(
     r"^(.*\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
 _GATE, _UP, _DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
+_MLP_PROJ = re.compile(r"^.*\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,9 @@ class FusedParam:
     name: str  # SGLang parameter name, e.g. model.layers.0.mlp.experts.w13_weight
     parts: tuple[str, ...]  # HF checkpoint names, in fill order (a single name: a plain copy)
     shape: tuple[int, ...]  # the SGLang parameter's shape
+    # Each part's slot when the engine pads (module doc, "Padding"): the part sits at the start of every
+    # dim of its slot, the rest is zero; the parameter is `[len(parts), *slot]`. None: parts fill it exactly.
+    slot: tuple[int, ...] | None = None
 
 
 def _concat(name: str, parts: Sequence[str], shapes: Mapping[str, tuple[int, ...]]) -> FusedParam:
@@ -113,8 +132,67 @@ def sglang_plan(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam]:
     return plan
 
 
-def fuse_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Write `parts` concatenated on dim 0 into the contiguous `out` (one op; casts to out's dtype)."""
+def laid_out(
+    fp: FusedParam, held: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]
+) -> FusedParam | None:
+    """`fp` in the shape `held` that the engine allocates for it, with each part's `slot`; `fp` itself
+    when `held` is its shape; None when `held` is not a zero-padding of it (module doc, "Padding").
+
+    The parts (all of one shape p) run along fp's dim j = len(fp.shape) - len(p), c of them per index of
+    the dims before j (c = 2 for gate/up, 1 for down); padding may grow p's dims only, so `held` must keep
+    fp's leading dims and split its dim j into c equal slots no smaller than p."""
+    held = tuple(held)
+    if held == fp.shape:
+        return fp
+    p = tuple(shapes[fp.parts[0]])
+    j = len(fp.shape) - len(p)
+    if (
+        j < 0
+        or len(held) != len(fp.shape)
+        or any(tuple(shapes[q]) != p for q in fp.parts)
+        or held[:j] != fp.shape[:j]
+        or fp.shape[j + 1 :] != p[1:]
+        or fp.shape[j] % p[0]
+    ):
+        return None
+    c = fp.shape[j] // p[0]
+    if held[j] % c:
+        return None
+    slot = (held[j] // c, *held[j + 1 :])
+    if any(s < d for s, d in zip(slot, p)):
+        return None
+    return FusedParam(fp.name, fp.parts, held, slot)
+
+
+def padded_mlp_shapes(shapes: Mapping[str, tuple[int, ...]], multiple: int) -> dict[str, tuple[int, ...]]:
+    """HF shapes with every MLP intermediate size (dense, expert or shared: gate/up rows, down columns)
+    rounded up to `multiple`: the checkpoint as SGLang's CPU engine pads it (module doc, "Padding"), for
+    an engine that cannot be asked for its shapes (a disaggregated one, over HTTP)."""
+    out = {}
+    for name, shape in shapes.items():
+        kind = _MLP_PROJ.match(name)
+        shape = tuple(shape)
+        if kind and len(shape) == 2:
+            dim = 1 if kind.group(1) in _DOWN else 0
+            shape = tuple(-(-d // multiple) * multiple if i == dim else d for i, d in enumerate(shape))
+        out[name] = shape
+    return out
+
+
+def fuse_into(
+    out: torch.Tensor, parts: Sequence[torch.Tensor], slot: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Write `parts` concatenated on dim 0 into the contiguous `out` (one op; casts to out's dtype). With
+    a `slot` (`laid_out`), each part goes to the start of its slot and the slots' tails are zeroed: one
+    op per padded dim, plus one strided op for all the parts."""
+    if slot is not None:
+        grid = out.view(len(parts), *slot)
+        p = parts[0].shape
+        for dim, (s, d) in enumerate(zip(slot, p)):
+            if s > d:
+                grid.narrow(dim + 1, d, s - d).zero_()
+        torch.stack(list(parts), 0, out=grid[(slice(None), *(slice(0, d) for d in p))])
+        return out
     if len(parts) == 1:
         return out.copy_(parts[0].reshape(out.shape))
     rows = sum(p.shape[0] for p in parts)
@@ -122,15 +200,21 @@ def fuse_into(out: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def sglang_params(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{SGLang parameter name: tensor} for the HF tensors given (full, unsharded: TP=1).
+def sglang_params(
+    hf: Mapping[str, torch.Tensor], held: Mapping[str, tuple[int, ...]] | None = None
+) -> dict[str, torch.Tensor]:
+    """{SGLang parameter name: tensor} for the HF tensors given (full, unsharded: TP=1), each laid out in
+    the shape `held` gives for it (the engine's, zero-padded: `laid_out`) or, where `held` does not name
+    it or is not a padding of it, in the checkpoint's.
 
     Only fully present groups are fused; members of partial groups appear under their HF names.
     """
-    plan = sglang_plan({n: tuple(t.shape) for n, t in hf.items()})
+    shapes = {n: tuple(t.shape) for n, t in hf.items()}
     out: dict[str, torch.Tensor] = {}
-    for name, fp in plan.items():
+    for name, fp in sglang_plan(shapes).items():
+        if held is not None and held.get(name) is not None:
+            fp = laid_out(fp, held[name], shapes) or fp
         parts = [hf[p] for p in fp.parts]
         dst = torch.empty(fp.shape, dtype=parts[0].dtype)
-        out[name] = fuse_into(dst, parts)
+        out[name] = fuse_into(dst, parts, fp.slot)
     return out

@@ -16,9 +16,18 @@ per TENSOR on both sides (one fd handshake with the parent's resource sharer per
 tests per layer), and on a loaded CPU every small torch op also pays an OpenMP barrier. Packed, a sync is
 about 10 tensors per layer whatever the number of experts, so its time follows the bytes. The packed
 path is used when the engine holds every packed name (looked up once per engine) and, for `partial`
-syncs, when every fused group is complete; otherwise the HF-named path (`load_weights`) is used. All
-buckets are packed (and checked) before the first is sent, into one shared-memory staging buffer kept per
-engine (`_Staging`): one extra copy of the model in the engine's dtype, held while the engine lives.
+syncs, when every fused group is complete; otherwise the HF-named path (`load_weights`) is used.
+Padding: SGLang's CPU engine pads MLP intermediate sizes (`sglang_layout` module doc, "Padding"), so the
+engine's shapes are asked once, before the first packing (`engine_held_shapes`), and each parameter is
+packed in them, its parts in zeroed slots: padded on send rather than loaded into the padded view by a
+loader of ours, because the engine's copy then stays one contiguous `copy_` per parameter (SGLang's own
+`direct` load works unchanged) and the staged bytes hash like the engine's; the cost is the padding's
+zeros in the staging buffer and in both copies, (Ip - I) / I of the expert bytes (none at TP 1 for
+every released checkpoint we know of: their sizes are multiples of 32). The HF-named transports send the
+checkpoint's shapes (the fewest bytes per rank) and SGLang's loader pads, per TP shard where a GPU kernel
+asks for it. All buckets are packed (and checked) before the first is sent, into one shared-memory
+staging buffer kept per engine (`_Staging`): one extra copy of the model in the engine's dtype, held while
+the engine lives.
 
 Transport, GPU engine: one `FlattenedTensorBucket` per bucket (`load_format="flattened_bucket"`), so each
 bucket is a single CUDA-IPC handle per TP rank instead of one per tensor; SGLang's `load_weights` shards it.
@@ -43,7 +52,7 @@ from megagrpo.bridge.hf_io import open_safetensors
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.engine import EngineFailed
 from megagrpo.sync.buckets import NamedTensor, tensor_bytes
-from megagrpo.sync.sglang_layout import FusedParam, fuse_into, sglang_params, sglang_plan
+from megagrpo.sync.sglang_layout import FusedParam, fuse_into, laid_out, sglang_params, sglang_plan
 
 logger = logging.getLogger(__name__)
 
@@ -326,27 +335,61 @@ def engine_shape_mismatches(
     return [(n, tuple(s), None if h is None else tuple(h)) for n, s, h in json.loads(_read_probe(buf))]
 
 
-def check_engine_shapes(eng: Any, plan: Mapping[str, FusedParam]) -> None:
-    """MegagrpoError naming the first parameter of `plan` whose shape the engine does not hold (or that it
-    lacks), before anything is sent (`engine_shape_mismatches`), once per engine: its shapes are fixed for
-    its lifetime. Engines started without the probe (not by `rollout.engine` on a CPU) are not asked."""
+def engine_held_shapes(eng: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """{SGLang parameter name: the shape the engine holds} for the packing plan of checkpoint `shapes`
+    (None where it lacks the parameter), asked of the engine once (`engine_shape_mismatches`, in a
+    weight-update session of its own that loads nothing) and kept: its shapes are fixed for its lifetime.
+    Engines started without the probe (not by `rollout.engine` on a CPU) are not asked: {} (the planned
+    shapes are taken as theirs). Cost, once per engine: the probe's one call (module doc of the probe)."""
     if SHAPES_PROBE not in (getattr(eng.server_args, "custom_weight_loader", None) or []):
-        return
-    known = _PER_ENGINE.setdefault(eng, {})
-    if known.get("shapes_held"):
-        return
-    bad = engine_shape_mismatches(eng, plan)
+        return {}
+
+    def ask() -> dict[str, tuple[int, ...]]:
+        plan = sglang_plan(shapes)
+        _check_ok(eng.begin_weight_update(), "begin_weight_update (the shape probe)")
+        open_session = True
+        try:
+            bad = engine_shape_mismatches(eng, plan)
+        except EngineFailed:
+            open_session = False  # no scheduler is left to end the session: asking would wait forever
+            raise
+        finally:
+            if open_session:
+                _check_ok(eng.end_weight_update(), "end_weight_update (the shape probe)")
+        held = {fp.name: fp.shape for fp in plan.values()}
+        held.update({name: h for name, _, h in bad})
+        return held
+
+    return _per_engine(eng, "held_shapes", ask)
+
+
+def _lay_out(
+    touched: Mapping[str, FusedParam],
+    held: Mapping[str, tuple[int, ...]],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, FusedParam]:
+    """`touched` laid out in the engine's shapes (`sglang_layout.laid_out`: zero-padded slots), or a
+    MegagrpoError naming the first parameter the engine holds in a shape that is no padding of the plan's
+    (or lacks), before anything is sent."""
+    out: dict[str, FusedParam] = {}
+    bad: list[tuple[str, tuple[int, ...], Any]] = []
+    for name, fp in touched.items():
+        h = held.get(name, fp.shape)
+        fitted = None if h is None else laid_out(fp, h, shapes)
+        if fitted is None:
+            bad.append((name, fp.shape, h))
+        else:
+            out[name] = fitted
     if bad:
-        name, sent, held = bad[0]
-        held_says = "does not hold it" if held is None else f"holds {held}"
+        name, sent, h = bad[0]
+        held_says = "does not hold it" if h is None else f"holds {tuple(h)}"
         raise MegagrpoError(
             f"weight sync: the engine's parameter {name!r}: the learner's export packs {sent}, the engine "
-            f"{held_says} ({len(bad)} parameter(s) differ; nothing was sent, the engine keeps its weights). "
-            "The engine's model departs from its checkpoint's shapes (e.g. SGLang's CPU MoE pads "
-            "moe_intermediate_size): set sync.pack=false to send HF-named tensors through SGLang's own "
-            "loader, or use a model whose sizes the engine does not pad"
+            f"{held_says}, which is no zero-padding of it ({len(bad)} parameter(s) differ; nothing was sent, "
+            "the engine keeps its weights). Set sync.pack=false to send HF-named tensors through SGLang's "
+            "own loader"
         )
-    known["shapes_held"] = True
+    return out
 
 
 def packed_load_format(eng: Any) -> str:
@@ -382,7 +425,9 @@ def _engine_param_names(eng: Any) -> frozenset[str]:
 def _packing_plan(
     eng: Any, shapes: Mapping[str, tuple[int, ...]], buckets: list[list[NamedTensor]]
 ) -> dict[str, FusedParam] | None:
-    """{hf_name: the SGLang parameter it goes into} when every bucket can be sent packed, else None."""
+    """{hf_name: the SGLang parameter it goes into, in the engine's shapes} when every bucket can be sent
+    packed, else None. MegagrpoError when the engine holds a touched parameter in a shape that is no
+    zero-padding of the planned one (`_lay_out`); asks the engine its shapes on its first call."""
     sent = {name for b in buckets for name, _ in b}
     owner = {part: fp for fp in sglang_plan(shapes).values() for part in fp.parts}
     touched = {owner[name].name: owner[name] for name in sent}
@@ -396,7 +441,8 @@ def _packing_plan(
             incomplete[:3],
         )
         return None
-    return owner
+    fitted = _lay_out(touched, engine_held_shapes(eng, shapes), shapes)
+    return {part: fitted[fp.name] for part, fp in owner.items() if fp.name in fitted}
 
 
 class _Packer:
@@ -425,7 +471,7 @@ class _Packer:
             return
         outs = self.staging.views([(fp.shape, self.dtype) for fp, _ in ready])
         for (fp, parts), out in zip(ready, outs):
-            fuse_into(out, parts)
+            fuse_into(out, parts, fp.slot)
             if not all_finite(out):
                 _raise_non_finite(fp, parts, self.dtype)
         self.sends.append([(fp.name, out) for (fp, _), out in zip(ready, outs)])
@@ -583,8 +629,6 @@ def _sync_weights(
     fmt = packed_load_format(eng)
     open_session = True
     try:
-        if owner is not None:
-            check_engine_shapes(eng, owner)
         for i, bucket in enumerate(sends):
             last = i == len(sends) - 1
             try:
@@ -813,7 +857,8 @@ def verify_checksum(engine: Any, buckets: list[list[NamedTensor]]) -> bool:
         raise MegagrpoError("weight sync checksum supports engines with tp_size=1 only; set checksum=false")
     dtype = eng.tokenizer_manager.model_config.dtype
     sent = {name: t.to(dtype) for b in buckets for name, t in b}
-    expected = sglang_params(sent)
+    shapes = _per_engine(eng, "shapes", lambda: checkpoint_shapes(eng.server_args.model_path))
+    expected = sglang_params(sent, engine_held_shapes(eng, shapes))
     held = engine_checksums(eng)
     common = [n for n in expected if n in held]
     if not common:

@@ -3,6 +3,11 @@ holds, and a bad export is refused before anything is sent (the engine keeps the
 
 The HF-named tensors come from a perturbed transformers model saved in checkpoint layout (the names and
 shapes the bridge's streaming export yields).
+
+The engine of this module serves the tiny Qwen3-MoE with moe_intermediate_size 20, which SGLang's CPU
+engine pads to 32 (w13_weight (8, 64, 64) where the checkpoint gives (8, 40, 64)), so every transport here
+(packed, HF-named, partial) and the checksums run on padded parameters (issue 37); the unpadded packed
+sync is covered by every trainer test. Same engine start as before: only the model changes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from safetensors.torch import load_file
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync import bucketize, sync_weights
+from tests.integration.conftest import ENGINE_MODEL
+
+MOE_INTERMEDIATE = 20  # no multiple of 32: SGLang's CPU engine pads it to 32
 
 LOGPROB_TOL_FP32 = 2e-4  # fp32 engine vs fp32 transformers; measured max |delta| 4.8e-7 here
 SEQS = [[5, 17, 33, 2, 90, 14, 200, 7, 61, 8], [1, 307, 260, 202, 90, 301, 314, 224]]
@@ -33,6 +41,20 @@ def _hf_logprobs(model, ids):
 
 def _max_diff(engine, model):
     return max(float((e - _hf_logprobs(model, s)).abs().max()) for e, s in zip(engine.score(SEQS), SEQS))
+
+
+@pytest.fixture(scope="session")
+def sglang_model_dir(tiny_model):
+    """This module's engine model (module doc): overrides the shared fixture of the same name."""
+    return tiny_model(**ENGINE_MODEL, moe_intermediate=MOE_INTERMEDIATE)
+
+
+def _hf_greedy(model, n: int = 6) -> list[list[int]]:
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([s[:5]]), do_sample=False, max_new_tokens=n)[0, 5:].tolist()
+            for s in SEQS
+        ]
 
 
 @pytest.fixture
@@ -66,6 +88,7 @@ def test_sync_changes_weights_and_second_sync_is_a_noop(
 
     assert _max_diff(sglang_engine, updated) < LOGPROB_TOL_FP32
     assert _max_diff(sglang_engine, hf_reference) > 100 * LOGPROB_TOL_FP32
+    assert _greedy(sglang_engine) == _hf_greedy(updated)  # the padded slots hold zeros: logits unchanged
     first = sglang_engine.score(SEQS)
 
     again = sync_weights(sglang_engine, bucketize(tensors), checksum=True)
@@ -122,9 +145,9 @@ def test_bad_export_is_refused_before_sending(sglang_engine, hf_reference, origi
 def test_the_engine_names_the_parameters_it_holds_in_other_shapes(sglang_engine, original_tensors):
     """The packed sync's shape probe runs in SGLang's scheduler and answers through shared memory (issue 36,
     item 9): a parameter planned in a shape the engine does not hold comes back named with both shapes,
-    and the scheduler lives on. Before, the packed load's shape assertion killed the scheduler, whose
-    SIGQUIT killed the trainer (a CPU engine pads a Qwen3-MoE's expert intermediate size 20 to 32, so
-    w13_weight is (8, 64, 80) where the learner packs (8, 40, 80))."""
+    and the scheduler lives on. Here the engine pads moe_intermediate_size 20 to 32: w13_weight is
+    (8, 64, 64) and w2_weight (8, 64, 32) where the checkpoint packs (8, 40, 64) and (8, 64, 20), which
+    the packed sync lays out zero-padded (issue 37)."""
     from megagrpo.sync.sglang_layout import FusedParam, sglang_plan
     from megagrpo.sync.weights import engine_shape_mismatches
 
@@ -132,17 +155,24 @@ def test_the_engine_names_the_parameters_it_holds_in_other_shapes(sglang_engine,
     plan = sglang_plan({n: tuple(t.shape) for n, t in original_tensors})
     w13 = "model.layers.0.mlp.experts.w13_weight"
     e, two_i, h = plan[w13].shape
-    other = dict(plan)
-    other[w13] = FusedParam(w13, plan[w13].parts, (e, two_i - 2, h))
+    assert two_i == 2 * MOE_INTERMEDIATE
+    other = {n: fp for n, fp in plan.items() if not n.endswith(("w13_weight", "w2_weight"))}
     other["model.no_such.weight"] = FusedParam("model.no_such.weight", ("model.no_such.weight",), (3,))
     eng = sglang_engine.engine
     assert eng.begin_weight_update()[0]
     try:
-        assert engine_shape_mismatches(eng, plan) == []  # the tiny model's sizes are not padded
+        padded = engine_shape_mismatches(eng, plan)
         bad = engine_shape_mismatches(eng, other)
     finally:
         assert eng.end_weight_update()[0]
-    assert sorted(bad) == [(w13, (e, two_i - 2, h), (e, two_i, h)), ("model.no_such.weight", (3,), None)]
+    assert sorted(padded) == sorted(
+        [(f"model.layers.{i}.mlp.experts.w13_weight", (e, two_i, h), (e, 64, h)) for i in range(2)]
+        + [
+            (f"model.layers.{i}.mlp.experts.w2_weight", (e, h, MOE_INTERMEDIATE), (e, h, 32))
+            for i in range(2)
+        ]
+    )
+    assert bad == [("model.no_such.weight", (3,), None)]
     for a, b in zip(baseline, sglang_engine.score(SEQS)):  # alive, and nothing was loaded
         assert torch.equal(a, b)
 
@@ -180,15 +210,21 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
 
     eng = sglang_engine.engine
     update = eng.update_weights_from_tensor
-    eng.update_weights_from_tensor = lambda *a, **k: (events.append("update"), update(*a, **k))[1]
+
+    def update_counted(*a, **k):  # the shape probe (asked before packing) loads nothing: not an update
+        events.append("probe" if k.get("load_format") == sync_module.SHAPES_PROBE else "update")
+        return update(*a, **k)
+
+    eng.update_weights_from_tensor = update_counted
     try:
         sglang_engine.release(["kv_cache", "weights"])
-        sync_module._PER_ENGINE.pop(eng, None)  # the packing plan's name lookup runs while released
+        sync_module._PER_ENGINE.pop(eng, None)  # the packing plan's lookups run while released
         with pytest.raises(MegagrpoError, match=rf"tensor '{name}' holds NaN"):
             sync_weights(  # an iterator, as the streaming export yields: the NaN is in a later bucket
                 sglang_engine, iter(bucketize(bad, bucket_bytes=4096)), pack=pack, before_send=resume_weights
             )
-        assert events == [] and sglang_engine.asleep
+        assert events == (["probe"] if pack else []) and sglang_engine.asleep
+        events.clear()
         sglang_engine.resume()
         assert _greedy(sglang_engine) == baseline_ids
         for a, b in zip(baseline, sglang_engine.score(SEQS)):
@@ -203,8 +239,7 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
         )  # fmt: skip
         assert stats.checksum_ok is True and stats.packed == pack
         assert events[0] == "resume" and events.count("resume") == 1
-        # packed: one more update, the engine's shape probe (asked again: the per-engine cache was cleared)
-        assert events.count("update") == stats.buckets + pack
+        assert events.count("update") == stats.buckets
     finally:
         eng.update_weights_from_tensor = update
         sglang_engine.resume()

@@ -1,10 +1,13 @@
 """The disaggregated weight path without learners: one engine server (`engine_server`, SGLang's HTTP server
 in a subprocess, tiny Qwen3-MoE, fp32 on the CPU), fed over its gloo weights group by this process through
-`sync.broadcast` with the checkpoint's own tensors.
+`sync.broadcast` with the checkpoint's own tensors. The model's moe_intermediate_size is 20, which the
+CPU engine pads to 32: SGLang's loader lays the broadcast HF tensors into the padded parameters, and the
+checksum lays them out as the engine holds them (issue 37).
 
 - a NaN in the first bucket is refused, naming the tensor, before anything reaches the engine: it still
   hashes like the checkpoint and generates the same greedy ids;
-- perturbed weights arrive (the checksum holds, the checkpoint's hashes no longer match, generation changes);
+- perturbed weights arrive (the checksum holds, the checkpoint's hashes no longer match, generation changes
+  and equals transformers' greedy generation with the perturbed weights);
 - a bucket that breaks its checks after a first one was sent names the engine and says it is partly updated;
 - a sync of many buckets in the two reused send buffers (each sent while the next is copied) arrives bit
   for bit, without the checksum's buffer per bucket;
@@ -39,6 +42,7 @@ SMALL_BUCKET = 64 << 10  # many buckets: 18 for this model
 # The same weights give the same greedy ids, and logprobs equal up to fp32 round-off: a repeated prompt is
 # served from the prefix cache, whose prefill ran in another batch shape.
 ROUND_OFF = 1e-5
+MOE_INTERMEDIATE = 20  # no multiple of 32: the CPU engine pads it to 32
 
 
 @dataclasses.dataclass
@@ -67,7 +71,7 @@ def served(tmp_path_factory):
     from megagrpo.tiny_model import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("weights_broadcast")
-    model = make_tiny_model(tmp / "model", "qwen3_moe", seed=1)
+    model = make_tiny_model(tmp / "model", "qwen3_moe", seed=1, moe_intermediate=MOE_INTERMEDIATE)
     original = list(load_file(model / "model.safetensors").items())
     t0 = time.monotonic()
     with engine_server(model, tmp / "server.log", timeout_s=TIMEOUT_S) as server:
@@ -103,7 +107,7 @@ def _perturbed(tensors: list[NamedTensor], seed: int = 0) -> list[NamedTensor]:
     return [(n, t + 1e-3 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in tensors]
 
 
-def test_a_nan_in_the_first_bucket_is_refused_before_any_write(served):
+def test_a_nan_in_the_first_bucket_is_refused_before_any_write(served, tmp_path):
     from megagrpo.sync.broadcast import sync_remote, verify_remote
 
     buckets = list(bucketize(served.original, SMALL_BUCKET))
@@ -117,9 +121,10 @@ def test_a_nan_in_the_first_bucket_is_refused_before_any_write(served):
     ids, logprobs = _greedy(served.engine)
     assert ids == served.ids
     assert _moved(logprobs, served.logprobs) < ROUND_OFF
+    assert ids == _hf_greedy(served.engine.cfg.model_path, served.original, tmp_path)  # padded, yet exact
 
 
-def test_perturbed_weights_arrive_over_gloo_and_the_checksum_tells_them_apart(served, restore):
+def test_perturbed_weights_arrive_over_gloo_and_the_checksum_tells_them_apart(served, restore, tmp_path):
     from megagrpo.sync.broadcast import sync_remote, verify_remote
 
     perturbed = _perturbed(served.original)
@@ -133,6 +138,28 @@ def test_perturbed_weights_arrive_over_gloo_and_the_checksum_tells_them_apart(se
     moved = _moved(logprobs, served.logprobs)
     print(f"perturbed weights: greedy ids changed: {ids != served.ids}, max |logprob change| {moved:.2e}")
     assert ids != served.ids or moved > 100 * ROUND_OFF, moved
+    assert ids == _hf_greedy(
+        served.engine.cfg.model_path, perturbed, tmp_path
+    )  # zero-padded: logits unchanged
+
+
+def _hf_greedy(model_dir, tensors: list[NamedTensor], tmp) -> list[list[int]]:
+    """transformers' greedy ids for PROMPTS with `tensors` (checkpoint names) in place of the model's."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(model_dir, tmp, dirs_exist_ok=True)
+    save_file(dict(tensors), tmp / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=GREEDY.max_new_tokens)[
+                0, len(p) :
+            ].tolist()
+            for p in PROMPTS
+        ]
 
 
 def test_a_bucket_broken_after_a_send_names_the_partly_updated_engine(served, restore):

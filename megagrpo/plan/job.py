@@ -5,6 +5,7 @@ a learner pool and an engine pool when disaggregated (`plan/pools.py`), each wit
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -29,6 +30,8 @@ def plan_memory(
     the host side of each node (`plan/host.py`), judged against `host_mem_gib` when given."""
     if nodes < 1 or gpus_per_node < 1:
         raise MegagrpoError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be >= 1")
+    if not cfg.rollout.placement.disaggregated:
+        check_node_count(cfg, nodes, gpus_per_node)
     if cfg.rollout.placement.disaggregated:
         plan = plan_disaggregated(
             cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib
@@ -45,3 +48,39 @@ def plan_memory(
         disaggregated=False, host_mem_gib=host_mem_gib,
     )  # fmt: skip
     return replace(plan, host=host, reasons=plan.reasons + host.reasons, fits=plan.fits and host.fits)
+
+
+def layout_unit(cfg: Any) -> tuple[int, str]:
+    """(GPUs, why): a colocated launch's world must be a multiple of the learner's dense product
+    tp*pp*cp, its expert product ep*etp*pp and rollout.engine_tp (each engine takes engine_tp whole
+    ranks); the least common multiple of the three, and the sizes that make it."""
+    m, etp = cfg.mesh, cfg.rollout.engine_tp
+    dense, expert = m.tp * m.pp * m.cp, m.ep * m.etp * m.pp
+    why = f"mesh.tp*pp*cp = {dense}, mesh.ep*etp*pp = {expert}, rollout.engine_tp = {etp}"
+    return math.lcm(dense, expert, etp), why
+
+
+def min_nodes(cfg: Any, gpus_per_node: int) -> int:
+    """The fewest nodes of `gpus_per_node` GPUs a colocated config's mesh and engines can be laid out on."""
+    unit, _ = layout_unit(cfg)
+    return unit // math.gcd(unit, gpus_per_node)
+
+
+def check_node_count(cfg: Any, nodes: int, gpus_per_node: int) -> None:
+    """Refuse a node count the config cannot be laid out on, naming --nodes and the fewest that can: a
+    model that needs 256 GPUs of expert parallelism (DeepSeek-V3's EP256) is refused on 16 nodes with
+    "at least 32", rather than with a divisibility rule the user has to solve."""
+    unit, why = layout_unit(cfg)
+    if nodes * gpus_per_node % unit == 0:
+        return
+    least = min_nodes(cfg, gpus_per_node)
+    if nodes < least:
+        raise MegagrpoError(
+            f"--nodes {nodes}: this config needs at least {least} nodes of {gpus_per_node} GPUs "
+            f"({least * gpus_per_node} GPUs: {why}, and the world must be a multiple of {unit}); pass "
+            f"--nodes {least} or more, or shrink the mesh"
+        )
+    raise MegagrpoError(
+        f"--nodes {nodes}: {nodes} x {gpus_per_node} GPUs is not a multiple of {unit} ({why}); pass a "
+        f"multiple of {least} nodes"
+    )

@@ -148,3 +148,36 @@ def test_truncated_shard_named(tiny_model, tmp_path):
     for read in (HFCheckpoint, checkpoint_shapes):
         with pytest.raises(MegagrpoError, match=f"{re.escape(str(shard))}: {TRUNCATED}"):
             read(d)
+
+
+def test_mtp_tensors_are_copied_bit_for_bit_in_shards(tiny_model, tmp_path):
+    # issue 37: a checkpoint with num_nextn_predict_layers carries `model.layers.{L}.*` beside the main
+    # model; the converter stores them unchanged (`write_mtp`) for the export to write back (`mtp_buckets`)
+    from megagrpo.bridge.hf_io import mtp_buckets
+
+    d = shutil.copytree(tiny_model("deepseek_v3"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    sd = load_file(str(d / "model.safetensors"))
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    mtp = {
+        f"model.layers.{L}.eh_proj.weight": torch.randn(H, 2 * H, dtype=torch.bfloat16),
+        f"model.layers.{L}.enorm.weight": torch.randn(H),
+        f"model.layers.{L}.mlp.gate.e_score_correction_bias": torch.randn(cfg["n_routed_experts"]),
+    }
+    save_file({**sd, **mtp}, str(d / "model.safetensors"))
+    ck = HFCheckpoint(d)  # the MTP tensors are neither missing nor "extra"
+    assert sorted(ck.mtp_names()) == sorted(mtp)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert sorted(ck.write_mtp(out, shard_bytes=H * H)) == sorted(mtp)
+    assert len(list(out.glob("mtp-*.safetensors"))) == 2  # eh_proj alone fills a shard
+    names, buckets = mtp_buckets(out)
+    got = dict(t for b in buckets for t in b)
+    assert sorted(names) == sorted(got) == sorted(mtp)
+    for k, t in mtp.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    # without num_nextn_predict_layers the same tensors are foreign to the model
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MegagrpoError, match=f"model.layers.{L}"):
+        HFCheckpoint(d)

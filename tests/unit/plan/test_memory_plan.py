@@ -127,7 +127,7 @@ def test_mla_attention_tensors_by_hand():
 
 def test_mla_kv_cache_is_the_latent_not_k_and_v():
     # kv_lora_rank + qk_rope_head_dim per token and layer, on every engine rank (the latent has no heads);
-    # full K and V would be 2 x 128 heads x 192 x 61 layers: 26x more at engine_tp 8
+    # full K and V of the 16 heads an engine_tp 8 rank holds, 2 x 16 x 192 x 61 x 2 bytes, are 11x more
     v3 = arch_from_hf(MODELS / "DeepSeek-V3")
     for engine_tp in (1, 8, 16):
         assert kv_bytes_per_token(v3, engine_tp) == 61 * (512 + 64) * 2

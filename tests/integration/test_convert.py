@@ -115,7 +115,7 @@ def _with_mtp_layer(src: Path, dst: Path) -> Path:
     sd = load_file(str(dst / "model.safetensors"))
     g = torch.Generator().manual_seed(37)
     last = f"model.layers.{L - 1}."
-    mtp = {f"model.layers.{L}." + k[len(last) :]: v for k, v in sd.items() if k.startswith(last)}
+    mtp = {f"model.layers.{L}." + k[len(last) :]: v.clone() for k, v in sd.items() if k.startswith(last)}
     mtp.update(
         {f"model.layers.{L}.{n}.weight": torch.empty(H) for n in ("enorm", "hnorm", "shared_head.norm")}
     )

@@ -162,6 +162,16 @@ def test_mtp_layers_are_neither_trained_nor_served():
     assert kv_bytes_per_token(glm, 8) == kv_bytes_per_token(without, 8)
 
 
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n.startswith("gspo_math_")])
+def test_plan_cli_finds_the_shipped_architecture_of_each_new_family_config(capsys, name):
+    # the path a user runs: model.hf_path is not downloaded, so `megagrpo plan` reads configs/models/<name>
+    (nodes, gpus, mem), model, _ = SHIPPED[name]
+    args = ["plan", str(REPO / "configs" / name), "--nodes", str(nodes), "--gpus-per-node", str(gpus)]
+    assert main([*args, "--gpu-mem-gib", str(mem)]) == 0
+    out = capsys.readouterr().out
+    assert f"configs/models/{model}/config.json" in out and "verdict: FITS" in out
+
+
 @pytest.mark.parametrize(
     "name,nodes,least",
     [("gspo_math_deepseek_v3.yaml", 16, 32), ("gspo_math_kimi_k2.yaml", 32, 64)],

@@ -43,6 +43,10 @@ def plan_memory(
         return replace(plan, host=host)
     w = workload_from_config(cfg, nodes * gpus_per_node)
     plan = plan_workload(arch, w, gpu_mem_gib=gpu_mem_gib)
+    if not plan.fits:
+        plan = replace(
+            plan, reasons=(*plan.reasons, _fewest_nodes(cfg, arch, nodes, gpus_per_node, gpu_mem_gib))
+        )
     host = host_plan(
         cfg, gpus_per_node=gpus_per_node, engines=max(1, nodes * gpus_per_node // w.engine_tp),
         disaggregated=False, host_mem_gib=host_mem_gib,
@@ -83,4 +87,27 @@ def check_node_count(cfg: Any, nodes: int, gpus_per_node: int) -> None:
     raise MegagrpoError(
         f"--nodes {nodes}: {nodes} x {gpus_per_node} GPUs is not a multiple of {unit} ({why}); pass a "
         f"multiple of {least} nodes"
+    )
+
+
+FEWEST_NODES_TRIED = 32  # node counts the plan tries above a failing one: the search stays under a second
+
+
+def _fewest_nodes(cfg: Any, arch: ModelArch, nodes: int, gpus_per_node: int, gpu_mem_gib: float) -> str:
+    """The reason line naming the fewest nodes above `nodes` on which the colocated plan fits: more nodes
+    mean more data parallelism, which shards Adam's state and the fp32 master copy (and nothing else);
+    node counts the layout allows are tried, `FEWEST_NODES_TRIED` of them at most."""
+    unit, _ = layout_unit(cfg)
+    tried = [n for n in range(nodes + 1, nodes + 64 * unit + 1) if n * gpus_per_node % unit == 0]
+    for n in tried[:FEWEST_NODES_TRIED]:
+        w = workload_from_config(cfg, n * gpus_per_node)
+        if plan_workload(arch, w, gpu_mem_gib=gpu_mem_gib).fits:
+            return (
+                f"--nodes {nodes}: the fewest nodes of {gpus_per_node} x {gpu_mem_gib:g} GiB GPUs this config "
+                f"fits on are {n} (more data parallelism shards the optimizer state); pass --nodes {n} or more"
+            )
+    last = tried[:FEWEST_NODES_TRIED][-1]
+    return (
+        f"--nodes {nodes}: more nodes do not make it fit (up to {last} tried): the mesh's model parallelism "
+        "leaves too much on each GPU; raise mesh.tp/pp/ep/etp or rollout.engine_tp"
     )

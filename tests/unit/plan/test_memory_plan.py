@@ -339,3 +339,20 @@ def test_the_shipped_architecture_facts_are_complete_hf_configs():
         cfg = json.loads((d / "config.json").read_text())
         arch = arch_from_hf(cfg)
         assert arch.num_layers > 0 and math.isfinite(arch.rope_theta)
+
+
+def test_a_plan_that_does_not_fit_names_the_fewest_nodes_that_do(capsys):
+    # Qwen3-30B-A3B on TP2 x EP4 without PP: 88 GiB of learner state on one node; Adam's share shrinks
+    # with data parallelism, and 3 nodes are the first that hold it
+    args = ["plan", str(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml"), "mesh.pp=1", "mesh.ep=4"]
+    args += ["--gpus-per-node", "8"]
+    assert main([*args, "--nodes", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "--nodes 1: the fewest nodes of 8 x 80 GiB GPUs this config fits on are 3" in out
+    assert main([*args, "--nodes", "2"]) == 1 and "fits on are 3" in capsys.readouterr().out
+    assert main([*args, "--nodes", "3"]) == 0
+    capsys.readouterr()
+    # GLM-4.5-Air with its experts split only 8 ways: no node count helps, and the plan says what does
+    glm = ["plan", str(REPO / "configs" / "gspo_math_glm45_air.yaml"), "mesh.pp=1", "mesh.ep=8"]
+    assert main([*glm, "--nodes", "8", "--gpus-per-node", "8"]) == 1
+    assert "--nodes 8: more nodes do not make it fit (up to 40 tried)" in capsys.readouterr().out

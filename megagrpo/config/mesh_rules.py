@@ -10,6 +10,7 @@ built without a config (distributed tests, tools, `launch/mesh_check.py`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,6 +67,12 @@ def check_layout(
     )
     if problems:
         raise MegagrpoError("; ".join(f"mesh.{f}: {m}" for f, m in problems))
+
+
+def colocated_world_unit(*, tp: int, pp: int, cp: int, ep: int, etp: int, engine_tp: int) -> int:
+    """The GPUs a colocated launch's world must be a multiple of: the learner's dense product tp*pp*cp,
+    its expert product ep*etp*pp, and engine_tp (each engine takes engine_tp whole ranks)."""
+    return math.lcm(tp * pp * cp, ep * etp * pp, engine_tp)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from megagrpo.config.mesh_rules import colocated_world_unit
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 from megagrpo.plan.host import host_plan
@@ -61,7 +62,7 @@ def layout_unit(cfg: Any) -> tuple[int, str]:
     m, etp = cfg.mesh, cfg.rollout.engine_tp
     dense, expert = m.tp * m.pp * m.cp, m.ep * m.etp * m.pp
     why = f"mesh.tp*pp*cp = {dense}, mesh.ep*etp*pp = {expert}, rollout.engine_tp = {etp}"
-    return math.lcm(dense, expert, etp), why
+    return colocated_world_unit(tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp, engine_tp=etp), why
 
 
 def min_nodes(cfg: Any, gpus_per_node: int) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.compat import APPLIED
+from tests.dist._common import without_q_latent
 from tests.dist._harness import launch
 
 if not APPLIED:
@@ -39,7 +40,10 @@ MODELS = {
     # 4 layers so that PP2 puts the dense layer and one MoE layer on stage 0, two MoE layers on stage 1
     "deepseek_v3": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),  # MLA + YaRN
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
+    # q_lora_rank null (Moonlight): q is one column-parallel projection (`_common.without_q_latent`)
+    "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),
 }
+NO_Q_LATENT = "deepseek_v3_no_q_latent"
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
 MOE_MESHES = ("tp2_sp", "ep2", "tp2_ep2", "tp2_ep2_etp2", "ep2_pp2")
 V3_MESHES = ("single", "tp2_sp", "ep2", "pp2", "tp2_ep2")
@@ -62,6 +66,7 @@ EXPORTS = {
     ("llama", "tp2_pp2"),
     ("deepseek_v3", "tp2_ep2"),
     ("glm4_moe", "pp2"),
+    (NO_Q_LATENT, "tp2_ep2"),
 }
 BUCKETS = (1, 3000, 70000, 1 << 40)
 SEQ, BATCH = 16, 2
@@ -70,7 +75,9 @@ SEQ, BATCH = 16, 2
 def cases() -> list[tuple[str, str]]:
     out = []
     for model, spec in MODELS.items():
-        if spec["arch"] in ("deepseek_v3", "glm4_moe"):
+        if model == NO_Q_LATENT:
+            meshes = ("tp2_sp", "tp2_ep2")  # one process: tests/integration/test_convert.py
+        elif spec["arch"] in ("deepseek_v3", "glm4_moe"):
             meshes = V3_MESHES
         else:
             meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES
@@ -251,6 +258,7 @@ def results(tiny_model, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     dirs = {name: str(tiny_model(**spec)) for name, spec in MODELS.items()}
+    dirs[NO_Q_LATENT] = str(without_q_latent(Path(dirs[NO_Q_LATENT]), out / f"src_{NO_Q_LATENT}"))
     ids = fixed_batch()
     refs: dict[str, torch.Tensor] = {"ids": ids}
     for name, d in dirs.items():

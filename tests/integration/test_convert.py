@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from megagrpo.compat import APPLIED
 from megagrpo.errors import MegagrpoError
+from tests.dist._common import without_q_latent
 from tests.dist._harness import launch
 
 if not APPLIED:
@@ -33,7 +34,7 @@ MODELS = {
     # issue 37: MLA with YaRN, group-limited sigmoid router with a correction bias, shared expert, dense
     # first layer; deepseek_v3 also ships a multi-token-prediction layer (`_with_mtp_layer`)
     "deepseek_v3": dict(arch="deepseek_v3", experts=8, topk=2),
-    "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2),  # `_without_q_latent`
+    "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2),  # `without_q_latent`
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2),
 }
 WITH_MTP = "deepseek_v3"
@@ -92,7 +93,7 @@ def converted(tiny_model, tmp_path_factory):
     dirs = {name: str(tiny_model(**spec)) for name, spec in MODELS.items()}
     dirs[WITH_MTP] = str(_with_mtp_layer(Path(dirs[WITH_MTP]), out / f"src_{WITH_MTP}"))
     name = "deepseek_v3_no_q_latent"
-    dirs[name] = str(_without_q_latent(Path(dirs[name]), out / f"src_{name}"))
+    dirs[name] = str(without_q_latent(Path(dirs[name]), out / f"src_{name}"))
     refs: dict[str, torch.Tensor] = {"ids": fixed_batch()}
     for name, d in dirs.items():
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
@@ -124,23 +125,6 @@ def _with_mtp_layer(src: Path, dst: Path) -> Path:
         t.copy_(torch.randn(t.shape, generator=g))
     save_file({**sd, **{k: v.contiguous() for k, v in mtp.items()}}, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=2))
-    return dst
-
-
-def _without_q_latent(src: Path, dst: Path) -> Path:
-    """A copy of tiny deepseek_v3 model `src` with q_lora_rank null (a full q projection, as Moonlight and
-    DeepSeek-V2-Lite ship), its weights drawn afresh."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from megagrpo.tiny_model import _randomise_v3_extras
-
-    shutil.copytree(src, dst)
-    cfg = AutoConfig.from_pretrained(src)
-    cfg.q_lora_rank = None
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _randomise_v3_extras(model, 1)
-    model.save_pretrained(dst, safe_serialization=True)
     return dst
 
 

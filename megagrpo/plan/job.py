@@ -17,44 +17,6 @@ from megagrpo.plan.memory import MemoryPlan, plan_workload, workload_from_config
 from megagrpo.plan.pools import DisaggregatedPlan, plan_disaggregated
 
 
-def plan_memory(
-    cfg: Any,
-    arch: ModelArch,
-    *,
-    nodes: int,
-    gpus_per_node: int,
-    gpu_mem_gib: float = 80.0,
-    host_mem_gib: float | None = None,
-) -> MemoryPlan | DisaggregatedPlan:
-    """The memory plan of megagrpo config `cfg` for `arch` on nodes x gpus_per_node GPUs: one per-GPU
-    plan when colocated, a learner pool and an engine pool (`plan/pools.py`) when disaggregated; both with
-    the host side of each node (`plan/host.py`), judged against `host_mem_gib` when given."""
-    if nodes < 1 or gpus_per_node < 1:
-        raise MegagrpoError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be >= 1")
-    if not cfg.rollout.placement.disaggregated:
-        check_node_count(cfg, nodes, gpus_per_node)
-    if cfg.rollout.placement.disaggregated:
-        plan = plan_disaggregated(
-            cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib
-        )
-        host = host_plan(
-            cfg, gpus_per_node=gpus_per_node, engines=plan.engine.engines, disaggregated=True,
-            host_mem_gib=host_mem_gib,
-        )  # fmt: skip
-        return replace(plan, host=host)
-    w = workload_from_config(cfg, nodes * gpus_per_node)
-    plan = plan_workload(arch, w, gpu_mem_gib=gpu_mem_gib)
-    if not plan.fits:
-        plan = replace(
-            plan, reasons=(*plan.reasons, _fewest_nodes(cfg, arch, nodes, gpus_per_node, gpu_mem_gib))
-        )
-    host = host_plan(
-        cfg, gpus_per_node=gpus_per_node, engines=max(1, nodes * gpus_per_node // w.engine_tp),
-        disaggregated=False, host_mem_gib=host_mem_gib,
-    )  # fmt: skip
-    return replace(plan, host=host, reasons=plan.reasons + host.reasons, fits=plan.fits and host.fits)
-
-
 def layout_unit(cfg: Any) -> tuple[int, str]:
     """(GPUs, why): a colocated launch's world must be a multiple of the learner's dense product
     tp*pp*cp, its expert product ep*etp*pp and rollout.engine_tp (each engine takes engine_tp whole
@@ -112,3 +74,41 @@ def _fewest_nodes(cfg: Any, arch: ModelArch, nodes: int, gpus_per_node: int, gpu
         f"--nodes {nodes}: more nodes do not make it fit (up to {last} tried): the mesh's model parallelism "
         "leaves too much on each GPU; raise mesh.tp/pp/ep/etp or rollout.engine_tp"
     )
+
+
+def plan_memory(
+    cfg: Any,
+    arch: ModelArch,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_mem_gib: float = 80.0,
+    host_mem_gib: float | None = None,
+) -> MemoryPlan | DisaggregatedPlan:
+    """The memory plan of megagrpo config `cfg` for `arch` on nodes x gpus_per_node GPUs: one per-GPU
+    plan when colocated, a learner pool and an engine pool (`plan/pools.py`) when disaggregated; both with
+    the host side of each node (`plan/host.py`), judged against `host_mem_gib` when given."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise MegagrpoError(f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be >= 1")
+    if not cfg.rollout.placement.disaggregated:
+        check_node_count(cfg, nodes, gpus_per_node)
+    if cfg.rollout.placement.disaggregated:
+        plan = plan_disaggregated(
+            cfg, arch, nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib
+        )
+        host = host_plan(
+            cfg, gpus_per_node=gpus_per_node, engines=plan.engine.engines, disaggregated=True,
+            host_mem_gib=host_mem_gib,
+        )  # fmt: skip
+        return replace(plan, host=host)
+    w = workload_from_config(cfg, nodes * gpus_per_node)
+    plan = plan_workload(arch, w, gpu_mem_gib=gpu_mem_gib)
+    if not plan.fits:
+        plan = replace(
+            plan, reasons=(*plan.reasons, _fewest_nodes(cfg, arch, nodes, gpus_per_node, gpu_mem_gib))
+        )
+    host = host_plan(
+        cfg, gpus_per_node=gpus_per_node, engines=max(1, nodes * gpus_per_node // w.engine_tp),
+        disaggregated=False, host_mem_gib=host_mem_gib,
+    )  # fmt: skip
+    return replace(plan, host=host, reasons=plan.reasons + host.reasons, fits=plan.fits and host.fits)

@@ -162,16 +162,19 @@ def stage_tensor_numels(arch: ModelArch, mesh: PlanMesh, stage: int) -> tuple[li
     """
     H, n, g = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads
     tp, pp = mesh.tp, mesh.pp
+    if arch.num_layers % pp:
+        raise MegagrpoError(f"num_layers={arch.num_layers} is not divisible by mesh.pp={pp}")
     if n % tp or (g % tp and tp % g):
         raise MegagrpoError(f"attention heads {n}/{g} (q/kv) do not split over mesh.tp={tp}")
+    per_stage = arch.num_layers // pp
     moe = set(arch.moe_layers())
+    attention = attention_numels(arch, tp)  # GQA or multi-latent, per TP rank
     dense: list[int] = []
     expert: list[int] = []
     vocab_rows = padded_vocab(arch, tp) // tp
     if stage == 0:
         dense.append(vocab_rows * H)  # embedding.word_embeddings
-    attention = attention_numels(arch, tp)
-    for layer in stage_layers(arch, pp, stage):
+    for layer in range(stage * per_stage, (stage + 1) * per_stage):
         dense += [H, *attention, H]  # input norm, attention, pre-MLP norm
         if layer in moe:
             E, Fe, etp = arch.num_experts, arch.moe_ffn_hidden_size or arch.ffn_hidden_size, mesh.etp
@@ -216,15 +219,6 @@ def active_numel(arch: ModelArch, *, embeddings: bool = True) -> int:
         vocab = padded_vocab(arch, 1) * H
         n -= vocab * (1 if arch.tie_embeddings else 2)
     return n
-
-
-def stage_layers(arch: ModelArch, pp: int, stage: int) -> range:
-    """The decoder layers of pipeline `stage` (global indices): `num_layers / pp` each, as the learner
-    splits them. The one place the plan splits layers over stages; uneven first/last stages go here."""
-    if arch.num_layers % pp:
-        raise MegagrpoError(f"num_layers={arch.num_layers} is not divisible by mesh.pp={pp}")
-    per_stage = arch.num_layers // pp
-    return range(stage * per_stage, (stage + 1) * per_stage)
 
 
 def attention_numels(arch: ModelArch, tp: int) -> list[int]:
@@ -381,8 +375,8 @@ def activation_bytes(
     pipeline `stage` during the backward pass (logits excluded: `logits_bytes`)."""
     m = PlanMesh.of(mesh, world_size or _min_world(mesh))
     a = dtype_bytes(act_dtype)
-    layers = stage_layers(arch, m.pp, stage)
-    per_stage = len(layers)
+    per_stage = arch.num_layers // m.pp
+    layers = range(stage * per_stage, (stage + 1) * per_stage)
     t = tokens / m.cp
     per_layer = [layer_activation_bytes_per_token(arch, m, i, a) * t for i in layers]
     if recompute == "full":

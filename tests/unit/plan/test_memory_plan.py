@@ -51,7 +51,7 @@ SHIPPED = {
     "gspo_math_moonlight.yaml": ((1, 8, 80.0), "Moonlight-16B-A3B", True),
     "gspo_math_glm45_air.yaml": ((8, 8, 80.0), "GLM-4.5-Air", True),
     "gspo_math_deepseek_v3.yaml": ((32, 8, 141.0), "DeepSeek-V3", True),
-    "gspo_math_kimi_k2.yaml": ((64, 8, 141.0), "Kimi-K2", True),
+    "gspo_math_kimi_k2.yaml": ((36, 8, 141.0), "Kimi-K2", True),  # disaggregated: 32 learner + 4 engine
 }
 
 
@@ -173,10 +173,12 @@ def test_plan_cli_finds_the_shipped_architecture_of_each_new_family_config(capsy
 
 
 @pytest.mark.parametrize(
-    "name,nodes,least",
-    [("gspo_math_deepseek_v3.yaml", 16, 32), ("gspo_math_kimi_k2.yaml", 32, 64)],
+    "name,nodes,least,next_after",
+    [("gspo_math_deepseek_v3.yaml", 16, 32, 64), ("gspo_math_kimi_k2.yaml", 32, 36, 68)],
 )
-def test_plan_refuses_fewer_nodes_than_the_layout_needs(capsys, name, nodes, least):
+def test_plan_refuses_fewer_nodes_than_the_layout_needs(capsys, name, nodes, least, next_after):
+    # DeepSeek-V3 colocated with EP256: the world is a multiple of 256 GPUs. Kimi-K2 disaggregated: 32
+    # engine ranks of their own and learner ranks a multiple of EP64 x ETP4 = 256
     cfg = str(REPO / "configs" / name)
     args = ["plan", cfg, "--gpus-per-node", "8", "--gpu-mem-gib", "141"]
     assert main([*args, "--nodes", str(least)]) == 0
@@ -184,9 +186,10 @@ def test_plan_refuses_fewer_nodes_than_the_layout_needs(capsys, name, nodes, lea
     assert main([*args, "--nodes", str(nodes)]) == 2
     err = capsys.readouterr().err
     assert f"--nodes {nodes}: this config needs at least {least} nodes of 8 GPUs" in err
-    assert f"pass --nodes {least} or more" in err and "mesh.ep*etp*pp" in err
-    assert main([*args, "--nodes", str(least + least // 2)]) == 2  # more, but not a multiple
-    assert f"pass a multiple of {least} nodes" in capsys.readouterr().err
+    assert f"pass --nodes {least} or more" in err and "mesh.ep*etp*pp = 256" in err
+    assert main([*args, "--nodes", str(least + 4)]) == 2  # more, but not a layout that works
+    assert f"the nearest node count above that can: --nodes {next_after}" in capsys.readouterr().err
+    assert main([*args, "--nodes", str(next_after)]) == 0
 
 
 def test_vocab_padding_is_the_learners():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megagrpo.config.mesh_rules import colocated_world_unit
 from megagrpo.config.schema import Config, MeshSizes, check_mesh
 from megagrpo.errors import MegagrpoError
 from megagrpo.submit.slurm import PartitionInfo
@@ -47,8 +46,7 @@ def check_mesh_fits(cfg: Config, shape: JobShape, stage: str = "train") -> MeshS
             f"{engine_ranks} ranks of their own (rollout.placement.kind=disaggregated)"
         )
     else:
-        need = colocated_world_unit(tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp, engine_tp=r.engine_tp)
-        engines = f", rollout.engine_tp = {r.engine_tp}"
+        need, engines = math.lcm(dense, expert, r.engine_tp), f", rollout.engine_tp = {r.engine_tp}"
     if world < need:
         raise MegagrpoError(
             f"{shape.describe()} is fewer than the mesh needs: at least {need} (mesh.tp*pp*cp = "

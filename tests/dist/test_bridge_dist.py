@@ -39,11 +39,12 @@ MODELS = {
     # sigmoid routers with a correction bias, group-limited top-k, shared experts, a dense first layer;
     # 4 layers so that PP2 puts the dense layer and one MoE layer on stage 0, two MoE layers on stage 1
     "deepseek_v3": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),  # MLA + YaRN
-    "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
     # q_lora_rank null (Moonlight): q is one column-parallel projection (`_common.without_q_latent`)
     "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),
+    "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
 }
 NO_Q_LATENT = "deepseek_v3_no_q_latent"
+NO_Q_LATENT_MESHES = ("tp2_sp", "tp2_ep2")  # one process: tests/integration/test_convert.py
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
 MOE_MESHES = ("tp2_sp", "ep2", "tp2_ep2", "tp2_ep2_etp2", "ep2_pp2")
 V3_MESHES = ("single", "tp2_sp", "ep2", "pp2", "tp2_ep2")
@@ -65,8 +66,8 @@ EXPORTS = {
     ("mixtral", "ep2_pp2"),
     ("llama", "tp2_pp2"),
     ("deepseek_v3", "tp2_ep2"),
-    ("glm4_moe", "pp2"),
     (NO_Q_LATENT, "tp2_ep2"),
+    ("glm4_moe", "pp2"),
 }
 BUCKETS = (1, 3000, 70000, 1 << 40)
 SEQ, BATCH = 16, 2
@@ -75,14 +76,12 @@ SEQ, BATCH = 16, 2
 def cases() -> list[tuple[str, str]]:
     out = []
     for model, spec in MODELS.items():
-        if model == NO_Q_LATENT:
-            meshes = ("tp2_sp", "tp2_ep2")  # one process: tests/integration/test_convert.py
-        elif spec["arch"] in ("deepseek_v3", "glm4_moe"):
+        if spec["arch"] in ("deepseek_v3", "glm4_moe"):
             meshes = V3_MESHES
         else:
             meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES
         out += [(model, mesh) for mesh in meshes]
-    return out
+    return [(m, mesh) for m, mesh in out if m != NO_Q_LATENT or mesh in NO_Q_LATENT_MESHES]
 
 
 def fixed_batch(vocab: int = 1024) -> torch.Tensor:

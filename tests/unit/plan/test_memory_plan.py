@@ -337,13 +337,6 @@ def test_submit_refuses_a_plan_that_does_not_fit_unless_forced(tmp_path, capsys,
     assert "--force: the memory plan does not fit" in capsys.readouterr().err
 
 
-def test_the_shipped_architecture_facts_are_complete_hf_configs():
-    for d in MODELS.iterdir():
-        cfg = json.loads((d / "config.json").read_text())
-        arch = arch_from_hf(cfg)
-        assert arch.num_layers > 0 and math.isfinite(arch.rope_theta)
-
-
 def test_a_plan_that_does_not_fit_names_the_fewest_nodes_that_do(capsys):
     # Qwen3-30B-A3B on TP2 x EP4 without PP: 88 GiB of learner state on one node; Adam's share shrinks
     # with data parallelism, and 3 nodes are the first that hold it
@@ -359,3 +352,10 @@ def test_a_plan_that_does_not_fit_names_the_fewest_nodes_that_do(capsys):
     glm = ["plan", str(REPO / "configs" / "gspo_math_glm45_air.yaml"), "mesh.pp=1", "mesh.ep=8"]
     assert main([*glm, "--nodes", "8", "--gpus-per-node", "8"]) == 1
     assert "--nodes 8: more nodes do not make it fit (up to 40 tried)" in capsys.readouterr().out
+
+
+def test_the_shipped_architecture_facts_are_complete_hf_configs():
+    for d in MODELS.iterdir():
+        cfg = json.loads((d / "config.json").read_text())
+        arch = arch_from_hf(cfg)
+        assert arch.num_layers > 0 and math.isfinite(arch.rope_theta)

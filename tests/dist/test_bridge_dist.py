@@ -27,6 +27,9 @@ if not APPLIED:
     # pytest process imports it at collection; the forked ranks (patched) never need it.
     from transformers import AutoModelForCausalLM  # noqa: F401
 
+NO_Q_LATENT = "deepseek_v3_no_q_latent"
+NO_Q_LATENT_MESHES = ("tp2_sp", "tp2_ep2")  # one process: tests/integration/test_convert.py
+
 MODELS = {
     # tied embeddings are not here: megatron's LanguageModule.setup_embeddings_and_output_layer calls
     # `weight.data.cuda()` whenever torch.distributed is initialised, which has no CPU-compat patch yet
@@ -43,8 +46,6 @@ MODELS = {
     "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
 }
-NO_Q_LATENT = "deepseek_v3_no_q_latent"
-NO_Q_LATENT_MESHES = ("tp2_sp", "tp2_ep2")  # one process: tests/integration/test_convert.py
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
 MOE_MESHES = ("tp2_sp", "ep2", "tp2_ep2", "tp2_ep2_etp2", "ep2_pp2")
 V3_MESHES = ("single", "tp2_sp", "ep2", "pp2", "tp2_ep2")

@@ -149,7 +149,7 @@ def _moe(cfg: dict[str, Any], where: str, layers: int, hidden: int) -> dict[str,
     if mtp:
         log.warning(
             "%s: num_nextn_predict_layers=%d multi-token-prediction layer(s) are not trained (the learner "
-            "builds the main model only); their tensors are not loaded and not exported",
+            "builds the main model only); the converter carries their tensors unchanged to the export",
             where,
             mtp,
         )

@@ -44,6 +44,10 @@ SIDE_FILES = (
     "generation_config.json",
 )
 
+# Multi-token-prediction tensors carried beside a converted checkpoint (the learner neither builds nor
+# trains them): `mtp-00001.safetensors`, ... with their HF names and dtypes unchanged.
+MTP_FILES = "mtp-*.safetensors"
+
 _DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -141,8 +145,8 @@ class HFCheckpoint:
         extra = sorted(set(self.file_of) - set(wanted))
         extra = [n for n in extra if not n.endswith(_IGNORABLE_SUFFIXES)]
         # multi-token-prediction layers (not trained; the config's num_nextn_predict_layers counts them)
-        mtp = tuple(f"model.layers.{self.arch.num_layers + i}." for i in range(self.arch.mtp_layers))
-        extra = [n for n in extra if not (mtp and n.startswith(mtp))]
+        mtp = set(self.mtp_names())
+        extra = [n for n in extra if n not in mtp]
         # tied checkpoints sometimes still store lm_head; it must then equal the embedding (checked on read)
         if self.arch.tie_embeddings and "lm_head.weight" in extra:
             extra.remove("lm_head.weight")
@@ -160,6 +164,28 @@ class HFCheckpoint:
                         f"implies {want}; the checkpoint and its config.json disagree"
                     )
                 self.dtype(name)
+
+    def mtp_names(self) -> list[str]:
+        """The multi-token-prediction layers' tensors (`model.layers.{num_layers + i}.*`, i below the
+        config's num_nextn_predict_layers), in file order."""
+        mtp = tuple(f"model.layers.{self.arch.num_layers + i}." for i in range(self.arch.mtp_layers))
+        return [n for n in self.file_of if mtp and n.startswith(mtp)]
+
+    def write_mtp(self, out_dir: Path, shard_bytes: int = 4 << 30) -> list[str]:
+        """Copy the MTP tensors, bit for bit, into `MTP_FILES` shards of at most `shard_bytes` (one tensor
+        larger than that gets a shard of its own) in `out_dir`; return their names. Host memory: one shard."""
+        shard: dict[str, torch.Tensor] = {}
+        size, files = 0, 0
+        names = self.mtp_names()
+        for i, name in enumerate(names):
+            t = self.get(name)
+            shard[name] = t
+            size += t.numel() * t.element_size()
+            if size >= shard_bytes or i == len(names) - 1:
+                files += 1
+                save_file(shard, str(out_dir / f"mtp-{files:05d}.safetensors"), metadata={"format": "pt"})
+                shard, size = {}, 0
+        return names
 
     def get(self, name: str) -> torch.Tensor:
         return self._handle(self.file_of[name]).get_tensor(name)
@@ -256,3 +282,19 @@ def write_hf_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return weight_map
+
+
+def mtp_buckets(src: Path) -> tuple[list[str], Iterator[list[tuple[str, torch.Tensor]]]]:
+    """(names, buckets) of the multi-token-prediction tensors carried beside a checkpoint in `src`
+    (`MTP_FILES`, written by `HFCheckpoint.write_mtp`); each shard is read when its bucket is taken."""
+    files = sorted(src.glob(MTP_FILES))
+    names: list[str] = []
+    for f in files:
+        with open_safetensors(f) as h:
+            names += list(h.keys())  # noqa: SIM118 (safe_open is not a mapping)
+
+    def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for f in files:
+            yield list(read_safetensors(f).items())
+
+    return names, buckets()

@@ -10,6 +10,7 @@ built without a config (distributed tests, tools, `launch/mesh_check.py`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,12 @@ def mesh_sizes(world_size: int, *, tp: int, pp: int, ep: int, etp: int, cp: int)
             "choose expert sizes whose product divides it, or change the number of processes"
         )
     return WorldSplit(dp=world_size // dense, expert_dp=world_size // expert)
+
+
+def colocated_world_unit(*, tp: int, pp: int, cp: int, ep: int, etp: int, engine_tp: int) -> int:
+    """The GPUs a colocated launch's world must be a multiple of: the learner's dense product tp*pp*cp,
+    its expert product ep*etp*pp, and engine_tp (each engine takes engine_tp whole ranks)."""
+    return math.lcm(tp * pp * cp, ep * etp * pp, engine_tp)
 
 
 def engine_count(world_size: int, engine_tp: int, num_engines: int | None, *, on_gpu: bool) -> int:

@@ -4,8 +4,9 @@
     python tools/convert_hf_to_megatron.py HF_DIR OUT_DIR [--dtype bfloat16]
 
 OUT_DIR receives the dist checkpoint (`metadata.json`, `.metadata`, `__0_0.distcp`), the HF
-`config.json`, tokenizer and generation-config files, and `megagrpo_checkpoint.json` (architecture,
-padded vocab, dtype) that marks it as ours. Tensors stream one parameter at a time from the safetensors
+`config.json`, tokenizer and generation-config files, the multi-token-prediction layers' tensors unchanged
+(`mtp-*.safetensors`, when the config has num_nextn_predict_layers: not trained, carried for the export),
+and `megagrpo_checkpoint.json` (architecture, padded vocab, dtype) that marks it as ours. Tensors stream one parameter at a time from the safetensors
 files: megatron's keys and shapes come from its own `sharded_state_dict()` of the model built on the meta
 device, so no weight is allocated up front and peak memory stays near the largest parameter group.
 Everything is written in a temporary directory renamed into place at the end; a failure leaves nothing.
@@ -211,6 +212,8 @@ def convert(
             )
         (tmp / "config.json").write_text(json.dumps(ckpt.config, indent=2) + "\n")
         copy_side_files(Path(hf_dir), tmp)
+        # not trained, but carried: the export writes them back so the model loads where the source did
+        mtp = ckpt.write_mtp(tmp)
         summary = {
             "format": FORMAT,
             "version": 1,
@@ -219,6 +222,7 @@ def convert(
             "dtype": str(tdtype).removeprefix("torch."),
             "source": str(Path(hf_dir).resolve()),
             "bytes": total,
+            "mtp_tensors": len(mtp),
         }
         (tmp / MARKER).write_text(json.dumps(summary, indent=2) + "\n")
         write_learner_meta(tmp, arch, summary["source"])  # last: it records every other file's size

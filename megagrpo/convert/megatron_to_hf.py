@@ -4,7 +4,10 @@
     torchrun --nproc-per-node 4 -m megagrpo.convert.megatron_to_hf CKPT_DIR OUT_DIR --tp 2 --ep 2
 
 OUT_DIR receives sharded safetensors (+ index), `config.json`, tokenizer and generation config, loadable
-by `transformers.AutoModelForCausalLM` and SGLang. The model is loaded on the current mesh (one process,
+by `transformers.AutoModelForCausalLM` and SGLang. Multi-token-prediction layers (DeepSeek-V3's and
+GLM-4.5's num_nextn_predict_layers), which the learner does not train, are written back unchanged from
+the tensors `hf-to-megatron` stored beside the checkpoint (or from `--mtp-from HF_DIR`), so the export
+loads wherever the original did; without them it says num_nextn_predict_layers=0. The model is loaded on the current mesh (one process,
 or the torchrun mesh given by --tp/--pp/--ep/--etp) and exported through the same streaming iterator the
 weight sync uses (`megagrpo.bridge.export.iter_hf_buckets`): TP/EP shards and PP stages are gathered to
 rank 0, which writes one shard file per bucket. Output is written atomically (temp dir + rename).
@@ -13,22 +16,32 @@ rank 0, which writes one shard file per bucket. Output is written atomically (te
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megagrpo.bridge.export import ExportGroups, export_tensors, iter_hf_buckets
 from megagrpo.bridge.hf_config import hf_config_from_arch
-from megagrpo.bridge.hf_io import atomic_output_dir, copy_side_files, write_hf_checkpoint
+from megagrpo.bridge.hf_io import (
+    HFCheckpoint,
+    atomic_output_dir,
+    copy_side_files,
+    mtp_buckets,
+    write_hf_checkpoint,
+)
 from megagrpo.bridge.maps import hf_names
 from megagrpo.config.model import ModelArch
 from megagrpo.convert.hf_to_megatron import DTYPES, build_model, init_single_process, read_checkpoint_info
 from megagrpo.errors import MegagrpoError
 
 DEFAULT_SHARD_BYTES = 4 * 1024**3
+log = logging.getLogger(__name__)
 
 
 def load_model(ckpt_dir: Path, arch: ModelArch, mesh_cfg, dtype: torch.dtype) -> list:
@@ -55,6 +68,41 @@ def layer_offset(chunk) -> int:
     return get_transformer_layer_offset(chunk.config)
 
 
+def _mtp_source(
+    ckpt: Path, arch: ModelArch, mtp_from: str | Path | None, shard_bytes: int
+) -> tuple[list[str], Iterator[list[tuple[str, torch.Tensor]]]]:
+    """(names, buckets of at most `shard_bytes`) of the multi-token-prediction tensors to write unchanged
+    beside the exported model: from `mtp_from` (an HF model directory, e.g. the one a learner's run started
+    from) when given, else those `convert` stored beside the checkpoint; none when the model has none."""
+    if not arch.mtp_layers:
+        return [], iter(())
+    if mtp_from is None:
+        return mtp_buckets(ckpt)
+    src = HFCheckpoint(mtp_from)
+    if (src.arch.num_layers, src.arch.mtp_layers) != (arch.num_layers, arch.mtp_layers):
+        raise MegagrpoError(
+            f"--mtp-from {mtp_from}: its config.json has {src.arch.num_layers} layers and "
+            f"num_nextn_predict_layers={src.arch.mtp_layers}, the checkpoint {arch.num_layers} and "
+            f"{arch.mtp_layers}; pass the HF directory the checkpoint was converted or trained from"
+        )
+    names = src.mtp_names()
+
+    def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for n in names:
+            t = src.get(n)
+            bucket.append((n, t))
+            size += t.numel() * t.element_size()
+            if size >= shard_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    return names, buckets()
+
+
 def export(
     ckpt_dir: str | Path,
     out_dir: str | Path,
@@ -65,8 +113,10 @@ def export(
     etp: int = 1,
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    mtp_from: str | Path | None = None,
 ) -> dict | None:
-    """Export on the current mesh; rank 0 returns a summary, other ranks None."""
+    """Export on the current mesh; rank 0 returns a summary, other ranks None. Multi-token-prediction
+    tensors (not trained) are written unchanged from beside the checkpoint or from `mtp_from`."""
     import torch.distributed as dist
 
     ckpt = Path(ckpt_dir)
@@ -106,10 +156,21 @@ def export(
         for _ in buckets:  # drive the collectives; only rank 0 receives tensors
             pass
         return None
+    mtp_names, mtp = _mtp_source(ckpt, arch, mtp_from, max_shard_bytes)
     with atomic_output_dir(out) as tmp:
-        weight_map = write_hf_checkpoint(tmp, buckets, expected_names=hf_names(arch))
+        weight_map = write_hf_checkpoint(
+            tmp, itertools.chain(buckets, mtp), expected_names=hf_names(arch) + mtp_names
+        )
         base = json.loads((ckpt / "config.json").read_text()) if (ckpt / "config.json").is_file() else None
         cfg = hf_config_from_arch(arch, base=base, dtype=str(out_dtype).removeprefix("torch."))
+        if arch.mtp_layers and not mtp_names:
+            # a config that promises MTP layers without their tensors loads nowhere that uses them
+            log.warning(
+                "%s: no multi-token-prediction tensors beside the checkpoint; the export has none and "
+                "says num_nextn_predict_layers=0 (pass --mtp-from the original HF directory to carry them)",
+                ckpt,
+            )
+            cfg["num_nextn_predict_layers"] = 0
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         copied = copy_side_files(ckpt, tmp)
         if "generation_config.json" not in copied:
@@ -128,6 +189,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's dtype")
     p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
+    p.add_argument(
+        "--mtp-from",
+        default=None,
+        help="HF model directory whose multi-token-prediction layers (num_nextn_predict_layers) the export "
+        "carries unchanged; default: those stored beside a converted checkpoint (a learner checkpoint has "
+        "none: pass the model its run started from)",
+    )
     for axis in ("tp", "pp", "ep", "etp"):
         p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size of the torchrun mesh")
     a = p.parse_args(argv)
@@ -141,6 +209,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             etp=a.etp,
             dtype=a.dtype,
             max_shard_bytes=a.max_shard_bytes,
+            mtp_from=a.mtp_from,
         )
     except MegagrpoError as e:
         print(f"error: {e}", file=sys.stderr)

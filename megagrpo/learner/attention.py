@@ -133,6 +133,26 @@ def local_mla_self_attention() -> type:
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
         class LocalMLASelfAttention(MLASelfAttention):
+            def _resolve_qk_norm_config(self, submodules: Any) -> dict:
+                """Without a q latent (q_lora_rank null: Moonlight, DeepSeek-V2-Lite) HF's q_proj reads
+                the layer's normed input, which the local spec normalises already (input_layernorm);
+                megatron's resolver asks for a fused norm+linear there, which only Transformer Engine
+                has. Resolve the kv side as megatron does, and give q a plain column-parallel projection."""
+                if self.config.q_lora_rank is not None:
+                    return super()._resolve_qk_norm_config(submodules)
+                from megatron.core.transformer.identity_op import IdentityOp
+                from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+
+                resolver = QKNormConfigResolver(self.config, submodules)
+                resolver.has_q_lora = True  # resolves the q side as a latent's, replaced below
+                out = resolver.resolve()
+                return {
+                    **out,
+                    "linear_q_proj": submodules.linear_q_proj or resolver.linear_impl,
+                    "linear_q_up_proj": IdentityOp,
+                    "q_layernorm": IdentityOp,
+                }
+
             def _qkv_down_projection(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
                 q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
                 if kv_combined.size(-1) != self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim:

@@ -34,10 +34,16 @@ in flight (1F1B); the last stage also holds the logits [T, V/tp], their gradient
 `chunk_tokens` rows (`learner/logprobs.py`). Not modelled: the allocator's fragmentation, and the CPU
 spec's `TorchCoreAttention`, which saves [T, T] scores (CPU only).
 
+Multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) has its own tensors (`attention_numels`) and
+saves per token q and k of n(d_n+d_r)/tp, v and the output of n d_v/tp, the kv up projection's output
+n(d_n+d_v)/tp, and the latents (2 r_q + 2 r_kv + d_r) instead of the GQA attention term above.
+Multi-token-prediction layers are neither trained nor served: they count nowhere.
+
 Engine (SGLang): weights = all parameters x the rollout dtype / engine_tp; its static pool is
 mem_fraction_static x GPU memory, and the KV cache is that pool minus the weights. One KV token takes
 2 x layers x max(1, kv_heads / engine_tp) x head_dim x dtype bytes (kv heads are replicated when the
-engine TP exceeds them).
+engine TP exceeds them); with multi-latent attention layers x (kv_lora_rank + qk_rope_head_dim) x dtype
+bytes on every engine rank: the latent, not K and V.
 
 Phases (`trainer/samplers.py`): the learner and the engine take turns on the device. The engine
 releases its weights and KV cache before the learner reloads; the learner offloads all of its state to
@@ -154,7 +160,7 @@ def stage_tensor_numels(arch: ModelArch, mesh: PlanMesh, stage: int) -> tuple[li
     marks `allreduce=False` (separate buffer, expert-DP group) when EP > 1 or ETP != TP; otherwise they
     share the dense buffer, which `learner_state_bytes` handles.
     """
-    H, n, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    H, n, g = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads
     tp, pp = mesh.tp, mesh.pp
     if arch.num_layers % pp:
         raise MegagrpoError(f"num_layers={arch.num_layers} is not divisible by mesh.pp={pp}")
@@ -162,19 +168,14 @@ def stage_tensor_numels(arch: ModelArch, mesh: PlanMesh, stage: int) -> tuple[li
         raise MegagrpoError(f"attention heads {n}/{g} (q/kv) do not split over mesh.tp={tp}")
     per_stage = arch.num_layers // pp
     moe = set(arch.moe_layers())
-    qkv_rows = (n + 2 * g) * d // tp if g % tp == 0 else (n // tp + 2) * d
+    attention = attention_numels(arch, tp)  # GQA or multi-latent, per TP rank
     dense: list[int] = []
     expert: list[int] = []
     vocab_rows = padded_vocab(arch, tp) // tp
     if stage == 0:
         dense.append(vocab_rows * H)  # embedding.word_embeddings
     for layer in range(stage * per_stage, (stage + 1) * per_stage):
-        dense += [H, qkv_rows * H]  # input norm, linear_qkv
-        if arch.qkv_bias:
-            dense.append(qkv_rows)
-        if arch.qk_norm:
-            dense += [d, d]
-        dense += [H * n * d // tp, H]  # linear_proj, pre-MLP norm
+        dense += [H, *attention, H]  # input norm, attention, pre-MLP norm
         if layer in moe:
             E, Fe, etp = arch.num_experts, arch.moe_ffn_hidden_size or arch.ffn_hidden_size, mesh.etp
             if E % mesh.ep or Fe % etp:
@@ -197,9 +198,59 @@ def stage_tensor_numels(arch: ModelArch, mesh: PlanMesh, stage: int) -> tuple[li
 
 
 def model_numel(arch: ModelArch) -> int:
-    """All parameters of the model, counted once (what the engine loads)."""
+    """All parameters of the model, counted once (what the engine loads). Multi-token-prediction layers
+    (`arch.mtp_layers`) are not counted: the learner does not build them and SGLang loads them only for
+    speculative decoding, which megagrpo's engines do not run."""
     dense, expert = stage_tensor_numels(arch, PlanMesh(world_size=1), 0)
     return sum(dense) + sum(expert)
+
+
+def active_numel(arch: ModelArch, *, embeddings: bool = True) -> int:
+    """Parameters one token runs through: everything but the routed experts, plus `moe_topk` of them in
+    each MoE layer (shared experts and dense layers always run). `embeddings=False` leaves out the input
+    embedding and the output layer, the convention some model cards use for their "active" figure."""
+    H = arch.hidden_size
+    dense, expert = stage_tensor_numels(arch, PlanMesh(world_size=1), 0)
+    n = sum(dense)
+    moe = arch.moe_layers()
+    if moe:
+        n += sum(expert) // (len(moe) * arch.num_experts) * arch.moe_topk * len(moe)
+    if not embeddings:
+        vocab = padded_vocab(arch, 1) * H
+        n -= vocab * (1 if arch.tie_embeddings else 2)
+    return n
+
+
+def attention_numels(arch: ModelArch, tp: int) -> list[int]:
+    """Element counts of one layer's attention tensors on one TP rank (`learner/model.py`'s name table).
+
+    GQA: linear_qkv [g(n/g+2)d/tp, H] (kv heads replicated when tp exceeds them), its bias, q/k norms
+    [d] and linear_proj [H, nd/tp]. Multi-latent attention (DeepSeek-V2 arXiv:2405.04434 section 2.1):
+    the q latent's down projection [r_q/tp, H], norm [r_q] and up projection [n(d_n+d_r)/tp, r_q] (or one
+    q projection [n(d_n+d_r)/tp, H] when q_lora_rank is null), the kv latent's down projection
+    [(r_kv+d_r)/tp, H] (the latent and the shared rotary key), norm [r_kv], up projection
+    [n(d_n+d_v)/tp, r_kv] (kv_b_proj: per head its no-rope key and value) and linear_proj [H, n d_v/tp].
+    The local spec splits the down projections over TP (column-parallel, gathered after); Transformer
+    Engine's replicates them, which adds (r_q + r_kv + d_r)(1 - 1/tp)H per layer (< 8% of DeepSeek-V3's
+    attention at TP8).
+    """
+    H, n, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    if arch.is_mla:
+        qk, rq, rkv = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.q_lora_rank, arch.kv_lora_rank
+        q = [n * qk // tp * H] if rq is None else [rq // tp * H, rq, n * qk // tp * rq]
+        kv = [
+            (rkv + arch.qk_rope_head_dim) // tp * H,
+            rkv,
+            n * (arch.qk_nope_head_dim + arch.v_head_dim) // tp * rkv,
+        ]
+        return [*q, *kv, H * n * arch.v_head_dim // tp]
+    qkv_rows = (n + 2 * g) * d // tp if g % tp == 0 else (n // tp + 2) * d
+    out = [qkv_rows * H]
+    if arch.qkv_bias:
+        out.append(qkv_rows)
+    if arch.qk_norm:
+        out += [d, d]
+    return [*out, H * n * d // tp]
 
 
 # ---------------------------------------------------------------------------------- learner state
@@ -289,7 +340,15 @@ def layer_activation_bytes_per_token(arch: ModelArch, mesh: PlanMesh, layer: int
     """Bytes autograd saves per token for one layer on one rank (formula in the module docstring)."""
     H, n, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
     tp, s, a = mesh.tp, mesh.seq_shard, act_bytes
-    attn = a * (2 * H / s + 2 * (n + g) * d / tp)
+    if arch.is_mla:
+        # q, k (no-rope part and the shared rotary key, per head), v and the attention output per head;
+        # the kv_b_proj output [n(d_n+d_v)] before its split; the latents before and after their norms
+        dn, dr, dv = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
+        heads = n * (2 * (dn + dr) + (dn + dv) + 2 * dv) / tp
+        latents = 2 * (arch.q_lora_rank or 0) + 2 * arch.kv_lora_rank + dr
+        attn = a * (2 * H / s + heads + latents)
+    else:
+        attn = a * (2 * H / s + 2 * (n + g) * d / tp)
     if layer in set(arch.moe_layers()):
         E, k = arch.num_experts, arch.moe_topk
         Fe = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
@@ -351,7 +410,14 @@ def _min_world(mesh: Any) -> int:
 
 
 def kv_bytes_per_token(arch: ModelArch, engine_tp: int, kv_dtype: str = "bfloat16") -> int:
-    """K and V of one token over all layers on one engine rank; kv heads replicate when TP exceeds them."""
+    """The KV cache of one token over all layers on one engine rank.
+
+    GQA: K and V of the rank's kv heads; kv heads replicate when TP exceeds them. Multi-latent attention:
+    the latent, kv_lora_rank + qk_rope_head_dim per layer (DeepSeek-V2 arXiv:2405.04434 section 2.1.2,
+    what SGLang's `MLATokenToKVPool` stores), the same on every TP rank (the latent is not split by head),
+    never full K and V. Multi-token-prediction layers hold no cache (no speculative decoding)."""
+    if arch.is_mla:
+        return arch.num_layers * (arch.kv_lora_rank + arch.qk_rope_head_dim) * dtype_bytes(kv_dtype)
     heads = max(1, arch.num_kv_heads // engine_tp)
     return 2 * arch.num_layers * heads * arch.head_dim * dtype_bytes(kv_dtype)
 

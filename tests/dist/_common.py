@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,23 @@ TINY_DEEPSEEK_V3 = dataclasses.replace(
 TINY_GLM4_MOE = dataclasses.replace(
     TINY_MOE, family="glm4_moe", **{**_V3_ROUTER, "qk_norm": True}, qkv_bias=True, rotary_percent=0.5
 )
+
+
+def without_q_latent(src: Path, dst: Path) -> Path:
+    """A copy of tiny deepseek_v3 model `src` with q_lora_rank null (a full q projection, as Moonlight and
+    DeepSeek-V2-Lite ship), its weights drawn afresh."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # pytest side only (before CPU patches)
+
+    from megagrpo.tiny_model import _randomise_v3_extras
+
+    shutil.copytree(src, dst)
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.q_lora_rank = None
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomise_v3_extras(model, 1)
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst
 
 
 def randomise_expert_bias(chunks: list[Any], seed: int = 0) -> None:

@@ -19,12 +19,16 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.compat import APPLIED
+from tests.dist._common import without_q_latent
 from tests.dist._harness import launch
 
 if not APPLIED:
     # transformers' modeling code fails to import once the CPU patches replaced torch.cuda.Stream, so the
     # pytest process imports it at collection; the forked ranks (patched) never need it.
     from transformers import AutoModelForCausalLM  # noqa: F401
+
+NO_Q_LATENT = "deepseek_v3_no_q_latent"
+NO_Q_LATENT_MESHES = ("tp2_sp", "tp2_ep2")  # one process: tests/integration/test_convert.py
 
 MODELS = {
     # tied embeddings are not here: megatron's LanguageModule.setup_embeddings_and_output_layer calls
@@ -38,6 +42,8 @@ MODELS = {
     # sigmoid routers with a correction bias, group-limited top-k, shared experts, a dense first layer;
     # 4 layers so that PP2 puts the dense layer and one MoE layer on stage 0, two MoE layers on stage 1
     "deepseek_v3": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),  # MLA + YaRN
+    # q_lora_rank null (Moonlight): q is one column-parallel projection (`_common.without_q_latent`)
+    "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
 }
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
@@ -61,6 +67,7 @@ EXPORTS = {
     ("mixtral", "ep2_pp2"),
     ("llama", "tp2_pp2"),
     ("deepseek_v3", "tp2_ep2"),
+    (NO_Q_LATENT, "tp2_ep2"),
     ("glm4_moe", "pp2"),
 }
 BUCKETS = (1, 3000, 70000, 1 << 40)
@@ -75,7 +82,7 @@ def cases() -> list[tuple[str, str]]:
         else:
             meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES
         out += [(model, mesh) for mesh in meshes]
-    return out
+    return [(m, mesh) for m, mesh in out if m != NO_Q_LATENT or mesh in NO_Q_LATENT_MESHES]
 
 
 def fixed_batch(vocab: int = 1024) -> torch.Tensor:
@@ -251,6 +258,7 @@ def results(tiny_model, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     dirs = {name: str(tiny_model(**spec)) for name, spec in MODELS.items()}
+    dirs[NO_Q_LATENT] = str(without_q_latent(Path(dirs[NO_Q_LATENT]), out / f"src_{NO_Q_LATENT}"))
     ids = fixed_batch()
     refs: dict[str, torch.Tensor] = {"ids": ids}
     for name, d in dirs.items():

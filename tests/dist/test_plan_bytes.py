@@ -1,6 +1,6 @@
 """Issue 16, the memory plan's exact bytes: `plan.learner_state_bytes` equals, within 2%, the bytes of
 parameters, grad buffers and optimizer state that megatron-core allocates on a CPU learner, for a tiny
-MoE, a tiny dense and a tied-embedding model on DP2, TP2, EP2 and PP2, with and without the DistributedOptimizer (one
+MoE, a tiny dense, a tied-embedding model and the DeepSeek-V3 (MLA) and GLM-4.5 families on DP2, TP2, EP2 and PP2, with and without the DistributedOptimizer (one
 2-process launch)."""
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ def results(tmp_path_factory):
 
 
 def test_every_case_ran(results):
-    # x 2 optimizers: MoE on 4 meshes, dense on 3 (no EP), tied on 2 (no EP, no PP on the CPU)
-    assert len(results[0]) == 18 and results[0].keys() == results[1].keys()
+    # x 2 optimizers: MoE on 4 meshes, dense on 3 (no EP), tied on 2 (no EP, no PP on the CPU), and the
+    # three DeepSeek-V3 / GLM-4.5 models (MLA with and without a q latent, GQA with biases) on 4 each
+    assert len(results[0]) == 42 and results[0].keys() == results[1].keys()
 
 
 @pytest.mark.parametrize("what", ["params", "grads", "optimizer"])

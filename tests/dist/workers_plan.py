@@ -1,4 +1,4 @@
-"""The memory plan against what a CPU learner allocates: for two tiny models on several 2-process
+"""The memory plan against what a CPU learner allocates: for tiny models of each family on several 2-process
 meshes, with the DistributedOptimizer on and off, each rank sums the bytes of the storages behind its
 parameters, its main grads and its optimizer state (after one step, so Adam's state exists), and
 writes them beside `plan.learner_state_bytes` for its pipeline stage. The pytest side compares."""
@@ -16,14 +16,23 @@ from megagrpo.learner.mesh import DistEnv, MeshConfig, destroy_mesh, init_mesh
 from megagrpo.learner.model import build_gpt_model, wrap_ddp
 from megagrpo.learner.optimizer import OptimizerConfig, build_optimizer
 from megagrpo.plan.memory import learner_state_bytes
-from tests.dist._common import TINY_MOE, write_json
+from tests.dist._common import TINY_DEEPSEEK_V3, TINY_GLM4_MOE, TINY_MOE, write_json
 
 TINY_DENSE = dataclasses.replace(
     TINY_MOE, family="qwen2", qk_norm=False, qkv_bias=True, num_experts=0, moe_topk=0, moe_ffn_hidden_size=0
 )
 TINY_TIED = dataclasses.replace(TINY_DENSE, family="llama", qkv_bias=False, tie_embeddings=True)
 
-MODELS = {"moe": TINY_MOE, "dense": TINY_DENSE, "tied": TINY_TIED}
+# the DeepSeek-V3 family's multi-latent attention with a q latent and without one (Moonlight), its shared
+# expert and dense first layer; GLM-4.5's GQA with q/k/v biases and q/k norms beside the same MoE block
+MODELS = {
+    "moe": TINY_MOE,
+    "dense": TINY_DENSE,
+    "tied": TINY_TIED,
+    "deepseek_v3": TINY_DEEPSEEK_V3,
+    "deepseek_v3_no_q_latent": dataclasses.replace(TINY_DEEPSEEK_V3, q_lora_rank=None),
+    "glm4_moe": TINY_GLM4_MOE,
+}
 MESHES = {
     "dp2": MeshConfig(),
     "tp2": MeshConfig(tp=2, sequence_parallel=True),

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from megagrpo.compat import APPLIED
 from megagrpo.errors import MegagrpoError
+from tests.dist._common import without_q_latent
 from tests.dist._harness import launch
 
 if not APPLIED:
@@ -30,7 +31,13 @@ MODELS = {
     "qwen3": dict(arch="qwen3"),
     "qwen3_moe": dict(arch="qwen3_moe", experts=8, topk=2),
     "mixtral": dict(arch="mixtral", experts=8, topk=2),
+    # issue 37: MLA with YaRN, group-limited sigmoid router with a correction bias, shared expert, dense
+    # first layer; deepseek_v3 also ships a multi-token-prediction layer (`_with_mtp_layer`)
+    "deepseek_v3": dict(arch="deepseek_v3", experts=8, topk=2),
+    "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2),  # `without_q_latent`
+    "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2),
 }
+WITH_MTP = "deepseek_v3"
 SHARD_BYTES = 200_000  # small, so the exported model is sharded with an index
 
 
@@ -64,6 +71,12 @@ def worker(rank: int, world: int, outdir: Path, *, models: dict, refs: str) -> N
     results["learner_load_logits_err"] = (logits - reference["qwen3_moe"]).abs().max().item()
     step = save_checkpoint(outdir / "learner" / "step_00000001", [model], step=1, arch=arch)
     export(step, outdir / "hf_from_learner")
+    # multi-token-prediction tensors: a checkpoint without them (a learner's) exports none and says so in
+    # config.json, unless --mtp-from names the HF directory that has them
+    bare = outdir / "ckpt_mtp_bare"
+    shutil.copytree(outdir / f"ckpt_{WITH_MTP}", bare, ignore=shutil.ignore_patterns("mtp-*"))
+    export(bare, outdir / "hf_mtp_bare")
+    export(bare, outdir / "hf_mtp_from", mtp_from=models[WITH_MTP], max_shard_bytes=SHARD_BYTES)
     # --dtype: a bf16 checkpoint, exported back as bf16
     convert(models["qwen3_moe"], outdir / "ckpt_bf16", dtype="bfloat16", progress=False)
     export(outdir / "ckpt_bf16", outdir / "hf_bf16")
@@ -78,6 +91,9 @@ def converted(tiny_model, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("convert")
     dirs = {name: str(tiny_model(**spec)) for name, spec in MODELS.items()}
+    dirs[WITH_MTP] = str(_with_mtp_layer(Path(dirs[WITH_MTP]), out / f"src_{WITH_MTP}"))
+    name = "deepseek_v3_no_q_latent"
+    dirs[name] = str(without_q_latent(Path(dirs[name]), out / f"src_{name}"))
     refs: dict[str, torch.Tensor] = {"ids": fixed_batch()}
     for name, d in dirs.items():
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
@@ -88,6 +104,28 @@ def converted(tiny_model, tmp_path_factory):
         "tests.integration.test_convert:worker", 1, out, timeout=900, models=dirs, refs=str(out / "refs.pt")
     )
     return out, dirs, refs, json.loads((out / "results.json").read_text())
+
+
+def _with_mtp_layer(src: Path, dst: Path) -> Path:
+    """A copy of tiny model `src` that ships one multi-token-prediction layer as DeepSeek-V3 does
+    (`model.layers.{L}.*`: a decoder layer, enorm, hnorm, eh_proj, shared_head.norm; config
+    num_nextn_predict_layers 1), its values random, so that only a carried copy equals them."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    sd = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(37)
+    last = f"model.layers.{L - 1}."
+    mtp = {f"model.layers.{L}." + k[len(last) :]: v.clone() for k, v in sd.items() if k.startswith(last)}
+    mtp.update(
+        {f"model.layers.{L}.{n}.weight": torch.empty(H) for n in ("enorm", "hnorm", "shared_head.norm")}
+    )
+    mtp[f"model.layers.{L}.eh_proj.weight"] = torch.empty(H, 2 * H)
+    for t in mtp.values():
+        t.copy_(torch.randn(t.shape, generator=g))
+    save_file({**sd, **{k: v.contiguous() for k, v in mtp.items()}}, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=2))
+    return dst
 
 
 def _load_dir(d: Path) -> dict[str, torch.Tensor]:
@@ -119,7 +157,22 @@ def test_round_trip_bit_identical(converted, name):
     assert set(index["weight_map"]) == set(ref)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2"])
+def test_mtp_layers_are_carried_unchanged(converted):
+    out, dirs, _, _ = converted
+    src = load_file(str(Path(dirs[WITH_MTP]) / "model.safetensors"))
+    mtp = {k for k in src if k.startswith("model.layers.2.")}
+    assert len(mtp) > 20  # a whole decoder layer, with its experts, and the MTP head's own tensors
+    assert sorted(p.name for p in (out / f"ckpt_{WITH_MTP}").glob("mtp-*")) == ["mtp-00001.safetensors"]
+    for name in (f"hf_{WITH_MTP}", "hf_mtp_from"):
+        got = _load_dir(out / name)
+        assert mtp <= set(got) and all(torch.equal(got[k], src[k]) for k in mtp), name
+        assert json.loads((out / name / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    bare = _load_dir(out / "hf_mtp_bare")
+    assert not mtp & set(bare) and set(bare) == set(src) - mtp
+    assert json.loads((out / "hf_mtp_bare" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe"])
 def test_exported_directory_loads_in_transformers(converted, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

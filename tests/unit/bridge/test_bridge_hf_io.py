@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -148,3 +149,56 @@ def test_truncated_shard_named(tiny_model, tmp_path):
     for read in (HFCheckpoint, checkpoint_shapes):
         with pytest.raises(MegagrpoError, match=f"{re.escape(str(shard))}: {TRUNCATED}"):
             read(d)
+
+
+def _with_mtp(tiny_model, d):
+    """The tiny deepseek_v3 model with a few tensors of one multi-token-prediction layer (of two dtypes)."""
+    d = shutil.copytree(tiny_model("deepseek_v3"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    sd = load_file(str(d / "model.safetensors"))
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    mtp = {
+        f"model.layers.{L}.eh_proj.weight": torch.randn(H, 2 * H, dtype=torch.bfloat16),
+        f"model.layers.{L}.enorm.weight": torch.randn(H),
+        f"model.layers.{L}.mlp.gate.e_score_correction_bias": torch.randn(cfg["n_routed_experts"]),
+    }
+    save_file({**sd, **mtp}, str(d / "model.safetensors"))
+    return d, cfg, mtp
+
+
+def test_export_takes_mtp_tensors_only_from_the_same_model(tiny_model, tmp_path):
+    from megagrpo.convert.megatron_to_hf import _mtp_source
+
+    d, _, mtp = _with_mtp(tiny_model, tmp_path / "m")
+    arch = HFCheckpoint(d).arch
+    names, buckets = _mtp_source(tmp_path, arch, d, shard_bytes=1 << 20)
+    assert sorted(names) == sorted(mtp) == sorted(n for b in buckets for n, _ in b)
+    assert _mtp_source(tmp_path, arch, None, 1 << 20)[0] == []  # nothing stored beside this "checkpoint"
+    other = dataclasses.replace(arch, num_layers=arch.num_layers + 1)
+    with pytest.raises(MegagrpoError, match=r"--mtp-from .*num_nextn_predict_layers=1"):
+        _mtp_source(tmp_path, other, d, 1 << 20)
+
+
+def test_mtp_tensors_are_copied_bit_for_bit_in_shards(tiny_model, tmp_path):
+    # issue 37: a checkpoint with num_nextn_predict_layers carries `model.layers.{L}.*` beside the main
+    # model; the converter stores them unchanged (`write_mtp`) for the export to write back (`mtp_buckets`)
+    from megagrpo.bridge.hf_io import mtp_buckets
+
+    d, cfg, mtp = _with_mtp(tiny_model, tmp_path / "m")
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    ck = HFCheckpoint(d)  # the MTP tensors are neither missing nor "extra"
+    assert sorted(ck.mtp_names()) == sorted(mtp)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert sorted(ck.write_mtp(out, shard_bytes=H * H)) == sorted(mtp)
+    assert len(list(out.glob("mtp-*.safetensors"))) == 2  # eh_proj alone fills a shard
+    names, buckets = mtp_buckets(out)
+    got = dict(t for b in buckets for t in b)
+    assert sorted(names) == sorted(got) == sorted(mtp)
+    for k, t in mtp.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    # without num_nextn_predict_layers the same tensors are foreign to the model
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MegagrpoError, match=f"model.layers.{L}"):
+        HFCheckpoint(d)

@@ -4,6 +4,7 @@ code, every shipped config's verdict on the hardware it is meant for, and the `p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -20,7 +21,10 @@ from megagrpo.plan.memory import (
     PlanMesh,
     Workload,
     activation_bytes,
+    active_numel,
+    attention_numels,
     kv_bytes_per_token,
+    layer_activation_bytes_per_token,
     learner_state_bytes,
     model_numel,
     padded_vocab,
@@ -42,6 +46,12 @@ SHIPPED = {
     "agentic_calculator.yaml": ((1, 1, 16.0), "demo-tiny-qwen3-moe", True),
     # 2 learner nodes + 1 rollout node; the plan's nodes count both pools
     "disaggregated_qwen3_moe.yaml": ((3, 8, 80.0), "Qwen3-30B-A3B", True),
+    # the DeepSeek-V3 and GLM-4.5 families (issue 37): one node, the nodes the plan asks for, and the two
+    # that need H200s and many nodes (their fewest: test_plan_refuses_fewer_nodes_than_the_layout_needs)
+    "gspo_math_moonlight.yaml": ((1, 8, 80.0), "Moonlight-16B-A3B", True),
+    "gspo_math_glm45_air.yaml": ((8, 8, 80.0), "GLM-4.5-Air", True),
+    "gspo_math_deepseek_v3.yaml": ((32, 8, 141.0), "DeepSeek-V3", True),
+    "gspo_math_kimi_k2.yaml": ((36, 8, 141.0), "Kimi-K2", True),  # disaggregated: 32 learner + 4 engine
 }
 
 
@@ -73,6 +83,113 @@ def test_countdown_fits_with_margin_where_its_old_mesh_did_not():
 def test_model_sizes_match_the_published_parameter_counts():
     assert model_numel(QWEN3_30B) / 1e9 == pytest.approx(30.5, abs=0.05)  # "30.5B in total"
     assert model_numel(arch_from_hf(MODELS / "Qwen3-8B")) / 1e9 == pytest.approx(8.2, abs=0.05)
+    assert active_numel(QWEN3_30B) / 1e9 == pytest.approx(3.3, abs=0.1)  # "3.3B activated"
+
+
+# (model, total, active, whether the card's active figure counts the embedding and output layer, rel. tol.)
+# The cards: DeepSeek-V3 "671B total, 37B activated" (arXiv:2412.19437; its 685B on the Hub adds the 14B
+# MTP module, which is not counted here); Kimi-K2 "1.04 trillion total, 32 billion activated" (1.026T by
+# its config.json: within 1.5%); Moonlight-16B-A3B; GLM-4.5-Air "106B total, 12B active" (its active
+# figure leaves out the embedding and output layer: 13.4B with them).
+PUBLISHED_SIZES = [
+    ("DeepSeek-V3", 671e9, 37e9, True, 0.02),
+    ("Kimi-K2", 1.04e12, 32e9, True, 0.03),
+    ("Moonlight-16B-A3B", 16e9, 3e9, True, 0.03),
+    ("GLM-4.5-Air", 106e9, 12e9, False, 0.02),
+]
+
+
+@pytest.mark.parametrize("name,total,active,with_embeddings,rel", PUBLISHED_SIZES, ids=lambda x: str(x))
+def test_v3_family_sizes_match_the_published_counts(name, total, active, with_embeddings, rel):
+    arch = arch_from_hf(MODELS / name)
+    assert model_numel(arch) == pytest.approx(total, rel=max(rel, 0.015))
+    assert active_numel(arch, embeddings=with_embeddings) == pytest.approx(active, rel=rel)
+
+
+def test_mla_attention_tensors_by_hand():
+    # DeepSeek-V3: q latent 1536, kv latent 512 + rotary key 64, 128 heads of 128 + 64 (q/k) and 128 (v)
+    v3 = arch_from_hf(MODELS / "DeepSeek-V3")
+    H, n = 7168, 128
+    q = [1536 // 8 * H, 1536, n * 192 // 8 * 1536]  # q_a (split over TP, local spec), q_a norm, q_b
+    kv = [576 // 8 * H, 512, n * (128 + 128) // 8 * 512]  # kv_a_proj_with_mqa, kv_a norm, kv_b_proj
+    assert attention_numels(v3, 8) == [*q, *kv, H * n * 128 // 8]
+    # Moonlight ships q_lora_rank null: one q projection, no q latent
+    moon = arch_from_hf(MODELS / "Moonlight-16B-A3B")
+    assert moon.q_lora_rank is None
+    assert attention_numels(moon, 1) == [16 * 192 * 2048, 576 * 2048, 512, 16 * 256 * 512, 2048 * 16 * 128]
+    # a layer holds its attention, two norms and (first_k_dense_replace = 3) a dense MLP or the MoE block
+    dense, expert = stage_tensor_numels(v3, PlanMesh(256, tp=8, ep=256), 0)
+    assert sum(expert) == 58 * 3 * H * 2048  # 58 MoE layers of one local expert each
+    shared = 3 * H * 2048 // 8
+    layers = 61 * (sum(q) + sum(kv) + H * n * 128 // 8 + 2 * H) + 3 * 3 * H * 18432 // 8
+    assert sum(dense) == 2 * 129280 // 8 * H + H + layers + 58 * (256 * H + shared)
+
+
+def test_mla_kv_cache_is_the_latent_not_k_and_v():
+    # kv_lora_rank + qk_rope_head_dim per token and layer, on every engine rank (the latent has no heads);
+    # full K and V of the 16 heads an engine_tp 8 rank holds, 2 x 16 x 192 x 61 x 2 bytes, are 11x more
+    v3 = arch_from_hf(MODELS / "DeepSeek-V3")
+    for engine_tp in (1, 8, 16):
+        assert kv_bytes_per_token(v3, engine_tp) == 61 * (512 + 64) * 2
+    assert kv_bytes_per_token(v3, 8, "float32") == 61 * 576 * 4
+    moon = arch_from_hf(MODELS / "Moonlight-16B-A3B")
+    assert kv_bytes_per_token(moon, 2) == 27 * 576 * 2
+    # the plan sizes the engine's cache by it
+    cfg = load_config(REPO / "configs" / "gspo_math_deepseek_v3.yaml", check_paths=False)
+    plan = plan_memory(cfg, v3, nodes=32, gpus_per_node=8, gpu_mem_gib=141.0)
+    assert plan.kv_tokens == plan.kv_cache // (61 * 576 * 2) > 400_000
+    # GLM-4.5-Air is GQA: K and V of its 8 kv heads, one per rank at engine_tp 8
+    glm = arch_from_hf(MODELS / "GLM-4.5-Air")
+    assert kv_bytes_per_token(glm, 8) == 2 * 46 * 1 * 128 * 2
+
+
+def test_mla_activations_count_the_heads_and_latents():
+    v3 = arch_from_hf(MODELS / "DeepSeek-V3")
+    m = PlanMesh(8, tp=8)
+    n, a = 128, 2
+    heads = n * (2 * 192 + 256 + 2 * 128) / 8
+    latents = 2 * 1536 + 2 * 512 + 64
+    attn = a * (2 * 7168 + heads + latents)
+    dense_mlp = a * (2 * 7168 + 3 * 18432 / 8)
+    assert layer_activation_bytes_per_token(v3, m, 0, a) == pytest.approx(attn + dense_mlp)
+
+
+def test_mtp_layers_are_neither_trained_nor_served():
+    glm = arch_from_hf(MODELS / "GLM-4.5-Air")
+    assert glm.mtp_layers == 1
+    without = dataclasses.replace(glm, mtp_layers=0)
+    assert model_numel(glm) == model_numel(without)
+    assert kv_bytes_per_token(glm, 8) == kv_bytes_per_token(without, 8)
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n.startswith("gspo_math_")])
+def test_plan_cli_finds_the_shipped_architecture_of_each_new_family_config(capsys, name):
+    # the path a user runs: model.hf_path is not downloaded, so `megagrpo plan` reads configs/models/<name>
+    (nodes, gpus, mem), model, _ = SHIPPED[name]
+    args = ["plan", str(REPO / "configs" / name), "--nodes", str(nodes), "--gpus-per-node", str(gpus)]
+    assert main([*args, "--gpu-mem-gib", str(mem)]) == 0
+    out = capsys.readouterr().out
+    assert f"configs/models/{model}/config.json" in out and "verdict: FITS" in out
+
+
+@pytest.mark.parametrize(
+    "name,nodes,least,next_after",
+    [("gspo_math_deepseek_v3.yaml", 16, 32, 64), ("gspo_math_kimi_k2.yaml", 32, 36, 68)],
+)
+def test_plan_refuses_fewer_nodes_than_the_layout_needs(capsys, name, nodes, least, next_after):
+    # DeepSeek-V3 colocated with EP256: the world is a multiple of 256 GPUs. Kimi-K2 disaggregated: 32
+    # engine ranks of their own and learner ranks a multiple of EP64 x ETP4 = 256
+    cfg = str(REPO / "configs" / name)
+    args = ["plan", cfg, "--gpus-per-node", "8", "--gpu-mem-gib", "141"]
+    assert main([*args, "--nodes", str(least)]) == 0
+    assert "verdict: FITS" in capsys.readouterr().out
+    assert main([*args, "--nodes", str(nodes)]) == 2
+    err = capsys.readouterr().err
+    assert f"--nodes {nodes}: this config needs at least {least} nodes of 8 GPUs" in err
+    assert f"pass --nodes {least} or more" in err and "mesh.ep*etp*pp = 256" in err
+    assert main([*args, "--nodes", str(least + 4)]) == 2  # more, but not a layout that works
+    assert f"the nearest node count above that can: --nodes {next_after}" in capsys.readouterr().err
+    assert main([*args, "--nodes", str(next_after)]) == 0
 
 
 def test_vocab_padding_is_the_learners():
@@ -218,6 +335,23 @@ def test_submit_refuses_a_plan_that_does_not_fit_unless_forced(tmp_path, capsys,
     capsys.readouterr()
     assert main([*args, "--force"]) == 0
     assert "--force: the memory plan does not fit" in capsys.readouterr().err
+
+
+def test_a_plan_that_does_not_fit_names_the_fewest_nodes_that_do(capsys):
+    # Qwen3-30B-A3B on TP2 x EP4 without PP: 88 GiB of learner state on one node; Adam's share shrinks
+    # with data parallelism, and 3 nodes are the first that hold it
+    args = ["plan", str(REPO / "configs" / "countdown_qwen3_moe_gdpo.yaml"), "mesh.pp=1", "mesh.ep=4"]
+    args += ["--gpus-per-node", "8"]
+    assert main([*args, "--nodes", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "--nodes 1: the fewest nodes of 8 x 80 GiB GPUs this config fits on are 3" in out
+    assert main([*args, "--nodes", "2"]) == 1 and "fits on are 3" in capsys.readouterr().out
+    assert main([*args, "--nodes", "3"]) == 0
+    capsys.readouterr()
+    # GLM-4.5-Air with its experts split only 8 ways: no node count helps, and the plan says what does
+    glm = ["plan", str(REPO / "configs" / "gspo_math_glm45_air.yaml"), "mesh.pp=1", "mesh.ep=8"]
+    assert main([*glm, "--nodes", "8", "--gpus-per-node", "8"]) == 1
+    assert "--nodes 8: more nodes do not make it fit (up to 40 tried)" in capsys.readouterr().out
 
 
 def test_the_shipped_architecture_facts_are_complete_hf_configs():

@@ -22,7 +22,10 @@ MAX_TURNS = 4
 def tool_schema() -> dict[str, Any]:
     """The calculator's OpenAI function schema, as `CalculatorEnv.tool_schemas()` gives it."""
     t = calculator_tool()
-    return {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+    return {
+        "type": "function",
+        "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+    }
 
 
 def answer(call: dict[str, Any]) -> str:
@@ -62,8 +65,12 @@ def run(
             break
         for call in message["tool_calls"]:
             messages.append(
-                {"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
-                 "content": answer(call)}  # fmt: skip
+                {
+                    "role": "tool",
+                    "tool_call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "content": answer(call),
+                }  # fmt: skip
             )
     if answer_tag(content) is None:
         return 0.0
@@ -80,7 +87,9 @@ def _complete(client: Any, model: str, messages: list[dict], stream: bool) -> di
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for c in delta.tool_calls or []:
-            got = calls.setdefault(c.index, {"id": c.id, "type": "function", "function": {"name": "", "arguments": ""}})
+            got = calls.setdefault(
+                c.index, {"id": c.id, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
             got["function"]["name"] += c.function.name or ""
             got["function"]["arguments"] += c.function.arguments or ""
     message: dict[str, Any] = {"role": "assistant", "content": content}

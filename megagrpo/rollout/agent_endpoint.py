@@ -284,7 +284,9 @@ class SessionServer:
     def _session(self, request: web.Request) -> AgentSession:
         session = self.sessions.get(request.match_info["token"])
         if session is None:
-            raise RequestError(404, "no session at this URL; use the base URL your session was given", "no_session")
+            raise RequestError(
+                404, "no session at this URL; use the base URL your session was given", "no_session"
+            )
         return session
 
     async def _unknown(self, request: web.Request) -> web.Response:
@@ -325,7 +327,12 @@ class SessionServer:
     def _completion(self, rid: str, created: int, reply: Reply) -> dict[str, Any]:
         usage = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
                  "total_tokens": reply.prompt_tokens + reply.completion_tokens}  # fmt: skip
-        choice = {"index": 0, "message": reply.message, "finish_reason": reply.finish_reason, "logprobs": None}
+        choice = {
+            "index": 0,
+            "message": reply.message,
+            "finish_reason": reply.finish_reason,
+            "logprobs": None,
+        }
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model,
                 "choices": [choice], "usage": usage}  # fmt: skip
 
@@ -336,7 +343,9 @@ class SessionServer:
         m = reply.message
         await resp.write(_chunk(rid, created, self.model, {"role": "assistant", "content": ""}, None))
         if m.get("reasoning_content"):
-            await resp.write(_chunk(rid, created, self.model, {"reasoning_content": m["reasoning_content"]}, None))
+            await resp.write(
+                _chunk(rid, created, self.model, {"reasoning_content": m["reasoning_content"]}, None)
+            )
         if m.get("content"):
             await resp.write(_chunk(rid, created, self.model, {"content": m["content"]}, None))
         for i, call in enumerate(m.get("tool_calls") or []):
@@ -370,6 +379,10 @@ async def _run_session(
         reward, info = agent_reward(await agent.run(server.url(token), row, opts.timeout_s))
     except AgentFailed as e:
         failure, detail = e.kind, str(e)
+    if failure == "error" and session.truncation is not None:
+        # the endpoint truncated the trajectory and refused its next request; an agent that stops on that
+        # error has not failed: the row is a truncated one, as the driver's, unscored
+        failure = None
     session.end(failure or "the agent returned")
     async with session.lock:  # a request in flight finishes on the engine before the row is read
         pass

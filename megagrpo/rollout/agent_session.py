@@ -131,7 +131,9 @@ class ChatRequest:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise RequestError(400, "'tools' must be a list of function schemas", "invalid_tools")
         if body.get("n") not in (None, 1):
-            raise RequestError(400, f"n={body.get('n')!r}: a session samples one choice per request (n=1)", "n")
+            raise RequestError(
+                400, f"n={body.get('n')!r}: a session samples one choice per request (n=1)", "n"
+            )
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError(400, "'stream' must be true or false", "invalid_stream")
@@ -183,7 +185,9 @@ def _tools_key(tools: Sequence[dict]) -> str:
 class AgentSession:
     """The recording of one session (module doc); `complete` serves one request."""
 
-    def __init__(self, ctx: SessionContext, *, index: int, prompt_index: int = 0, sample_index: int = 0) -> None:
+    def __init__(
+        self, ctx: SessionContext, *, index: int, prompt_index: int = 0, sample_index: int = 0
+    ) -> None:
         self.ctx = ctx
         self.index, self.prompt_index, self.sample_index = index, prompt_index, sample_index
         self.lock = asyncio.Lock()
@@ -328,7 +332,10 @@ class AgentSession:
         self.tools.tool_calls += len(parsed.calls)
         self.tools.malformed_calls += len(parsed.malformed)
         good = [c for c in parsed.calls if c.error is None]
-        message: dict[str, Any] = {"role": "assistant", "content": split.content if parsed.malformed else parsed.text}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": split.content if parsed.malformed else parsed.text,
+        }
         if good:
             message["tool_calls"] = [c.openai(f"call_{self.turns - 1}_{i}") for i, c in enumerate(good)]
         if split.reasoning:

@@ -92,9 +92,10 @@ def row_check(mt: MultiTurnConfig) -> Callable[[dict], None] | None:
 
 def episode_completion(e: Episode) -> Completion:
     """One episode as a learner row; "length" marks a truncated one (`algo.overlong_filter` drops it). An
-    episode with an interrupted tool call is dropped: its row keeps its tokens and takes no loss."""
+    episode with an interrupted tool call, or an agent session that failed under `agent.on_failure: drop`,
+    is dropped: its row keeps its tokens and takes no loss."""
     c = e.trajectory.to_completion(text=e.final_text, finish_reason="length" if e.truncated else "stop")
-    if e.tools.interrupted_calls and c.output_mask is not None:
+    if (e.tools.interrupted_calls or e.dropped) and c.output_mask is not None:
         c.output_mask = torch.zeros_like(c.output_mask)
     return c
 

@@ -13,7 +13,6 @@ scripted fake engine of test_multi_turn, with agents written against the real `o
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 
@@ -30,7 +29,7 @@ from megagrpo.rollout.agent_endpoint import AgentRunner, EndpointOptions, rollou
 from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes
 from megagrpo.trainer.batch import rollout_batch
 from megagrpo.trainer.episodes import episode_completion
-from tests.unit.rollout.test_multi_turn import Q1, SCRIPT1, SAMPLING, ScriptedEngine, _call
+from tests.unit.rollout.test_multi_turn import Q1, SAMPLING, SCRIPT1, ScriptedEngine
 
 ROW = {"prompt": Q1, "answer": "97406785"}
 
@@ -42,11 +41,16 @@ def tok():
     return train_tokenizer(1024)
 
 
-def _sessions(tok, scripts, rows, agent, options=EndpointOptions(timeout_s=20), **kw):
+OPTS = EndpointOptions(timeout_s=20)
+
+
+def _sessions(tok, scripts, rows, agent, options=OPTS, **kw):
     eng = ScriptedEngine(tok, scripts)
     try:
         runner = agent if isinstance(agent, AgentRunner) else AgentRunner(agent)
-        groups, stats = rollout_sessions(eng, rows, runner, SAMPLING, MultiTurnLimits(), options=options, **kw)
+        groups, stats = rollout_sessions(
+            eng, rows, runner, SAMPLING, MultiTurnLimits(), options=options, **kw
+        )
     finally:
         eng.close()
     return eng, groups, stats
@@ -70,7 +74,9 @@ def _check_ids_are_the_engine_s(requests, t) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_the_openai_calculator_agent_records_the_driver_s_trajectory(tok, stream):
     agent = functools.partial(calculator_agent, stream=stream)
-    eng_a, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], agent, group_size=1, index_offset=5, version=3)
+    eng_a, [[ep]], stats = _sessions(
+        tok, {Q1: SCRIPT1}, [ROW], agent, group_size=1, index_offset=5, version=3
+    )
     eng_d, [[ref]], ref_stats = _run_driver(tok, [ROW], index_offset=5, version=3)
     assert (ep.done, ep.reward, ep.truncation, ep.agent_failure) == (True, 1.0, None, None)
     _same_trajectory(ep.trajectory, ref.trajectory)
@@ -118,7 +124,10 @@ def _summarising_agent(base_url, row, *, edit: bool = False):
         said = first.model_dump(exclude_none=True)
         said["content"] = "Let me think."  # the model wrote something else
         call = said["tool_calls"][0]
-        messages += [said, {"role": "tool", "tool_call_id": call["id"], "name": "calculator", "content": "97406784"}]
+        messages += [
+            said,
+            {"role": "tool", "tool_call_id": call["id"], "name": "calculator", "content": "97406784"},
+        ]
     else:
         messages += [{"role": "user", "content": "The calculator says 123456 * 789 = 97406784."}]
     second = client.chat.completions.create(model="m", messages=messages, tools=tools).choices[0].message
@@ -157,8 +166,222 @@ def test_on_departure_refuse_answers_409_and_counts(tok):
     opts = EndpointOptions(timeout_s=20, on_departure="refuse", on_failure="zero")
     eng, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], agent, options=opts)
     assert seen == [409] and len(eng.requests) == 1
-    assert (ep.branch_refusals, ep.branches, ep.agent_failure, ep.reward, ep.dropped) == (1, 0, "error", 0.0, False)
+    assert (ep.branch_refusals, ep.branches, ep.agent_failure, ep.reward, ep.dropped) == (
+        1,
+        0,
+        "error",
+        0.0,
+        False,
+    )
     m = stats.metrics()
-    assert (m["rollout/branch_refusals"], m["rollout/agent_errors"], m["rollout/agent_dropped_frac"]) == (1, 1, 0)
+    assert (m["rollout/branch_refusals"], m["rollout/agent_errors"], m["rollout/agent_dropped_frac"]) == (
+        1,
+        1,
+        0,
+    )
     # "zero": the row trains (its mask kept), scored 0
     assert episode_completion(ep).output_mask.any()
+
+
+# --------------------------------------------------------------------------------------------- faults
+
+
+def _by_kind(agents):
+    """One agent per row, chosen by the row's "kind"."""
+    return lambda base_url, row: agents[row["kind"]](base_url, row)
+
+
+def _one_request(base_url, row):
+    client = openai.OpenAI(base_url=base_url, api_key="k", max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    return client.chat.completions.create(model="m", messages=messages, tools=[tool_schema()])
+
+
+def _hangs(base_url, row):
+    _one_request(base_url, row)
+    time.sleep(60)  # past any budget: the session ends at its deadline, this thread is left behind
+
+
+def test_an_agent_that_hangs_is_ended_at_its_budget_counted_and_dropped(tok):
+    rows = [{**ROW, "kind": "hang"}, {**ROW, "kind": "ok"}]
+    t0 = time.monotonic()
+    agent = _by_kind({"hang": _hangs, "ok": calculator_agent})
+    _, [[hung], [ok]], stats = _sessions(
+        tok, {Q1: SCRIPT1}, rows, agent, options=EndpointOptions(timeout_s=8.0)
+    )
+    assert time.monotonic() - t0 < 20  # the step ends at the budget, not when the agent does (60 s)
+    assert (hung.agent_failure, hung.reward, hung.dropped, hung.trajectory.turns) == ("timeout", 0.0, True, 1)
+    assert (ok.agent_failure, ok.reward, ok.dropped, ok.trajectory.turns) == (None, 1.0, False, 3)
+    m = stats.metrics()
+    assert (m["rollout/agent_timeouts"], m["rollout/agent_dropped_frac"]) == (1.0, 0.5)
+    # the dropped row takes no loss (its reward, 0, stays in its group's baseline)
+    assert not episode_completion(hung).output_mask.any() and episode_completion(ok).output_mask.any()
+
+
+LATE: list = []
+
+
+def _returns_then_asks(base_url, row):
+    """Returns at once, and asks again from a thread once its session has ended."""
+    import threading
+
+    def late():
+        time.sleep(0.5)
+        try:
+            _one_request(base_url, row)
+        except openai.APIStatusError as e:
+            LATE.append((e.status_code, e.message))
+
+    _one_request(base_url, row)
+    threading.Thread(target=late, daemon=True).start()
+    return 0.5
+
+
+def _late(base_url, row):
+    time.sleep(2.0)  # keeps the rollout's server up while the other session's late request arrives
+    return calculator_agent(base_url, row)
+
+
+def test_a_request_after_its_session_ended_gets_410(tok):
+    LATE.clear()
+    rows = [{**ROW, "kind": "early"}, {**ROW, "kind": "late"}]
+    agent = _by_kind({"early": _returns_then_asks, "late": _late})
+    _, [[early], [late]], _ = _sessions(tok, {Q1: SCRIPT1}, rows, agent)
+    assert len(LATE) == 1 and LATE[0][0] == 410 and "this session has ended" in LATE[0][1]
+    assert (early.reward, early.trajectory.turns, late.reward) == (0.5, 1, 1.0)
+
+
+def _crashes(base_url, row):
+    _one_request(base_url, row)
+    raise RuntimeError("the agent's own bug")
+
+
+@pytest.mark.parametrize("on_failure", ["drop", "zero"])
+def test_an_agent_that_crashes_ends_its_session_counted(tok, on_failure):
+    opts = EndpointOptions(timeout_s=20, on_failure=on_failure)
+    _, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], _crashes, options=opts)
+    assert (ep.agent_failure, ep.reward, ep.dropped, ep.trajectory.turns) == (
+        "error",
+        0.0,
+        on_failure == "drop",
+        1,
+    )
+    assert stats.metrics()["rollout/agent_errors"] == 1.0
+    assert episode_completion(ep).output_mask.any() == (on_failure == "zero")
+
+
+def _malformed(base_url, row):
+    """A body that is not JSON, then n=2, then a message without a role; then a good episode."""
+    statuses = []
+    with httpx.Client() as http:
+        statuses.append(http.post(base_url + "/chat/completions", content=b"{not json").status_code)
+    client = openai.OpenAI(base_url=base_url, api_key="k", max_retries=0)
+    for kw in ({"n": 2, "messages": [{"role": "user", "content": "hi"}]}, {"messages": [{"content": "hi"}]}):
+        try:
+            client.chat.completions.create(model="m", **kw)
+        except openai.BadRequestError as e:
+            statuses.append(e.status_code)
+    assert statuses == [400, 400, 400], statuses
+    return calculator_agent(base_url, row)
+
+
+def test_a_malformed_request_is_answered_400_and_counted(tok):
+    _, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], _malformed)
+    assert (ep.agent_failure, ep.reward, ep.bad_requests, ep.trajectory.turns) == (None, 1.0, 3, 3)
+    assert stats.metrics()["rollout/agent_bad_requests"] == 3.0
+
+
+def _no_token(base_url, row):
+    """Calls the server without its session's token (the bare /v1, another token), then gives up."""
+    root = base_url.split("/s/")[0]
+    statuses = []
+    for url in (root + "/v1", root + "/s/" + "x" * 32 + "/v1"):
+        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        try:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        except openai.NotFoundError as e:
+            statuses.append(e.status_code)
+    assert statuses == [404, 404]
+    assert openai.OpenAI(base_url=base_url, api_key="k").models.list().data[0].object == "model"
+
+
+def test_an_agent_that_sends_no_token_gets_404_and_its_empty_session_is_dropped(tok):
+    eng, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], _no_token)
+    assert eng.requests == [] and (ep.agent_failure, ep.reward, ep.dropped) == ("no_request", 0.0, True)
+    c = episode_completion(ep)
+    assert c.num_tokens == 2 and not c.output_mask.any()  # the placeholder row: no loss
+    assert stats.metrics()["rollout/agent_no_request"] == 1.0
+
+
+def test_a_command_agent_gets_its_url_and_row_and_its_stdout_is_the_reward(tok, tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import json, os\n"
+        "from megagrpo.envs.calculator_agent import run\n"
+        "assert os.environ['OPENAI_BASE_URL'] == os.environ['MEGAGRPO_BASE_URL']\n"
+        "print('log line')\n"
+        "print(json.dumps({'reward': run(os.environ['MEGAGRPO_BASE_URL'], json.loads(os.environ['MEGAGRPO_ROW'])), 'x': 1}))\n"
+    )
+    runner = AgentRunner(command=f"{sys.executable} {script}")
+    _, [[ep]], _ = _sessions(tok, {Q1: SCRIPT1}, [ROW], runner)
+    assert (ep.agent_failure, ep.reward, ep.info, ep.trajectory.turns) == (None, 1.0, {"x": 1}, 3)
+    crash = AgentRunner(command=f"{sys.executable} -c 'import sys; sys.exit(3)'")
+    _, [[bad]], _ = _sessions(tok, {Q1: SCRIPT1}, [ROW], crash)
+    assert (bad.agent_failure, bad.dropped) == ("error", True)  # a crash, whatever it sent
+
+
+def test_a_command_agent_that_hangs_is_killed_at_its_budget(tok):
+    runner = AgentRunner(command=f"{sys.executable} -c 'import time; time.sleep(60)'")
+    t0 = time.monotonic()
+    _, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], runner, options=EndpointOptions(timeout_s=1.0))
+    assert time.monotonic() - t0 < 8 and ep.agent_failure == "timeout"
+    assert stats.metrics()["rollout/agent_timeouts"] == 1.0
+
+
+def test_the_agent_is_checked_when_configured():
+    with pytest.raises(MegagrpoError, match=r"agent.function: cannot import 'no_such_pkg.agent:run'"):
+        AgentRunner("no_such_pkg.agent:run")
+    with pytest.raises(MegagrpoError, match=r"does not take \(base_url, row"):
+        AgentRunner(lambda url: 0)
+    with pytest.raises(MegagrpoError, match=r"does not take"):
+        AgentRunner(calculator_agent, options={"no_such_option": 1})
+    with pytest.raises(MegagrpoError, match="set exactly one of function"):
+        AgentRunner(calculator_agent, command="python")
+    with pytest.raises(MegagrpoError, match="not an executable on PATH"):
+        AgentRunner(command="no-such-agent-binary --x")
+    AgentRunner("megagrpo.envs.calculator_agent:run", options={"max_turns": 2})
+
+
+def test_max_turns_and_max_tokens_truncate_a_session_as_they_do_a_trajectory(tok):
+    eng = ScriptedEngine(tok, {Q1: SCRIPT1})
+    try:
+        [[ep]], stats = rollout_sessions(
+            eng,
+            [ROW],
+            AgentRunner(calculator_agent),
+            SAMPLING,
+            MultiTurnLimits(max_turns=2),
+            options=EndpointOptions(timeout_s=20),
+        )
+    finally:
+        eng.close()
+    # the third request was refused (400); the agent stopped on it: a truncated row, not an agent failure
+    assert (ep.truncation, ep.agent_failure, ep.reward, ep.trajectory.turns) == ("max_turns", None, None, 2)
+    assert stats.metrics()["rollout/truncated_max_turns_frac"] == 1.0
+    assert episode_completion(ep).finish_reason == "length"  # the overlong filter's mark
+    eng_d, _, _ = _run_driver(tok, [ROW])
+    n = len(eng_d.requests[0]["out"]) + 4  # a budget that ends inside the second turn
+    eng = ScriptedEngine(tok, {Q1: SCRIPT1})
+    try:
+        [[cut]], _ = rollout_sessions(
+            eng,
+            [ROW],
+            AgentRunner(calculator_agent),
+            SAMPLING,
+            MultiTurnLimits(max_tokens=n + 20),
+            options=EndpointOptions(timeout_s=20),
+        )
+    finally:
+        eng.close()
+    assert (cut.truncation, cut.agent_failure) == ("max_tokens", None)
+    assert cut.trajectory.num_tokens - cut.trajectory.prompt_ids.numel() <= n + 20

@@ -385,3 +385,33 @@ def test_max_turns_and_max_tokens_truncate_a_session_as_they_do_a_trajectory(tok
         eng.close()
     assert (cut.truncation, cut.agent_failure) == ("max_tokens", None)
     assert cut.trajectory.num_tokens - cut.trajectory.prompt_ids.numel() <= n + 20
+
+
+def test_the_config_names_the_agent_and_the_episode_sampler_runs_it(tok):
+    from megagrpo.config.schema import MultiTurnConfig
+    from megagrpo.rollout.prompt_group import PromptGroup
+    from megagrpo.trainer.episodes import EpisodeSampler, check_multi_turn, row_check
+
+    with pytest.raises(ValueError, match="and command are both set; name the agent by one of them"):
+        MultiTurnConfig(enabled=True, agent={"function": "a:b", "command": "python"})
+    with pytest.raises(
+        MegagrpoError, match=r"rollout.multi_turn.agent.function: cannot import 'no_such:run'"
+    ):
+        check_multi_turn(MultiTurnConfig(enabled=True, agent={"function": "no_such:run"}))
+    mt = MultiTurnConfig(
+        enabled=True,
+        environment="no.such:Env",  # not used, nor imported, while an agent drives
+        agent={"function": "megagrpo.envs.calculator_agent:run", "options": {"max_turns": 3}},
+    )
+    check_multi_turn(mt)
+    assert row_check(mt) is None
+    eng = ScriptedEngine(tok, {Q1: SCRIPT1})
+    groups = [PromptGroup([1], sample=ROW)]
+    try:
+        [comps] = EpisodeSampler(mt).generate(eng, groups, SAMPLING, 2, 0, 4)
+    finally:
+        eng.close()
+    assert groups[0].env_rewards == [1.0, 1.0] and len(comps) == 2
+    assert sum(int(c.output_mask.sum()) for c in comps) == sum(len(r["out"]) for r in eng.requests)
+    assert set(comps[0].output_versions[comps[0].output_mask].tolist()) == {4}
+    assert EpisodeSampler.counts(groups)["multi_turn/trajectories"] == 2.0

@@ -73,6 +73,7 @@ from megagrpo.rollout.multi_turn import (
     ParserCache,
     TurnEngine,
     Version,
+    new_trajectory,
 )
 from megagrpo.rollout.reasoning import ReasoningSplitter
 from megagrpo.rollout.tool_calls import check_parser_name
@@ -361,9 +362,8 @@ def _placeholder(engine: TurnEngine, prompt_index: int, sample_index: int, versi
     always dropped (no loss), so only its shape matters."""
     tok = engine.tokenizer
     pad = tok.eos_token_id if tok.eos_token_id is not None else 0
-    experts = engine.routes_num_experts
-    L, K = (engine.num_layers, engine.topk) if experts is not None else (0, 0)
-    t = Trajectory([pad], L, K, experts, prompt_index, sample_index)
+    t = new_trajectory(engine, [pad], prompt_index, sample_index)
+    L, K, experts = t.num_layers, t.topk, t.num_experts
     rows = None if experts is None else (torch.arange(K) % experts).expand(1, L, K).to(torch.int32)
     t.add_turn((), [pad], [0.0], version, rows)
     return t

@@ -50,7 +50,15 @@ from typing import Any, Literal
 from megagrpo.envs.tools import ToolCounters
 from megagrpo.rollout.chat_delta import ChatDeltas, TemplateBreak
 from megagrpo.rollout.config import SamplingConfig
-from megagrpo.rollout.multi_turn import Episode, MultiTurnLimits, ParserCache, TurnEngine, Version, turn_seed
+from megagrpo.rollout.multi_turn import (
+    Episode,
+    MultiTurnLimits,
+    ParserCache,
+    TurnEngine,
+    Version,
+    new_trajectory,
+    turn_seed,
+)
 from megagrpo.rollout.reasoning import ReasoningSplitter, SplitTurn
 from megagrpo.rollout.tool_calls import ParsedTurn
 from megagrpo.rollout.trajectory import Trajectory
@@ -242,15 +250,7 @@ class AgentSession:
         ctx, engine = self.ctx, self.ctx.engine
         chat = ChatDeltas(engine.tokenizer, tools=req.tools or None, **ctx.template_kwargs)
         prompt = chat.prompt([render_message(m) for m in req.messages])
-        experts = engine.routes_num_experts
-        traj = Trajectory(
-            prompt,
-            engine.num_layers if experts is not None else 0,
-            engine.topk if experts is not None else 0,
-            experts,
-            self.prompt_index,
-            self.sample_index,
-        )
+        traj = new_trajectory(engine, prompt, self.prompt_index, self.sample_index)
         opened = ctx.reasoning is not None and ctx.reasoning.opens(chat.generation_prompt)
         b = Branch(chat, traj, _tools_key(req.tools), opened, [message_key(m) for m in req.messages])
         self.branches.append(b)

@@ -266,6 +266,15 @@ def turn_seed(base: int | None, index: int, turn: int) -> int | None:
     return int.from_bytes(digest, "big")
 
 
+def new_trajectory(
+    engine: TurnEngine, prompt: Sequence[int], prompt_index: int, sample_index: int
+) -> Trajectory:
+    """An empty trajectory for `prompt` on `engine`, with routes when the engine returns them."""
+    experts = engine.routes_num_experts
+    L, K = (engine.num_layers, engine.topk) if experts is not None else (0, 0)
+    return Trajectory(prompt, L, K, experts, prompt_index, sample_index)
+
+
 class ParserCache:
     """One `ToolCallParser` per distinct tool set (environments of a batch usually share theirs)."""
 
@@ -312,15 +321,7 @@ async def run_episode(
         ep.cut_in_reasoning += cut and split.unclosed
         return split
 
-    experts = engine.routes_num_experts
-    traj = Trajectory(
-        prompt,
-        engine.num_layers if experts is not None else 0,
-        engine.topk if experts is not None else 0,
-        experts,
-        prompt_index,
-        sample_index,
-    )
+    traj = new_trajectory(engine, prompt, prompt_index, sample_index)
     parser = parsers.get(tools)
     own = ToolCounters()
     ep = Episode(traj)

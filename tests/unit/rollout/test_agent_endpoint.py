@@ -415,3 +415,16 @@ def test_the_config_names_the_agent_and_the_episode_sampler_runs_it(tok):
     assert sum(int(c.output_mask.sum()) for c in comps) == sum(len(r["out"]) for r in eng.requests)
     assert set(comps[0].output_versions[comps[0].output_mask].tolist()) == {4}
     assert EpisodeSampler.counts(groups)["multi_turn/trajectories"] == 2.0
+
+
+def test_an_agent_s_return_is_its_reward():
+    from megagrpo.rollout.agent_endpoint import AgentFailed, agent_reward
+
+    assert agent_reward(None) == (None, {})  # left to rewards.functions, or unscored
+    assert agent_reward(True) == (1.0, {}) and agent_reward(2) == (2.0, {})
+    assert agent_reward({"reward": 0.5, "turns": 3}) == (0.5, {"turns": 3})
+    assert agent_reward({"turns": 3}) == (None, {"turns": 3})
+    for bad in ("1.0", [1.0], {"reward": "high"}):
+        with pytest.raises(AgentFailed) as e:
+            agent_reward(bad)
+        assert e.value.kind == "error"

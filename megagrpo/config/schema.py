@@ -352,6 +352,14 @@ class MultiTurnConfig(Section):
         "(rollout/sandbox_unisolated_calls). Only environments with a sandbox (python) read it.",
     )
 
+    @model_validator(mode="after")
+    def _agent_needs_multi_turn(self) -> MultiTurnConfig:
+        if self.agent.enabled and not self.enabled:
+            raise invalid(
+                "agent", "names an agent while rollout.multi_turn.enabled=false; set enabled=true to run it"
+            )
+        return self
+
 
 class RolloutConfig(Section):
     engine_tp: int = Field(

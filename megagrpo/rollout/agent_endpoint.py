@@ -399,6 +399,7 @@ async def _run_session(
         log.warning("agent session %d: %s (%s); its row is %s", session.index, failure, detail,
                     "dropped" if opts.on_failure == "drop" or ep.dropped else "scored 0")  # fmt: skip
         ep.agent_failure, ep.reward = failure, 0.0
+        ep.final_text = ""  # so that rewards.functions score it 0 too (`reward: functions`)
         ep.dropped = ep.dropped or opts.on_failure == "drop"
     else:
         ep.done, ep.reward = True, reward

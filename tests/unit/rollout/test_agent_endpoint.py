@@ -268,6 +268,8 @@ def test_an_agent_that_crashes_ends_its_session_counted(tok, on_failure):
     )
     assert stats.metrics()["rollout/agent_errors"] == 1.0
     assert episode_completion(ep).output_mask.any() == (on_failure == "zero")
+    # reward: functions scores the row's text: a failed session's is empty, so it scores 0 there too
+    assert episode_completion(ep).text == ""
 
 
 def _malformed(base_url, row):
@@ -394,6 +396,8 @@ def test_the_config_names_the_agent_and_the_episode_sampler_runs_it(tok):
 
     with pytest.raises(ValueError, match="and command are both set; name the agent by one of them"):
         MultiTurnConfig(enabled=True, agent={"function": "a:b", "command": "python"})
+    with pytest.raises(ValueError, match="names an agent while rollout.multi_turn.enabled=false"):
+        MultiTurnConfig(agent={"function": "a:b"})
     with pytest.raises(
         MegagrpoError, match=r"rollout.multi_turn.agent.function: cannot import 'no_such:run'"
     ):

@@ -432,3 +432,11 @@ def test_an_agent_s_return_is_its_reward():
         with pytest.raises(AgentFailed) as e:
             agent_reward(bad)
         assert e.value.kind == "error"
+
+
+def test_each_turn_records_the_policy_version_read_after_its_request(tok):
+    versions = iter(range(7, 100))  # async mode: the weights may change between a session's turns
+    _, [[ep]], _ = _sessions(tok, {Q1: SCRIPT1}, [ROW], calculator_agent, version=lambda: next(versions))
+    got = [s.versions.unique().tolist() for s in ep.trajectory.model_segments]
+    assert got == [[7], [8], [9]]
+    assert set(ep.trajectory.versions[~ep.trajectory.loss_mask].tolist()) == {-1}

@@ -83,6 +83,9 @@ log = logging.getLogger(__name__)
 FIELD = "rollout.multi_turn.agent"
 BASE_URL_ENV = "MEGAGRPO_BASE_URL"  # a command agent's environment: its session's base URL
 ROW_ENV = "MEGAGRPO_ROW"  # and its data row, as JSON
+_FAILURE_METRIC = {"error": "rollout/agent_errors", "timeout": "rollout/agent_timeouts",
+                   "no_request": "rollout/agent_no_request"}  # fmt: skip
+_WARNED: set[str] = set()  # failure kinds already logged at warning level in this process
 _MAX_BODY = 64 << 20  # bytes of one request body: long agent histories pass aiohttp's 1 MiB default
 
 
@@ -396,8 +399,12 @@ async def _run_session(
         ep.dropped = True
     ep.info = info
     if failure is not None:
-        log.warning("agent session %d: %s (%s); its row is %s", session.index, failure, detail,
-                    "dropped" if opts.on_failure == "drop" or ep.dropped else "scored 0")  # fmt: skip
+        # the first failure of each kind in a process says why; the rest are counted (rollout/agent_*)
+        level = logging.DEBUG if failure in _WARNED else logging.WARNING
+        _WARNED.add(failure)
+        log.log(level, "agent session %d: %s (%s); its row is %s; such sessions are counted in %s",
+                session.index, failure, detail, "dropped" if opts.on_failure == "drop" or ep.dropped else
+                "scored 0", _FAILURE_METRIC[failure])  # fmt: skip
         ep.agent_failure, ep.reward = failure, 0.0
         ep.final_text = ""  # so that rewards.functions score it 0 too (`reward: functions`)
         ep.dropped = ep.dropped or opts.on_failure == "drop"

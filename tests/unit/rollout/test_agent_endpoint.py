@@ -41,7 +41,7 @@ def tok():
     return train_tokenizer(1024)
 
 
-OPTS = EndpointOptions(timeout_s=20)
+OPTS = EndpointOptions(timeout_s=300)  # only the hang tests time out
 
 
 def _sessions(tok, scripts, rows, agent, options=OPTS, **kw):
@@ -163,7 +163,7 @@ def test_on_departure_refuse_answers_409_and_counts(tok):
             seen.append(e.status_code)
             raise
 
-    opts = EndpointOptions(timeout_s=20, on_departure="refuse", on_failure="zero")
+    opts = EndpointOptions(timeout_s=300, on_departure="refuse", on_failure="zero")
     eng, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], agent, options=opts)
     assert seen == [409] and len(eng.requests) == 1
     assert (ep.branch_refusals, ep.branches, ep.agent_failure, ep.reward, ep.dropped) == (
@@ -192,26 +192,27 @@ def _by_kind(agents):
 
 
 def _one_request(base_url, row):
+    """One request without tools (no parser to build: quick on a loaded machine), and reward 1."""
     client = openai.OpenAI(base_url=base_url, api_key="k", max_retries=0)
-    messages = [{"role": "user", "content": row["prompt"]}]
-    return client.chat.completions.create(model="m", messages=messages, tools=[tool_schema()])
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}])
+    return 1.0
 
 
 def _hangs(base_url, row):
     _one_request(base_url, row)
-    time.sleep(60)  # past any budget: the session ends at its deadline, this thread is left behind
+    time.sleep(600)  # past any budget: the session ends at its deadline, this thread is left behind
 
 
 def test_an_agent_that_hangs_is_ended_at_its_budget_counted_and_dropped(tok):
     rows = [{**ROW, "kind": "hang"}, {**ROW, "kind": "ok"}]
     t0 = time.monotonic()
-    agent = _by_kind({"hang": _hangs, "ok": calculator_agent})
+    agent = _by_kind({"hang": _hangs, "ok": _one_request})
     _, [[hung], [ok]], stats = _sessions(
         tok, {Q1: SCRIPT1}, rows, agent, options=EndpointOptions(timeout_s=8.0)
     )
-    assert time.monotonic() - t0 < 20  # the step ends at the budget, not when the agent does (60 s)
+    assert time.monotonic() - t0 < 45  # the step ends at the budget, not when the agent does (600 s)
     assert (hung.agent_failure, hung.reward, hung.dropped, hung.trajectory.turns) == ("timeout", 0.0, True, 1)
-    assert (ok.agent_failure, ok.reward, ok.dropped, ok.trajectory.turns) == (None, 1.0, False, 3)
+    assert (ok.agent_failure, ok.reward, ok.dropped, ok.trajectory.turns) == (None, 1.0, False, 1)
     m = stats.metrics()
     assert (m["rollout/agent_timeouts"], m["rollout/agent_dropped_frac"]) == (1.0, 0.5)
     # the dropped row takes no loss (its reward, 0, stays in its group's baseline)
@@ -258,7 +259,7 @@ def _crashes(base_url, row):
 
 @pytest.mark.parametrize("on_failure", ["drop", "zero"])
 def test_an_agent_that_crashes_ends_its_session_counted(tok, on_failure):
-    opts = EndpointOptions(timeout_s=20, on_failure=on_failure)
+    opts = EndpointOptions(timeout_s=300, on_failure=on_failure)
     _, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], _crashes, options=opts)
     assert (ep.agent_failure, ep.reward, ep.dropped, ep.trajectory.turns) == (
         "error",
@@ -336,7 +337,7 @@ def test_a_command_agent_that_hangs_is_killed_at_its_budget(tok):
     runner = AgentRunner(command=f"{sys.executable} -c 'import time; time.sleep(60)'")
     t0 = time.monotonic()
     _, [[ep]], stats = _sessions(tok, {Q1: SCRIPT1}, [ROW], runner, options=EndpointOptions(timeout_s=1.0))
-    assert time.monotonic() - t0 < 8 and ep.agent_failure == "timeout"
+    assert time.monotonic() - t0 < 30 and ep.agent_failure == "timeout"  # not the 60 s it would sleep
     assert stats.metrics()["rollout/agent_timeouts"] == 1.0
 
 
@@ -363,7 +364,7 @@ def test_max_turns_and_max_tokens_truncate_a_session_as_they_do_a_trajectory(tok
             AgentRunner(calculator_agent),
             SAMPLING,
             MultiTurnLimits(max_turns=2),
-            options=EndpointOptions(timeout_s=20),
+            options=OPTS,
         )
     finally:
         eng.close()
@@ -381,7 +382,7 @@ def test_max_turns_and_max_tokens_truncate_a_session_as_they_do_a_trajectory(tok
             AgentRunner(calculator_agent),
             SAMPLING,
             MultiTurnLimits(max_tokens=n + 20),
-            options=EndpointOptions(timeout_s=20),
+            options=OPTS,
         )
     finally:
         eng.close()

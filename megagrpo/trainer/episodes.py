@@ -7,8 +7,8 @@ GSPO, replay) sees a trajectory as a completion whose output is every token afte
 
 Rewards. `rollout.multi_turn.reward: environment` takes the environment's last reward, or an agent's return
 with `rollout.multi_turn.agent` (an episode it did not score, e.g. a truncated one, gets 0 and is counted as
-unscored); `functions` scores the final assistant
-message with `rewards.functions`, like a single-turn completion.
+unscored); `functions` scores the final assistant message with `rewards.functions`, like a single-turn
+completion.
 
 Tools. All the trajectories of one engine owner share one bound on their running tool calls
 (`rollout.multi_turn.max_concurrent_tools`, `envs.tools.ToolSlots`): each environment's executor is given

@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 
-from megagrpo.envs.calculator import CalculatorEnv
+from megagrpo.envs.calculator import DEFAULT_SYSTEM_PROMPT, CalculatorEnv
 from megagrpo.envs.calculator_agent import run as calculator_agent
 from megagrpo.envs.calculator_agent import tool_schema
 from megagrpo.errors import MegagrpoError
@@ -29,7 +29,7 @@ from megagrpo.rollout.agent_endpoint import AgentRunner, EndpointOptions, rollou
 from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes
 from megagrpo.trainer.batch import rollout_batch
 from megagrpo.trainer.episodes import episode_completion
-from tests.unit.rollout.test_multi_turn import Q1, SAMPLING, SCRIPT1, ScriptedEngine
+from tests.unit.rollout.test_multi_turn import Q1, SAMPLING, SCRIPT1, ScriptedEngine, _call
 
 ROW = {"prompt": Q1, "answer": "97406785"}
 
@@ -441,3 +441,50 @@ def test_each_turn_records_the_policy_version_read_after_its_request(tok):
     got = [s.versions.unique().tolist() for s in ep.trajectory.model_segments]
     assert got == [[7], [8], [9]]
     assert set(ep.trajectory.versions[~ep.trajectory.loss_mask].tolist()) == {-1}
+
+
+REASONED: list = []
+
+
+def _reasoning_agent(base_url, row):
+    """The calculator agent, keeping what each reply said in reasoning_content (streamed and not)."""
+    client = openai.OpenAI(base_url=base_url, api_key="k", max_retries=0)
+    messages = [
+        {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+        {"role": "user", "content": row["prompt"]},
+    ]
+    first = client.chat.completions.create(model="m", messages=messages, tools=[tool_schema()])
+    said = first.choices[0].message.model_dump(exclude_none=True)
+    REASONED.append((said.get("reasoning_content"), said.get("content"), len(said.get("tool_calls", []))))
+    call = said["tool_calls"][0]
+    messages += [said, {"role": "tool", "tool_call_id": call["id"], "name": "calculator", "content": "4"}]
+    chunks = list(
+        client.chat.completions.create(model="m", messages=messages, tools=[tool_schema()], stream=True)
+    )
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks)
+    REASONED.append((reasoning, "".join(c.choices[0].delta.content or "" for c in chunks), 0))
+    return 1.0
+
+
+def test_reasoning_is_split_off_for_the_client_and_the_ids_are_the_driver_s():
+    from megagrpo.tiny_model import train_tokenizer
+    from tests.fixtures.qwen3 import qwen3_tokenizer
+
+    qtok = qwen3_tokenizer(train_tokenizer(1024))
+    q = "What is 2 + 2?"
+    script = {q: ["<think>\nAdd.\n</think>\n\n" + _call("calculator", {"expression": "2+2"}),
+                  "<think>\nIt is 4.\n</think>\n\n<answer>4</answer>"]}  # fmt: skip
+    row, kw = (
+        {"prompt": q, "answer": "4"},
+        dict(reasoning_parser="qwen3", template_kwargs={"enable_thinking": True}),
+    )
+    REASONED.clear()
+    eng, [[ep]], _ = _sessions(qtok, script, [row], _reasoning_agent, **kw)
+    assert REASONED == [("\nAdd.\n", "", 1), ("\nIt is 4.\n", "\n\n<answer>4</answer>", 0)]
+    d = ScriptedEngine(qtok, script)
+    try:
+        [[ref]], _ = rollout_episodes(d, [row], CalculatorEnv, SAMPLING, MultiTurnLimits(), **kw)
+    finally:
+        d.close()
+    _same_trajectory(ep.trajectory, ref.trajectory)
+    assert [r["ids"] for r in eng.requests] == [r["ids"] for r in d.requests]

@@ -35,13 +35,20 @@ earlier default, 24, is shorter than that example's call, and at 24 the critical
 than about overlap. The ratio depends on a turn's decoding time against the tool's latency, not on the
 tokens as such: pass `--max-new-tokens 24 64` to see both.
 
+Endpoint (`--endpoint`): the same trajectories driven by an external agent through the OpenAI-compatible
+session endpoint (`rollout.agent_endpoint.rollout_sessions`, the real `openai` client on a thread per
+trajectory) against the built-in driver: the agent and the driver's environment (`FixedToolEnv`) hold the
+same conversation (the prompt, then a fixed tool message after each turn but the last, after --tool-ms), so
+both record the same ids, which the bench asserts; the figure of merit is wall(endpoint) / wall(driver),
+goal <= 1.2.
+
 Routes: the rows each trajectory received (`Trajectory.route_rows_received` = T - 1, each turn asking only
 for its new rows) against a design that resends the whole prefix's routes every turn
 (`route_rows_if_resent`), both as int32 on the wire (x layers x topk x 4 bytes), and the driver's own
 `route_bytes_received` (stored dtype, int8 for 8 experts).
 
     python tools/bench_agentic.py [--trajectories 32] [--turns 3] [--tool-ms 200] [--max-new-tokens 64 ...]
-                                  [--group-size 4] [--reps 3] [--threads 1] [--json FILE]
+                                  [--group-size 4] [--reps 3] [--threads 1] [--endpoint] [--json FILE]
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself i
     from machine import describe, headline
 
 GOAL_RATIO = 1.3
+GOAL_ENDPOINT_RATIO = 1.2
 TOOL_NAME = "lookup"
 TOOL_ANSWER = "found: 42"  # the same whatever the latency, so both runs insert the same tokens
 WIRE_ITEMSIZE = 4  # SGLang returns routes as int32
@@ -267,6 +275,135 @@ def compare(
     }
 
 
+class FixedToolEnv:
+    """The driver's side of the endpoint comparison: exactly `turns` model turns, each but the last answered,
+    after `tool_ms` on a thread, with the fixed tool message `fixed_tool_agent` sends."""
+
+    def __init__(self, turns: int, tool_ms: float) -> None:
+        self.turns, self.tool_ms, self.step_count = turns, tool_ms, 0
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return []
+
+    async def reset(self, row: dict[str, Any]) -> list[Message]:
+        return [{"role": "user", "content": str(row["prompt"])}]
+
+    async def step(self, assistant_message: Message) -> StepResult:
+        import asyncio
+
+        self.step_count += 1
+        if self.step_count >= self.turns:
+            return StepResult([], True, 0.0)
+        await asyncio.to_thread(time.sleep, self.tool_ms / 1000.0)
+        return StepResult([tool_message(self.step_count)], False)
+
+
+def tool_message(k: int) -> Message:
+    return {"role": "tool", "tool_call_id": f"call_{k}", "name": TOOL_NAME, "content": TOOL_ANSWER}
+
+
+def fixed_tool_agent(base_url: str, row: dict[str, Any], *, turns: int, tool_ms: float) -> float:
+    """`FixedToolEnv`'s conversation from an agent's side, through the real OpenAI client."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": str(row["prompt"])}]
+    for k in range(1, turns + 1):
+        reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+        if k == turns:
+            break
+        messages.append(reply.model_dump(exclude_none=True))
+        time.sleep(tool_ms / 1000.0)
+        messages.append(tool_message(k))
+    return 0.0
+
+
+def compare_endpoint(
+    engine: Any,
+    *,
+    trajectories: int = 32,
+    turns: int = 3,
+    tool_ms: float = 200.0,
+    max_new_tokens: int = 64,
+    group_size: int = 4,
+    reps: int = 1,
+    seed: int = 0,
+    reset: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """The same batch through the built-in driver and through the agent endpoint, `reps` times each
+    (alternating, best wall time kept); AssertionError when any run's ids differ from the first run's."""
+    import functools
+
+    from megagrpo.rollout.agent_endpoint import AgentRunner, EndpointOptions, rollout_sessions
+
+    rows = bench_rows(trajectories, group_size)
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True, seed=seed)
+    limits = MultiTurnLimits(max_turns=turns, max_tokens=turns * (max_new_tokens + 64))
+    agent = AgentRunner(functools.partial(fixed_tool_agent, turns=turns, tool_ms=tool_ms))
+    runs: dict[str, list[float]] = {"driver": [], "endpoint": []}
+    first: list[list[int]] | None = None
+    for _ in range(reps):
+        for name in runs:
+            if reset is not None:
+                reset()
+            t0 = time.perf_counter()
+            if name == "driver":
+                groups, _ = rollout_episodes(
+                    engine,
+                    rows,
+                    lambda: FixedToolEnv(turns, tool_ms),
+                    sampling,
+                    limits,
+                    group_size=group_size,
+                )
+            else:
+                groups, _ = rollout_sessions(
+                    engine, rows, agent, sampling, limits, group_size=group_size,
+                    options=EndpointOptions(timeout_s=600.0),
+                )  # fmt: skip
+            runs[name].append(time.perf_counter() - t0)
+            episodes = [e for g in groups for e in g]
+            bad = [e.agent_failure or e.truncation for e in episodes if e.agent_failure or e.truncated]
+            assert not bad, f"{name}: {len(bad)} trajectories failed or were cut ({bad[:3]})"
+            ids = [e.trajectory.ids.tolist() for e in episodes]
+            first = ids if first is None else first
+            differ = sum(x != y for x, y in zip(first, ids))
+            assert differ == 0, (
+                f"{name}: {differ} of {trajectories} trajectories have other ids than the first run"
+            )
+    driver, endpoint = min(runs["driver"]), min(runs["endpoint"])
+    return {
+        "config": dict(
+            trajectories=trajectories,
+            turns=turns,
+            tool_ms=tool_ms,
+            max_new_tokens=max_new_tokens,
+            group_size=group_size,
+            reps=reps,
+            seed=seed,
+        ),  # fmt: skip
+        "driver_s": driver,
+        "endpoint_s": endpoint,
+        "runs": runs,
+        "identical_ids": True,  # asserted above, for every run of both
+        "ratio": endpoint / driver,
+        "goal_ratio": GOAL_ENDPOINT_RATIO,
+        "meets_goal": endpoint / driver <= GOAL_ENDPOINT_RATIO,
+    }
+
+
+def render_endpoint(result: Mapping[str, Any]) -> None:
+    from rich.console import Console
+
+    c, ok = result["config"], result["meets_goal"]
+    Console().print(
+        f"endpoint vs driver, {c['trajectories']} trajectories x {c['turns']} turns, {c['max_new_tokens']} tokens "
+        f"per turn, {c['tool_ms']:g} ms tool (best of {c['reps']}): driver {result['driver_s']:.2f} s, endpoint "
+        f"{result['endpoint_s']:.2f} s = [{'green' if ok else 'red'}]{result['ratio']:.2f}x[/] (goal <= "
+        f"{result['goal_ratio']}x); identical token ids: {result['identical_ids']}"
+    )
+
+
 def render(result: Mapping[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -340,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=4, help="samples per data row")
     p.add_argument("--reps", type=int, default=3, help="timed runs of each batch, alternating (best kept)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads here and in the engine")
+    p.add_argument(
+        "--endpoint", action="store_true", help="also time the agent endpoint against the built-in driver"
+    )
     p.add_argument("--json", help="write the figures (and the machine) to this file")
     a = p.parse_args(argv)
     bench_rows(a.trajectories, a.group_size)  # fail on bad sizes before the engine starts
@@ -381,6 +521,19 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results.append(result)
                 render(result)
+                if a.endpoint:
+                    result = compare_endpoint(
+                        engine,
+                        trajectories=a.trajectories,
+                        turns=a.turns,
+                        tool_ms=a.tool_ms,
+                        max_new_tokens=n,
+                        group_size=a.group_size,
+                        reps=a.reps,
+                        reset=lambda: flush_prefix_cache(engine),
+                    )
+                    results.append(result)
+                    render_endpoint(result)
     machine = describe(machine)
     print(headline(machine))
     if a.json:

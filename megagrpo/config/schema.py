@@ -219,6 +219,72 @@ class PlacementConfig(Section):
         return self.kind == "disaggregated"
 
 
+class AgentConfig(Section):
+    """Bring your own agent: an OpenAI-compatible endpoint per trajectory instead of an environment."""
+
+    function: str | None = Field(
+        default=None,
+        description="The agent as a Python callable 'my_pkg.agent:run', called once per trajectory (on a "
+        "thread of the engine owner) as run(base_url, row, **options) with its session's base URL "
+        "(http://<rollout host>:<port>/s/<token>/v1: point the OpenAI client at it) and the data row; it "
+        "returns the reward (a number), a dict with 'reward', or None to leave scoring to rewards.functions. "
+        "Each request it sends is recorded token for token (docs/agentic.md, 'Bring your own agent'). When "
+        "set (or command), the agent drives the trajectories and environment is not used.",
+    )
+    command: str | None = Field(
+        default=None,
+        description="The agent as a command, run once per trajectory with MEGAGRPO_BASE_URL and "
+        "OPENAI_BASE_URL (its session's base URL), OPENAI_API_KEY and MEGAGRPO_ROW (the data row as JSON) "
+        "in its environment; the last line of its standard output is its return, as JSON (a number, an "
+        "object with 'reward', or null). Exclusive with function.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the function, checked against its signature before any process "
+        "starts (e.g. {max_turns: 2, system_prompt: ''}).",
+    )
+    timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Wall budget of one session: an agent still running after it is ended (a command's "
+        "process group killed; a function's thread left behind, its requests refused) and counted "
+        "(rollout/agent_timeouts), so that no agent can hang a step.",
+    )
+    on_failure: Literal["drop", "zero"] = Field(
+        default="drop",
+        description="A session whose agent crashed, ran past timeout_s or never sent a request (counted: "
+        "rollout/agent_errors, agent_timeouts, agent_no_request): drop = its row takes no loss (reward 0 in "
+        "its group's baseline); zero = it trains with reward 0. A session with no answered request is "
+        "always dropped.",
+    )
+    on_departure: Literal["branch", "refuse"] = Field(
+        default="branch",
+        description="A request whose history departs from the session's recording (the agent dropped, "
+        "edited or summarised earlier messages): branch = record it as a new branch (its history rendered "
+        "as the branch's prompt, no loss on it; rollout/branches), and the session's row is the branch of "
+        "its last request; refuse = answer HTTP 409 naming the message that differs "
+        "(rollout/branch_refusals). Never re-tokenised into the old branch either way.",
+    )
+    host: str = Field(
+        default="127.0.0.1",
+        description="The address the endpoint listens on, on the engine owner's host (a free port is "
+        "taken per rollout). The default keeps it to agents on that host; every session's URL carries an "
+        "unguessable token, and a request without one is answered 404.",
+    )
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> AgentConfig:
+        if self.function is not None and self.command is not None:
+            raise invalid("function", "and command are both set; name the agent by one of them")
+        if self.options and self.command is not None:
+            raise invalid("options", "are keyword arguments of a function; a command takes its own arguments")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.function is not None or self.command is not None
+
+
 class MultiTurnConfig(Section):
     """Agentic rollouts: each sample is a trajectory of model turns and environment turns (tools, users)."""
 
@@ -283,6 +349,11 @@ class MultiTurnConfig(Section):
         "call is a sandbox: the memory plan counts this many sandboxes' memory on the host "
         "(megagrpo plan; docs/sandbox.md gives one sandbox's cost).",
     )
+    agent: AgentConfig = Field(
+        default_factory=AgentConfig,
+        description="An external agent that drives each trajectory through an OpenAI-compatible endpoint "
+        "instead of the environment (docs/agentic.md, 'Bring your own agent').",
+    )
     sandbox_isolation: Literal["require", "best_effort"] = Field(
         default="require",
         description="require: probe the code sandbox once at start (the CLI and each engine owner) and "
@@ -291,6 +362,14 @@ class MultiTurnConfig(Section):
         "best_effort: run the code anyway, with that line printed at start and every such call counted "
         "(rollout/sandbox_unisolated_calls). Only environments with a sandbox (python) read it.",
     )
+
+    @model_validator(mode="after")
+    def _agent_needs_multi_turn(self) -> MultiTurnConfig:
+        if self.agent.enabled and not self.enabled:
+            raise invalid(
+                "agent", "names an agent while rollout.multi_turn.enabled=false; set enabled=true to run it"
+            )
+        return self
 
 
 class RolloutConfig(Section):

@@ -18,7 +18,8 @@ trajectory:
   until the environment says done, `max_turns` model turns, or `max_tokens`.
 
 The recorder (`Trajectory`) knows nothing of this loop: anything that can say "these ids were inserted, then
-the engine returned this" can build one (an OpenAI-compatible session endpoint later).
+the engine returned this" can build one; the OpenAI-compatible session endpoint (`rollout.agent_endpoint`,
+`rollout.agent_session`) drives it from an external agent's requests instead of an environment.
 
 Limits (`MultiTurnLimits`). `max_tokens` bounds a trajectory's tokens after its prompt (model and environment
 tokens: the learner row's response length); each turn asks for at most `min(sampling.max_new_tokens, what is
@@ -129,6 +130,13 @@ class Episode:
     final_text: str = ""
     cut_turns: int = 0
     cut_in_reasoning: int = 0
+    # an agent session's (`rollout.agent_session`): branches past the first, departures refused, requests
+    # answered 400, how the agent failed ("timeout", "error", "no_request"), and whether its row is dropped
+    branches: int = 0
+    branch_refusals: int = 0
+    bad_requests: int = 0
+    agent_failure: str | None = None
+    dropped: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -165,10 +173,24 @@ class MultiTurnStats:
     r3_prefix_recomputed_rows: int = 0  # held route rows those turns replaced
     r3_prefix_inexact: int = 0  # turns whose recomputed rows could not be read back as the turn used them
     unscored: int = 0  # episodes whose environment gave no reward
+    branches: int = 0  # agent sessions: branches past the first (`rollout.agent_session`)
+    branch_refusals: int = 0
+    agent_bad_requests: int = 0
+    agent_timeouts: int = 0
+    agent_errors: int = 0
+    agent_no_request: int = 0
+    agent_dropped: int = 0
 
     def add(self, e: Episode) -> None:
         t = e.trajectory
         self.trajectories += 1
+        self.branches += e.branches
+        self.branch_refusals += e.branch_refusals
+        self.agent_bad_requests += e.bad_requests
+        self.agent_timeouts += e.agent_failure == "timeout"
+        self.agent_errors += e.agent_failure == "error"
+        self.agent_no_request += e.agent_failure == "no_request"
+        self.agent_dropped += e.dropped
         self.unscored += e.reward is None
         self.turns += t.turns
         self.tools.add(e.tools)
@@ -225,6 +247,13 @@ class MultiTurnStats:
             "rollout/r3_prefix_recomputed_rows": float(self.r3_prefix_recomputed_rows),
             "rollout/r3_prefix_inexact": float(self.r3_prefix_inexact),
             "rollout/unscored_frac": self.unscored / n,
+            "rollout/branches": float(self.branches),
+            "rollout/branch_refusals": float(self.branch_refusals),
+            "rollout/agent_bad_requests": float(self.agent_bad_requests),
+            "rollout/agent_timeouts": float(self.agent_timeouts),
+            "rollout/agent_errors": float(self.agent_errors),
+            "rollout/agent_no_request": float(self.agent_no_request),
+            "rollout/agent_dropped_frac": self.agent_dropped / n,
         }
 
 
@@ -235,6 +264,15 @@ def turn_seed(base: int | None, index: int, turn: int) -> int | None:
         return None
     digest = hashlib.blake2b(f"{base}:{index}:{turn}".encode(), digest_size=6).digest()
     return int.from_bytes(digest, "big")
+
+
+def new_trajectory(
+    engine: TurnEngine, prompt: Sequence[int], prompt_index: int, sample_index: int
+) -> Trajectory:
+    """An empty trajectory for `prompt` on `engine`, with routes when the engine returns them."""
+    experts = engine.routes_num_experts
+    L, K = (engine.num_layers, engine.topk) if experts is not None else (0, 0)
+    return Trajectory(prompt, L, K, experts, prompt_index, sample_index)
 
 
 class ParserCache:
@@ -283,15 +321,7 @@ async def run_episode(
         ep.cut_in_reasoning += cut and split.unclosed
         return split
 
-    experts = engine.routes_num_experts
-    traj = Trajectory(
-        prompt,
-        engine.num_layers if experts is not None else 0,
-        engine.topk if experts is not None else 0,
-        experts,
-        prompt_index,
-        sample_index,
-    )
+    traj = new_trajectory(engine, prompt, prompt_index, sample_index)
     parser = parsers.get(tools)
     own = ToolCounters()
     ep = Episode(traj)

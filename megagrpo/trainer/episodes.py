@@ -5,9 +5,10 @@ Everything downstream of sampling (dynamic sampling, the data plane, packing, PP
 GSPO, replay) sees a trajectory as a completion whose output is every token after the prompt, with
 `output_mask` on the model's tokens: "sequence level" means its model tokens because the loss mask says so.
 
-Rewards. `rollout.multi_turn.reward: environment` takes the environment's last reward (an episode it did not
-score, e.g. a truncated one, gets 0 and is counted as unscored); `functions` scores the final assistant
-message with `rewards.functions`, like a single-turn completion.
+Rewards. `rollout.multi_turn.reward: environment` takes the environment's last reward, or an agent's return
+with `rollout.multi_turn.agent` (an episode it did not score, e.g. a truncated one, gets 0 and is counted as
+unscored); `functions` scores the final assistant message with `rewards.functions`, like a single-turn
+completion.
 
 Tools. All the trajectories of one engine owner share one bound on their running tool calls
 (`rollout.multi_turn.max_concurrent_tools`, `envs.tools.ToolSlots`): each environment's executor is given
@@ -48,14 +49,18 @@ log = logging.getLogger(__name__)
 
 def check_multi_turn(mt: MultiTurnConfig) -> None:
     """MegagrpoError naming the field for an environment that cannot be imported or built with its options,
-    a tool or reasoning parser SGLang lacks, or a code sandbox that cannot isolate on this host while
+    an agent that cannot be imported or called with its options (or a command not on PATH), a tool or
+    reasoning parser SGLang lacks, or a code sandbox that cannot isolate on this host while
     `sandbox_isolation` is require (best_effort: one warning line). Run by the CLI before any process
     starts, and by each engine owner before its first rollout (the sandbox runs on the owner's host)."""
     if not mt.enabled:
         return
-    env = build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
     check_parser_name(mt.tool_parser, where=f"{FIELD}.tool_parser")
     check_reasoning_parser(mt.reasoning_parser, where=f"{FIELD}.reasoning_parser")
+    if mt.agent.enabled:
+        agent_runner(mt)  # imports the user's agent and checks its signature, or finds its command
+        return
+    env = build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
     sandbox = getattr(env, "sandbox_config", None)
     if isinstance(sandbox, SandboxConfig):
         iso = require_isolation(
@@ -74,7 +79,7 @@ def row_check(mt: MultiTurnConfig) -> Callable[[dict], None] | None:
     """The environment's check of one data row (`check_row`, envs.base), raising `RowError`, so that a row
     it rejects follows `data.malformed` when the data is loaded (file:line, skipped and counted, or an error)
     instead of stopping the run when a step draws it; None without multi-turn or a check."""
-    if not mt.enabled:
+    if not mt.enabled or mt.agent.enabled:  # an agent reads its rows itself
         return None
     env = build_environment(mt.environment, mt.environment_options, where=f"{FIELD}.environment")
     check = getattr(env, "check_row", None)
@@ -90,23 +95,37 @@ def row_check(mt: MultiTurnConfig) -> Callable[[dict], None] | None:
     return run
 
 
+def agent_runner(mt: MultiTurnConfig):
+    """The configured agent (`rollout.agent_endpoint.AgentRunner`), checked; imported only when one is set."""
+    from megagrpo.rollout.agent_endpoint import AgentRunner
+
+    a = mt.agent
+    return AgentRunner(a.function, a.command, a.options)
+
+
 def episode_completion(e: Episode) -> Completion:
     """One episode as a learner row; "length" marks a truncated one (`algo.overlong_filter` drops it). An
-    episode with an interrupted tool call is dropped: its row keeps its tokens and takes no loss."""
+    episode with an interrupted tool call, or an agent session that failed under `agent.on_failure: drop`,
+    is dropped: its row keeps its tokens and takes no loss."""
     c = e.trajectory.to_completion(text=e.final_text, finish_reason="length" if e.truncated else "stop")
-    if e.tools.interrupted_calls and c.output_mask is not None:
+    if (e.tools.interrupted_calls or e.dropped) and c.output_mask is not None:
         c.output_mask = torch.zeros_like(c.output_mask)
     return c
 
 
 class EpisodeSampler:
-    """The multi-turn replacement of `RolloutEngine.generate` for one engine owner."""
+    """The multi-turn replacement of `RolloutEngine.generate` for one engine owner: the environment driver
+    (`rollout.multi_turn`), or an external agent's sessions (`rollout.agent_endpoint`) when
+    `rollout.multi_turn.agent` names one."""
 
     def __init__(self, mt: MultiTurnConfig, template_kwargs: dict | None = None) -> None:
         self.cfg = mt
         self.template_kwargs = dict(template_kwargs or {})  # model.chat_template_kwargs
-        self.env_cls = resolve_environment(mt.environment, where=f"{FIELD}.environment")
         check_multi_turn(mt)
+        self.agent = agent_runner(mt) if mt.agent.enabled else None
+        self.env_cls = (
+            None if self.agent else resolve_environment(mt.environment, where=f"{FIELD}.environment")
+        )
         self.limits = MultiTurnLimits(max_turns=mt.max_turns, max_tokens=mt.max_tokens)
         self.tool_slots = ToolSlots(mt.max_concurrent_tools)  # this owner's, shared by its trajectories
 
@@ -128,12 +147,7 @@ class EpisodeSampler:
     ) -> list[list[Completion]]:
         """G trajectories per prompt group, started by the environment from the group's data row; sets each
         group's completions, environment rewards and counters."""
-        episodes, _ = rollout_episodes(
-            engine,
-            [p.sample for p in prompts],
-            self.make_env,
-            sampling,
-            self.limits,
+        common = dict(
             tool_parser=self.cfg.tool_parser,
             reasoning_parser=self.cfg.reasoning_parser,
             template_kwargs=self.template_kwargs,
@@ -141,6 +155,17 @@ class EpisodeSampler:
             index_offset=index_offset,
             version=version,
         )
+        rows = [p.sample for p in prompts]
+        if self.agent is not None:
+            from megagrpo.rollout.agent_endpoint import EndpointOptions, rollout_sessions
+
+            a = self.cfg.agent
+            opts = EndpointOptions(a.timeout_s, a.on_failure, a.on_departure, a.host)
+            episodes, _ = rollout_sessions(
+                engine, rows, self.agent, sampling, self.limits, options=opts, **common
+            )
+        else:
+            episodes, _ = rollout_episodes(engine, rows, self.make_env, sampling, self.limits, **common)
         out = []
         for p, eps in zip(prompts, episodes, strict=True):
             p.completions = [episode_completion(e) for e in eps]

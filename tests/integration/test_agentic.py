@@ -1,9 +1,11 @@
 """`megagrpo train` with `rollout.multi_turn` end to end (issue 26): 3-turn trajectories from a user's
 environment (imported by path), R3 on the tiny Qwen3-MoE, on 2 learner processes (DP2) with one colocated
-engine, and with two disaggregated engine ranks (issue 27: trajectories and evaluation over HTTP).
+engine, and with two disaggregated engine ranks (issue 27: trajectories and evaluation over HTTP), whose
+trajectories an external agent drives instead (issue 38): the same conversation written against the real
+`openai` client (`agentic_env.openai_agent`), served by the agent endpoint on each engine owner.
 
-* Engine-count and placement invariance hold for trajectories: both runs sample the same trajectories and
-  log the same metrics (`run_metrics.engine_count_differences`' tolerances, for the reasons given there).
+* Engine-count, placement and driver invariance hold for trajectories: the built-in driver on one engine and
+  the agent endpoint on two sample the same trajectories and log the same metrics (`run_metrics.engine_count_differences`' tolerances, for the reasons given there).
 * R3 is exact across turns in the trainer, in both runs: the learner's replayed pass reproduces the
   sampler's logprobs on the model tokens of every turn (mismatch/turn_<k>/ at fp32 round-off), and the
   learner's own routing agrees with the sampler's per turn (moe/agreement_rollout_old/turn_<k>).
@@ -35,7 +37,13 @@ OVER = {
 }
 RUNS = {  # name: extra arguments
     "one": ("rollout.num_engines=1", "--nproc", "2"),
-    "two": ("rollout.num_engines=2", "rollout.placement.kind=disaggregated", "--nproc", "4"),
+    "two": (
+        "rollout.num_engines=2",
+        "rollout.placement.kind=disaggregated",
+        "rollout.multi_turn.agent.function=tests.integration.agentic_env:openai_agent",
+        "--nproc",
+        "4",
+    ),
 }
 
 
@@ -76,6 +84,9 @@ def test_multi_turn_metrics_and_r3_exact_on_every_turn(runs, run):
         r = m[step]
         assert r["rollout/turns_mean"] == 3.0 and r["rollout/truncated_max_turns_frac"] == 0.0
         assert 0 < r["rollout/env_token_frac"] < 1 and r["rollout/stale_tokens_masked"] == 0.0
+        # no agent session failed, departed or was refused (the endpoint run's; the driver's are 0 too)
+        for k in ("branches", "branch_refusals", "agent_bad_requests", "agent_timeouts", "agent_errors"):
+            assert r[f"rollout/{k}"] == 0.0, k
         # 1 byte per route entry (int8 holds the tiny model's experts): rows = tokens - 1 per trajectory
         assert r["rollout/route_bytes_per_traj"] > 0
         for k in range(3):
@@ -94,6 +105,10 @@ def test_multi_turn_metrics_and_r3_exact_on_every_turn(runs, run):
 def test_one_and_two_engines_sample_the_same_trajectories_and_log_the_same_metrics(runs):
     (ma, sa, _), (mb, sb, dir_b) = runs["one"], runs["two"]
     assert sa == sb, f"{len(set(sa) ^ set(sb))} trajectories differ"
-    # both disaggregated engines ran trajectories: the environments run on their owners, learner ranks 0, 1
+    # both disaggregated engines ran trajectories: the agents run on their owners, learner ranks 0, 1, and
+    # the endpoint drove every one of them (the built-in driver none of the first run's)
     assert len(list((dir_b / "sampled").glob("*.jsonl"))) == 2
+    agent_sessions = [x for f in (dir_b / "sampled").glob("*.agent") for x in f.read_text().splitlines()]
+    assert sorted(json.dumps(json.loads(x)) for x in agent_sessions) == sb
+    assert not list((runs["one"][2] / "sampled").glob("*.agent"))
     assert engine_count_differences(ma, mb) == {}

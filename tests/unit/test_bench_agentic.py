@@ -124,3 +124,15 @@ def test_sizes_that_do_not_split_into_groups_are_refused():
     with pytest.raises(ValueError, match="multiple of --group-size 4"):
         bench_rows(30, 4)
     assert len(bench_rows(32, 4)) == 8
+
+
+def test_the_endpoint_records_the_driver_s_ids_and_its_overhead_is_measured():
+    from tools.bench_agentic import compare_endpoint
+
+    eng = SerialEngine()
+    try:
+        r = compare_endpoint(eng, trajectories=8, turns=3, tool_ms=20.0, max_new_tokens=12, group_size=4)
+    finally:
+        eng.close()
+    assert r["identical_ids"] and r["driver_s"] > 0 and r["endpoint_s"] > 0
+    assert r["ratio"] == pytest.approx(r["endpoint_s"] / r["driver_s"])

@@ -22,7 +22,16 @@ def needs_sequence_parallel(tp: int, ep: int) -> bool:
 
 
 def layout_problems(
-    *, tp: int, pp: int, ep: int, etp: int, cp: int, sequence_parallel: bool, vpp: int | None = None
+    *,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    cp: int,
+    sequence_parallel: bool,
+    vpp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> list[tuple[str, str]]:
     """Broken layout rules as (field under `mesh.`, message); empty when the layout is possible."""
     out: list[tuple[str, str]] = []
@@ -43,6 +52,11 @@ def layout_problems(
         )
     if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
         out.append(("vpp", f"{vpp} needs pp > 1 and vpp >= 1; set vpp to null"))
+    for name, v in (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers)):
+        if v is not None and v < 1:
+            out.append((name, f"{v}: a pipeline stage holds at least one layer; set it >= 1 or null"))
+        elif v is not None and pp == 1:
+            out.append((name, f"{v} needs pp > 1 (one stage holds every layer); set it to null"))
     if cp > 1:
         # megatron-core leaves the context-parallel split to the caller (each CP rank takes 2 of the 2*cp
         # chunks of every sequence, and logprobs and losses are reduced over CP); the learner does neither.
@@ -58,14 +72,84 @@ def layout_problems(
 
 
 def check_layout(
-    *, tp: int, pp: int, ep: int, etp: int, cp: int, sequence_parallel: bool, vpp: int | None = None
+    *,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    cp: int,
+    sequence_parallel: bool,
+    vpp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> None:
     """`layout_problems` as one MegagrpoError naming every broken field."""
     problems = layout_problems(
-        tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, sequence_parallel=sequence_parallel, vpp=vpp
-    )
+        tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, sequence_parallel=sequence_parallel, vpp=vpp,
+        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+    )  # fmt: skip
     if problems:
         raise MegagrpoError("; ".join(f"mesh.{f}: {m}" for f, m in problems))
+
+
+def stage_layer_counts(
+    num_layers: int,
+    pp: int,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    vpp: int | None = None,
+) -> tuple[int, ...]:
+    """Decoder layers of each pipeline stage, by megatron-core's rule (`get_num_layers_to_build` with
+    `num_layers_in_first/last_pipeline_stage`): the first and last stages hold the counts set, the other
+    stages split the rest evenly; unset, every stage is a middle stage. A model whose layer count divides by
+    no pipeline size (DeepSeek-V3's 61) needs the ends set. MegagrpoError naming `mesh.*` when the counts
+    cannot add up to `num_layers`; stage 0 holds layers [0, counts[0]), and so on in order."""
+    chunks = vpp if vpp and vpp > 1 else 1
+    ends = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+    for name, v in ends.items():
+        if v is not None and (pp == 1 or v < 1):
+            raise MegagrpoError(f"mesh.{name}: {v} needs pp > 1 and at least 1 layer; set it to null")
+        if v is not None and v % chunks:
+            raise MegagrpoError(
+                f"mesh.{name}: {v} layers do not split into mesh.vpp={vpp} virtual chunks; make it a multiple "
+                f"of {vpp}"
+            )
+    first = first_stage_layers or 0
+    last = last_stage_layers or 0
+    middle_stages = pp - sum(v is not None for v in ends.values())
+    rest = num_layers - first - last
+    layout = f"num_layers={num_layers}, mesh.pp={pp}, first_stage_layers={first_stage_layers}, " + (
+        f"last_stage_layers={last_stage_layers}"
+    )
+    if rest < 0 or (middle_stages == 0 and rest > 0) or (middle_stages > 0 and rest < middle_stages):
+        raise MegagrpoError(
+            f"mesh: {layout}: the stage layer counts do not add up to the model's {num_layers} layers "
+            f"({rest} left for {middle_stages} other stage(s), each needs at least one); change "
+            "mesh.first_stage_layers / mesh.last_stage_layers (or mesh.pp)"
+        )
+    if middle_stages and rest % (middle_stages * chunks):
+        hint = (
+            "set mesh.first_stage_layers and/or mesh.last_stage_layers so that the rest divides"
+            if not (first_stage_layers or last_stage_layers)
+            else "change mesh.first_stage_layers / mesh.last_stage_layers"
+        )
+        raise MegagrpoError(
+            f"mesh: {layout}: the {rest} layers of the other {middle_stages} stage(s) do not split evenly"
+            f"{f' into {chunks} virtual chunks each' if chunks > 1 else ''}; {hint}"
+        )
+    per = rest // middle_stages if middle_stages else 0
+    counts = [per] * pp
+    if first_stage_layers is not None:
+        counts[0] = first_stage_layers
+    if last_stage_layers is not None:
+        counts[-1] = last_stage_layers
+    return tuple(counts)
+
+
+def stage_layers(counts: Sequence[int], stage: int) -> range:
+    """Global indices of the decoder layers of pipeline `stage`, given `stage_layer_counts`."""
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ def export(
     pp: int = 1,
     ep: int = 1,
     etp: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> dict | None:
@@ -84,7 +86,10 @@ def export(
         from megagrpo.learner.mesh import MeshConfig, init_mesh
 
         apply_cpu_compat()
-        mesh_cfg = MeshConfig(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1 and arch.is_moe)
+        mesh_cfg = MeshConfig(
+            tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1 and arch.is_moe,
+            first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+        )  # fmt: skip
         init_mesh(mesh_cfg)
     else:
         if (tp, pp, ep, etp) != (1, 1, 1, 1):
@@ -130,6 +135,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
     for axis in ("tp", "pp", "ep", "etp"):
         p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size of the torchrun mesh")
+    for end in ("first", "last"):
+        p.add_argument(
+            f"--{end}-stage-layers", type=int, default=None,
+            help=f"decoder layers on the {end} pipeline stage (uneven stages, as mesh.{end}_stage_layers)",
+        )  # fmt: skip
     a = p.parse_args(argv)
     try:
         s = export(
@@ -139,6 +149,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             pp=a.pp,
             ep=a.ep,
             etp=a.etp,
+            first_stage_layers=a.first_stage_layers,
+            last_stage_layers=a.last_stage_layers,
             dtype=a.dtype,
             max_shard_bytes=a.max_shard_bytes,
         )

@@ -39,7 +39,10 @@ MODELS = {
     # 4 layers so that PP2 puts the dense layer and one MoE layer on stage 0, two MoE layers on stage 1
     "deepseek_v3": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),  # MLA + YaRN
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
+    # 5 layers divide by no PP size (issue 37 section 4): uneven PP2, 2 layers (dense + MoE) then 3 MoE
+    "deepseek_v3_5l": dict(arch="deepseek_v3", experts=8, topk=2, layers=5),
 }
+UNEVEN = {"deepseek_v3_5l": ("pp2_first2",)}  # models checked on uneven pipeline stages only
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
 MOE_MESHES = ("tp2_sp", "ep2", "tp2_ep2", "tp2_ep2_etp2", "ep2_pp2")
 V3_MESHES = ("single", "tp2_sp", "ep2", "pp2", "tp2_ep2")
@@ -53,6 +56,7 @@ MESH_KW = {
     "tp2_ep2_etp2": dict(tp=2, ep=2, etp=2, sequence_parallel=True),
     "ep2_pp2": dict(ep=2, pp=2),
     "tp2_pp2": dict(tp=2, pp=2),
+    "pp2_first2": dict(pp=2, first_stage_layers=2),
 }
 # (model, mesh) pairs whose export is checked, in addition to their logits
 EXPORTS = {
@@ -62,6 +66,7 @@ EXPORTS = {
     ("llama", "tp2_pp2"),
     ("deepseek_v3", "tp2_ep2"),
     ("glm4_moe", "pp2"),
+    ("deepseek_v3_5l", "pp2_first2"),
 }
 BUCKETS = (1, 3000, 70000, 1 << 40)
 SEQ, BATCH = 16, 2
@@ -70,7 +75,9 @@ SEQ, BATCH = 16, 2
 def cases() -> list[tuple[str, str]]:
     out = []
     for model, spec in MODELS.items():
-        if spec["arch"] in ("deepseek_v3", "glm4_moe"):
+        if model in UNEVEN:
+            meshes = UNEVEN[model]
+        elif spec["arch"] in ("deepseek_v3", "glm4_moe"):
             meshes = V3_MESHES
         else:
             meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES

@@ -11,7 +11,8 @@ R3: a synthetic sampler route table (recorded from a differently perturbed copy,
 logprobs; the applied routing equals the table; bad inputs raise MegagrpoError before any pass.
 R3 and R2 on DeepSeek-V3's router (sigmoid, correction bias, group-limited top-k, scaled): the applied
 routing is the sampler's (recorded) table and the combine weights are the current unbiased sigmoid scores at those experts,
-renormalised and scaled, against a hand computation at every router call.
+renormalised and scaled, against a hand computation at every router call; and R3 on uneven PP2 stages
+(mesh.last_stage_layers) with each stage's own route columns, equal to the single-stage pass.
 Each rank writes rank{r}.json.
 """
 
@@ -394,7 +395,8 @@ def run_r3_sigmoid(outdir: Path) -> dict[str, Any]:
     batch = _batch()
     lrn = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=MeshConfig(), routing_replay=True, seed=5))
     randomise_expert_bias(lrn.chunks)
-    _sampler_routes(lrn, batch, outdir / "r3_sigmoid_weights")
+    ck = outdir / "r3_sigmoid_weights"
+    routes, _ = _sampler_routes(lrn, batch, ck)
     lb = {k: v for k, v in batch.items() if k != "routes"}
     check = _SigmoidWeights(lrn)
     rep = StepReplay.for_step("R3", lrn, batch)
@@ -420,7 +422,33 @@ def run_r3_sigmoid(outdir: Path) -> dict[str, Any]:
     out["r2_weight_err"], out["r2_bias_gap"] = check.weight_err, check.bias_gap
     check.remove()
     lrn.close()
+    out.update(_r3_uneven_stages(batch, routes, ck, lp))
     return out
+
+
+def _r3_uneven_stages(batch, routes: torch.Tensor, ck: Path, lp_single: torch.Tensor) -> dict[str, Any]:
+    """R3 on uneven pipeline stages (issue 37 section 4): PP2 with mesh.last_stage_layers=1 puts the dense
+    layer and two MoE layers on stage 0 and one MoE layer on stage 1 (the even split is one and two).
+    Each stage gets only its own MoE layers' routes (`trainer.rows.RouteSlices`, read off megatron's global
+    layer numbers); the logprobs equal the single-stage R3 pass on the same weights and routes."""
+    pp = Learner(
+        TINY_DEEPSEEK_V3,
+        LearnerConfig(mesh=MeshConfig(pp=2, last_stage_layers=1), routing_replay=True, seed=5),
+    )
+    load_params(pp.chunks, ck)
+    mine = list(route_slices(pp).stage[dist.get_rank()])
+    lb = {k: v for k, v in batch.items() if k != "routes"}
+    rep = StepReplay.for_step(
+        "R3", pp, {**batch, "routes": routes[:, :, mine].to(torch.int32)}, route_layers=mine
+    )
+    lp = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    res = {
+        "uneven_stage_layers": mine,
+        "uneven_vs_single": float((lp - lp_single)[batch["loss_mask"]].abs().max()),
+        "uneven_metrics": {**rep.old_pass_metrics(), **rep.step_metrics()},
+    }
+    pp.close()
+    return res
 
 
 def _free_perturbed(learner: Learner, lb, ck: Path) -> torch.Tensor:

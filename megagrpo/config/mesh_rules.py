@@ -146,7 +146,7 @@ def stage_layer_counts(
     return tuple(counts)
 
 
-def stage_layers(counts: Sequence[int], stage: int) -> range:
+def layers_of_stage(counts: Sequence[int], stage: int) -> range:
     """Global indices of the decoder layers of pipeline `stage`, given `stage_layer_counts`."""
     start = sum(counts[:stage])
     return range(start, start + counts[stage])
@@ -204,6 +204,62 @@ def engine_count(world_size: int, engine_tp: int, num_engines: int | None, *, on
     return n
 
 
+# SGLang 0.5.23 on a CPU cannot run an engine of more than one rank, so no engine spans nodes there: its
+# `init_model_parallel_group` turns PyNccl on for every device but NPU/XPU (parallel_state.py), so a CPU
+# engine's TP group fails at start with "Expected a cuda device, but got: cpu" (pynccl.py), and its CPU
+# all-reduce (shared memory) exists for Intel AMX and arm64 only. Tried with two schedulers, nnodes=2,
+# tp_size=2, on one host.
+CPU_MULTI_RANK_ENGINE = (
+    "SGLang's CPU engine runs on one rank only: a TP group of 2 or more fails at its start (SGLang "
+    "0.5.23 asks PyNccl for every TP group on a CPU device: 'Expected a cuda device, but got: cpu'), so "
+    "an engine cannot span ranks, or nodes (nnodes > 1), without GPUs"
+)
+
+
+def engine_nodes(engine_tp: int, gpus_per_node: int) -> int:
+    """Nodes one SGLang engine spans: 1 when its engine_tp GPUs fit on one node, else
+    engine_tp / gpus_per_node whole nodes:
+    SGLang's multi-node tensor (and expert) parallelism, one server process per node (`ServerArgs.nnodes`,
+    `node_rank`, `dist_init_addr`). MegagrpoError naming rollout.engine_tp when it spans nodes but takes
+    part of one."""
+    if engine_tp <= gpus_per_node:
+        return 1  # whether engines straddle nodes then is checked where the ranks are placed (submit)
+    if engine_tp % gpus_per_node:
+        raise MegagrpoError(
+            f"rollout.engine_tp={engine_tp} spans nodes of {gpus_per_node} GPUs but is not a multiple of "
+            f"{gpus_per_node}: an engine over several nodes takes whole nodes (SGLang's nnodes); use "
+            f"{-(-engine_tp // gpus_per_node) * gpus_per_node}"
+        )
+    return engine_tp // gpus_per_node
+
+
+@dataclass(frozen=True)
+class EngineNode:
+    """The part of one SGLang engine that a rank starts: SGLang node `node_rank` of `nnodes`
+    (`ServerArgs.node_rank`, `nnodes`); node 0 serves HTTP, the others run their schedulers only."""
+
+    engine: int
+    node_rank: int
+    nnodes: int
+
+
+def engine_node_of(
+    rank: int, first_engine_rank: int, engine_tp: int, gpus_per_node: int
+) -> EngineNode | None:
+    """Which engine node `rank` starts, when engines of engine_tp ranks follow one another from
+    `first_engine_rank` (disaggregated: the ranks after the learner's) and ranks fill nodes in order: the
+    first rank of an engine on each of its nodes starts that node's server; None for every other rank (its
+    GPU is that server's) and for ranks before `first_engine_rank`."""
+    if rank < first_engine_rank:
+        return None
+    engine, within = divmod(rank - first_engine_rank, engine_tp)
+    nnodes = engine_nodes(engine_tp, gpus_per_node)
+    per = engine_tp // nnodes  # ranks of the engine on each of its nodes
+    if within % per:
+        return None
+    return EngineNode(engine=engine, node_rank=within // per, nnodes=nnodes)
+
+
 @dataclass(frozen=True)
 class Roles:
     """How a launch's ranks split between the learner and the samplers."""
@@ -229,7 +285,9 @@ def rank_roles(
     if not disaggregated:
         return Roles(world_size, engine_count(world_size, engine_tp, num_engines, on_gpu=on_gpu), 0)
     if not on_gpu and engine_tp != 1:
-        raise MegagrpoError(f"rollout.engine_tp={engine_tp}: the CPU engine runs with engine_tp=1 only")
+        raise MegagrpoError(
+            f"rollout.engine_tp={engine_tp}: {CPU_MULTI_RANK_ENGINE}; set rollout.engine_tp=1"
+        )
     n = 1 if num_engines is None else num_engines
     ranks = n * engine_tp
     if ranks >= world_size:

@@ -58,11 +58,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from megagrpo.config.mesh_rules import mesh_sizes, stage_layer_counts, stage_layers
+from megagrpo.config.mesh_rules import layers_of_stage, mesh_sizes, stage_layer_counts
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 
 if TYPE_CHECKING:
+    from megagrpo.plan.engines import EngineSpan
     from megagrpo.plan.host import HostPlan
 
 GIB = 1 << 30
@@ -129,7 +130,7 @@ class PlanMesh:
         """Global decoder-layer indices of pipeline `stage` (megatron's split, `mesh_rules.stage_layer_counts`):
         the plan sizes each stage by its own layers, and a GPU by the largest stage."""
         counts = stage_layer_counts(num_layers, self.pp, self.first_stage_layers, self.last_stage_layers)
-        return stage_layers(counts, stage)
+        return layers_of_stage(counts, stage)
 
     def stages_note(self, num_layers: int) -> str:
         """` (layers per stage: 5+7x8)` for uneven stages; empty otherwise (the even split is implied)."""
@@ -505,6 +506,7 @@ class MemoryPlan:
     num_layers: int = 0  # the model's decoder layers (the table names uneven stages' layer counts)
     rows_in_flight: int = 0  # the step's rows on their way to the learner ranks (rollout phase)
     host: HostPlan | None = None  # the node's host memory for tool calls (`plan/host.py`)
+    engine_span: EngineSpan | None = None  # the nodes an engine takes (`plan/engines.py`)
 
     @property
     def margin(self) -> int:
@@ -550,6 +552,8 @@ class MemoryPlan:
         rows += ["" if x is None else f"  {x[0]:<32}{x[1] / GIB:9.2f}{x[2]}" for x in lines]
         if self.host is not None and self.host.lines():
             rows += ["", *self.host.lines()]
+        if self.engine_span is not None:
+            rows += ["", *self.engine_span.lines()]
         rows += [
             "",
             f"verdict: {'FITS' if self.fits else 'DOES NOT FIT'} "

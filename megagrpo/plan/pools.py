@@ -46,6 +46,7 @@ from megagrpo.plan.memory import (
 )
 
 if TYPE_CHECKING:
+    from megagrpo.plan.engines import EngineSpan
     from megagrpo.plan.host import HostPlan
 
 W = 36  # the label column of the tables
@@ -199,10 +200,12 @@ class DisaggregatedPlan:
     learner: LearnerPool
     engine: EnginePool
     host: HostPlan | None = None  # each node's host memory for tool calls (`plan/host.py`)
+    engine_span: EngineSpan | None = None  # the nodes an engine takes (`plan/engines.py`)
 
     @property
     def fits(self) -> bool:
-        return self.learner.fits and self.engine.fits and (self.host is None or self.host.fits)
+        span = self.engine_span is None or self.engine_span.fits
+        return self.learner.fits and self.engine.fits and (self.host is None or self.host.fits) and span
 
     @property
     def margin(self) -> int:
@@ -220,6 +223,7 @@ class DisaggregatedPlan:
     def failing(self) -> list[str]:
         """The pools that do not fit: 'learner pool', 'engine pool', and 'host' for the nodes' memory."""
         out = [n for n, p in (("learner pool", self.learner), ("engine pool", self.engine)) if not p.fits]
+        out += ["engine size"] if self.engine_span is not None and not self.engine_span.fits else []
         return out + (["host"] if self.host is not None and not self.host.fits else [])
 
     def summary(self) -> str:
@@ -247,6 +251,8 @@ class DisaggregatedPlan:
         ]
         if self.host is not None and self.host.lines():
             rows += [*self.host.lines(), *(f"    - {r}" for r in self.host.reasons), ""]
+        if self.engine_span is not None:
+            rows += [*self.engine_span.lines(), *(f"    - {r}" for r in self.engine_span.reasons), ""]
         verdict = "FITS" if self.fits else f"DOES NOT FIT ({' and '.join(self.failing)})"
         rows.append(
             f"verdict: {verdict}: learner pool margin {self.learner.margin / GIB:+.2f} GiB, engine pool "

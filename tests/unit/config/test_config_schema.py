@@ -195,12 +195,12 @@ def test_check_mesh_per_stage():
     ],
 )
 def test_stage_layer_counts_follow_megatron(layers, pp, first, last, want):
-    from megagrpo.config.mesh_rules import stage_layer_counts, stage_layers
+    from megagrpo.config.mesh_rules import layers_of_stage, stage_layer_counts
 
     got = stage_layer_counts(layers, pp, first, last)
     assert got == want and sum(got) == layers
     # the stages tile the layers in order, as megatron's get_transformer_layer_offset numbers them
-    assert [i for s in range(pp) for i in stage_layers(got, s)] == list(range(layers))
+    assert [i for s in range(pp) for i in layers_of_stage(got, s)] == list(range(layers))
 
 
 @pytest.mark.parametrize(

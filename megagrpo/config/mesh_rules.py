@@ -204,15 +204,16 @@ def engine_count(world_size: int, engine_tp: int, num_engines: int | None, *, on
     return n
 
 
-# SGLang 0.5.23 on a CPU cannot run an engine of more than one rank, so no engine spans nodes there: its
-# `init_model_parallel_group` turns PyNccl on for every device but NPU/XPU (parallel_state.py), so a CPU
-# engine's TP group fails at start with "Expected a cuda device, but got: cpu" (pynccl.py), and its CPU
-# all-reduce (shared memory) exists for Intel AMX and arm64 only. Tried with two schedulers, nnodes=2,
-# tp_size=2, on one host.
+# SGLang 0.5.23 on a CPU: its `init_model_parallel_group` turns PyNccl on for every device but NPU/XPU
+# (parallel_state.py), so a CPU engine of 2 ranks or more fails as its TP group starts, with "Expected a cuda
+# device, but got: cpu" (pynccl.py); seen with two schedulers, nnodes=2, tp_size=2 on one host. With PyNccl
+# off for that group (a probe outside megagrpo) the same two schedulers start over gloo and generate, so a
+# compat patch could lift this; megagrpo's CPU layer does not carry one, and the test cluster's two nodes of
+# 2 CPUs could not hold a learner beside an engine over both of them anyway.
 CPU_MULTI_RANK_ENGINE = (
-    "SGLang's CPU engine runs on one rank only: a TP group of 2 or more fails at its start (SGLang "
-    "0.5.23 asks PyNccl for every TP group on a CPU device: 'Expected a cuda device, but got: cpu'), so "
-    "an engine cannot span ranks, or nodes (nnodes > 1), without GPUs"
+    "SGLang's CPU engine runs on one rank only here: SGLang 0.5.23 asks PyNccl for every TP group, on a CPU "
+    "device too, so an engine of 2 or more ranks (TP, or nodes: nnodes > 1) fails as it starts ('Expected a "
+    "cuda device, but got: cpu'), and megagrpo's CPU compatibility layer does not turn that off"
 )
 
 

@@ -428,7 +428,8 @@ class RolloutEngine(EngineRequests):
             # SGLang 0.5.23 asks PyNccl for every TP group, on a CPU device too (config.mesh_rules)
             raise MegagrpoError(
                 f"rollout.tp_size={cfg.tp_size}, nnodes={cfg.nnodes}: the CPU engine runs with tp_size=1 on "
-                "one node only (SGLang's CPU TP group fails at start: 'Expected a cuda device, but got: cpu')"
+                "one node only (SGLang's TP group asks PyNccl on a CPU device too and fails as it starts: "
+                "'Expected a cuda device, but got: cpu')"
             )
         if cfg.nnodes > 1 and (cfg.dist_init_addr is None or not 0 <= cfg.node_rank < cfg.nnodes):
             raise MegagrpoError(

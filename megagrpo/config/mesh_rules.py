@@ -71,23 +71,9 @@ def layout_problems(
     return out
 
 
-def check_layout(
-    *,
-    tp: int,
-    pp: int,
-    ep: int,
-    etp: int,
-    cp: int,
-    sequence_parallel: bool,
-    vpp: int | None = None,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-) -> None:
-    """`layout_problems` as one MegagrpoError naming every broken field."""
-    problems = layout_problems(
-        tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, sequence_parallel=sequence_parallel, vpp=vpp,
-        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
-    )  # fmt: skip
+def check_layout(**layout: int | bool | None) -> None:
+    """`layout_problems` (the same keyword arguments) as one MegagrpoError naming every broken field."""
+    problems = layout_problems(**layout)  # type: ignore[arg-type]
     if problems:
         raise MegagrpoError("; ".join(f"mesh.{f}: {m}" for f, m in problems))
 

@@ -422,19 +422,25 @@ def run_r3_sigmoid(outdir: Path) -> dict[str, Any]:
     out["r2_weight_err"], out["r2_bias_gap"] = check.weight_err, check.bias_gap
     check.remove()
     lrn.close()
-    out.update(_r3_uneven_stages(batch, routes, ck, lp))
+    for name, mesh in UNEVEN.items():
+        out[name] = _r3_uneven_stages(mesh, batch, routes, ck, lp)
     return out
 
 
-def _r3_uneven_stages(batch, routes: torch.Tensor, ck: Path, lp_single: torch.Tensor) -> dict[str, Any]:
-    """R3 on uneven pipeline stages (issue 37 section 4): PP2 with mesh.last_stage_layers=1 puts the dense
-    layer and two MoE layers on stage 0 and one MoE layer on stage 1 (the even split is one and two).
-    Each stage gets only its own MoE layers' routes (`trainer.rows.RouteSlices`, read off megatron's global
-    layer numbers); the logprobs equal the single-stage R3 pass on the same weights and routes."""
-    pp = Learner(
-        TINY_DEEPSEEK_V3,
-        LearnerConfig(mesh=MeshConfig(pp=2, last_stage_layers=1), routing_replay=True, seed=5),
-    )
+# Uneven pipeline stages (issue 37 section 4) on DeepSeek-V3's shape (a dense layer, then 3 MoE layers):
+# the last stage holding one layer (stage 0: the dense layer and MoE layers 0-1; stage 1: MoE layer 2, where
+# the even split gives 0 | 1-2), and the first stage holding only the dense layer (no router on stage 0).
+UNEVEN = {
+    "uneven_last1": MeshConfig(pp=2, last_stage_layers=1),
+    "uneven_first1": MeshConfig(pp=2, first_stage_layers=1),
+}
+
+
+def _r3_uneven_stages(mesh: MeshConfig, batch, routes, ck: Path, lp_single: torch.Tensor) -> dict[str, Any]:
+    """R3 on uneven pipeline stages: each stage gets only its own MoE layers' routes
+    (`trainer.rows.RouteSlices`, read off megatron's global layer numbers; none for a stage of dense layers
+    only); the logprobs equal the single-stage R3 pass on the same weights and routes."""
+    pp = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=mesh, routing_replay=True, seed=5))
     load_params(pp.chunks, ck)
     mine = list(route_slices(pp).stage[dist.get_rank()])
     lb = {k: v for k, v in batch.items() if k != "routes"}
@@ -443,9 +449,9 @@ def _r3_uneven_stages(batch, routes: torch.Tensor, ck: Path, lp_single: torch.Te
     )
     lp = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
     res = {
-        "uneven_stage_layers": mine,
-        "uneven_vs_single": float((lp - lp_single)[batch["loss_mask"]].abs().max()),
-        "uneven_metrics": {**rep.old_pass_metrics(), **rep.step_metrics()},
+        "stage_layers": mine,
+        "vs_single": float((lp - lp_single)[batch["loss_mask"]].abs().max()),
+        "metrics": {**rep.old_pass_metrics(), **rep.step_metrics()},
     }
     pp.close()
     return res

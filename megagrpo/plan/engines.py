@@ -63,7 +63,8 @@ class EngineSpan:
             else "one node"
         )
         least = (
-            f"{self.min_engine_tp} GPUs ({self.min_nodes} node{'s' if self.min_nodes != 1 else ''})"
+            f"{self.min_engine_tp} GPU{'s' if self.min_engine_tp != 1 else ''} "
+            f"({self.min_nodes} node{'s' if self.min_nodes != 1 else ''})"
             if self.min_engine_tp is not None
             else f"more than {MAX_ENGINE_GPUS} GPUs"
         )

@@ -101,6 +101,7 @@ class LearnerPool(_Verdict):
     stage: int = 0
     reasons: tuple[str, ...] = field(default=())
     engines_fed: int = 1  # the most engines one learner rank sends weights to
+    num_layers: int = 0  # the model's decoder layers (the header names uneven stages' layer counts)
 
     @property
     def total(self) -> int:
@@ -113,7 +114,8 @@ class LearnerPool(_Verdict):
     def lines(self) -> list[str]:
         m = self.workload.mesh
         rows = [
-            f"learner pool: {self.gpus} GPUs ({_ranks(0, self.gpus)}), tp={m.tp} pp={m.pp} ep={m.ep} "
+            f"learner pool: {self.gpus} GPUs ({_ranks(0, self.gpus)}), tp={m.tp} "
+            f"pp={m.pp}{m.stages_note(self.num_layers)} ep={m.ep} "
             f"etp={m.etp} cp={m.cp} (dp={m.dp}, expert-dp={m.expert_dp}); no engine, never offloaded",
             f"  {f'per learner GPU (pipeline stage {self.stage})':<{W}}{'GiB':>9}",
         ]
@@ -288,6 +290,7 @@ def plan_learner_pool(arch: ModelArch, w: Workload, *, gpu_mem_gib: float, engin
         )
     max_mb = max_micro_batch(arch, w, ref_resident, budget, beside=w.rows_in_flight)
     return LearnerPool(
+        num_layers=arch.num_layers,
         gpus=w.mesh.world_size,
         workload=w,
         params=worst.state.params,

@@ -11,8 +11,7 @@ R3: a synthetic sampler route table (recorded from a differently perturbed copy,
 logprobs; the applied routing equals the table; bad inputs raise MegagrpoError before any pass.
 R3 and R2 on DeepSeek-V3's router (sigmoid, correction bias, group-limited top-k, scaled): the applied
 routing is the sampler's (recorded) table and the combine weights are the current unbiased sigmoid scores at those experts,
-renormalised and scaled, against a hand computation at every router call; and R3 on uneven PP2 stages
-(mesh.last_stage_layers) with each stage's own route columns, equal to the single-stage pass.
+renormalised and scaled, against a hand computation at every router call.
 Each rank writes rank{r}.json.
 """
 
@@ -200,6 +199,47 @@ def run_r2(name: str, mesh: MeshConfig, recompute: str | None) -> dict[str, Any]
     )
     applied.remove()
     learner.close()
+    return out
+
+
+# Uneven pipeline stages (issue 37 section 4) on DeepSeek-V3's shape (a dense layer, then 3 MoE layers):
+# the last stage holding one layer (stage 0: the dense layer and MoE layers 0-1; stage 1: MoE layer 2, where
+# the even split gives 0 | 1-2), and the first stage holding only the dense layer (no router on stage 0).
+UNEVEN = {
+    "uneven_last1": MeshConfig(pp=2, last_stage_layers=1),
+    "uneven_first1": MeshConfig(pp=2, first_stage_layers=1),
+}
+
+
+def run_r3_uneven(outdir: Path) -> dict[str, Any]:
+    """R3 on uneven pipeline stages: sampler routes (of a perturbed copy) replayed by one stage, then by
+    each layout of UNEVEN, each stage given only its own MoE layers' routes (`trainer.rows.RouteSlices`,
+    read off megatron's global layer numbers; none for a stage of dense layers only). The logprobs must
+    equal the single-stage pass on the same weights and routes."""
+    batch = _batch()
+    one = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=MeshConfig(), routing_replay=True, seed=5))
+    randomise_expert_bias(one.chunks)
+    ck = outdir / "r3_uneven_weights"
+    routes, _ = _sampler_routes(one, batch, ck)
+    lb = {k: v for k, v in batch.items() if k != "routes"}
+    rep = StepReplay.for_step("R3", one, batch)
+    lp_single = one.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    one.close()
+    out: dict[str, Any] = {}
+    for name, mesh in UNEVEN.items():
+        pp = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=mesh, routing_replay=True, seed=5))
+        load_params(pp.chunks, ck)
+        mine = list(route_slices(pp).stage[dist.get_rank()])
+        rep = StepReplay.for_step(
+            "R3", pp, {**batch, "routes": routes[:, :, mine].to(torch.int32)}, route_layers=mine
+        )
+        lp = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+        out[name] = {
+            "stage_layers": mine,
+            "vs_single": float((lp - lp_single)[batch["loss_mask"]].abs().max()),
+            "metrics": {**rep.old_pass_metrics(), **rep.step_metrics()},
+        }
+        pp.close()
     return out
 
 
@@ -395,8 +435,7 @@ def run_r3_sigmoid(outdir: Path) -> dict[str, Any]:
     batch = _batch()
     lrn = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=MeshConfig(), routing_replay=True, seed=5))
     randomise_expert_bias(lrn.chunks)
-    ck = outdir / "r3_sigmoid_weights"
-    routes, _ = _sampler_routes(lrn, batch, ck)
+    _sampler_routes(lrn, batch, outdir / "r3_sigmoid_weights")
     lb = {k: v for k, v in batch.items() if k != "routes"}
     check = _SigmoidWeights(lrn)
     rep = StepReplay.for_step("R3", lrn, batch)
@@ -422,39 +461,7 @@ def run_r3_sigmoid(outdir: Path) -> dict[str, Any]:
     out["r2_weight_err"], out["r2_bias_gap"] = check.weight_err, check.bias_gap
     check.remove()
     lrn.close()
-    for name, mesh in UNEVEN.items():
-        out[name] = _r3_uneven_stages(mesh, batch, routes, ck, lp)
     return out
-
-
-# Uneven pipeline stages (issue 37 section 4) on DeepSeek-V3's shape (a dense layer, then 3 MoE layers):
-# the last stage holding one layer (stage 0: the dense layer and MoE layers 0-1; stage 1: MoE layer 2, where
-# the even split gives 0 | 1-2), and the first stage holding only the dense layer (no router on stage 0).
-UNEVEN = {
-    "uneven_last1": MeshConfig(pp=2, last_stage_layers=1),
-    "uneven_first1": MeshConfig(pp=2, first_stage_layers=1),
-}
-
-
-def _r3_uneven_stages(mesh: MeshConfig, batch, routes, ck: Path, lp_single: torch.Tensor) -> dict[str, Any]:
-    """R3 on uneven pipeline stages: each stage gets only its own MoE layers' routes
-    (`trainer.rows.RouteSlices`, read off megatron's global layer numbers; none for a stage of dense layers
-    only); the logprobs equal the single-stage R3 pass on the same weights and routes."""
-    pp = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=mesh, routing_replay=True, seed=5))
-    load_params(pp.chunks, ck)
-    mine = list(route_slices(pp).stage[dist.get_rank()])
-    lb = {k: v for k, v in batch.items() if k != "routes"}
-    rep = StepReplay.for_step(
-        "R3", pp, {**batch, "routes": routes[:, :, mine].to(torch.int32)}, route_layers=mine
-    )
-    lp = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
-    res = {
-        "stage_layers": mine,
-        "vs_single": float((lp - lp_single)[batch["loss_mask"]].abs().max()),
-        "metrics": {**rep.old_pass_metrics(), **rep.step_metrics()},
-    }
-    pp.close()
-    return res
 
 
 def _free_perturbed(learner: Learner, lb, ck: Path) -> torch.Tensor:
@@ -486,6 +493,8 @@ def _rspo_gamma(learner: Learner, batch, ck: Path) -> torch.Tensor:
 
 def main(rank: int, world: int, outdir: Path, only: str | None = None) -> None:
     res: dict[str, Any] = {}
+    if not only or only == "r3_uneven":
+        res["r3_uneven"] = run_r3_uneven(outdir)
     for name, (mesh, recompute) in R2_MESHES.items():
         if only and only != name:
             continue

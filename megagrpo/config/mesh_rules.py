@@ -23,7 +23,16 @@ def needs_sequence_parallel(tp: int, ep: int) -> bool:
 
 
 def layout_problems(
-    *, tp: int, pp: int, ep: int, etp: int, cp: int, sequence_parallel: bool, vpp: int | None = None
+    *,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    cp: int,
+    sequence_parallel: bool,
+    vpp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> list[tuple[str, str]]:
     """Broken layout rules as (field under `mesh.`, message); empty when the layout is possible."""
     out: list[tuple[str, str]] = []
@@ -44,6 +53,11 @@ def layout_problems(
         )
     if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
         out.append(("vpp", f"{vpp} needs pp > 1 and vpp >= 1; set vpp to null"))
+    for name, v in (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers)):
+        if v is not None and v < 1:
+            out.append((name, f"{v}: a pipeline stage holds at least one layer; set it >= 1 or null"))
+        elif v is not None and pp == 1:
+            out.append((name, f"{v} needs pp > 1 (one stage holds every layer); set it to null"))
     if cp > 1:
         # megatron-core leaves the context-parallel split to the caller (each CP rank takes 2 of the 2*cp
         # chunks of every sequence, and logprobs and losses are reduced over CP); the learner does neither.
@@ -58,15 +72,71 @@ def layout_problems(
     return out
 
 
-def check_layout(
-    *, tp: int, pp: int, ep: int, etp: int, cp: int, sequence_parallel: bool, vpp: int | None = None
-) -> None:
-    """`layout_problems` as one MegagrpoError naming every broken field."""
-    problems = layout_problems(
-        tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, sequence_parallel=sequence_parallel, vpp=vpp
-    )
+def check_layout(**layout: int | bool | None) -> None:
+    """`layout_problems` (the same keyword arguments) as one MegagrpoError naming every broken field."""
+    problems = layout_problems(**layout)  # type: ignore[arg-type]
     if problems:
         raise MegagrpoError("; ".join(f"mesh.{f}: {m}" for f, m in problems))
+
+
+def stage_layer_counts(
+    num_layers: int,
+    pp: int,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    vpp: int | None = None,
+) -> tuple[int, ...]:
+    """Decoder layers of each pipeline stage, by megatron-core's rule (`get_num_layers_to_build` with
+    `num_layers_in_first/last_pipeline_stage`): the first and last stages hold the counts set, the other
+    stages split the rest evenly; unset, every stage is a middle stage. A model whose layer count divides by
+    no pipeline size (DeepSeek-V3's 61) needs the ends set. MegagrpoError naming `mesh.*` when the counts
+    cannot add up to `num_layers`; stage 0 holds layers [0, counts[0]), and so on in order."""
+    chunks = vpp if vpp and vpp > 1 else 1
+    ends = {"first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+    for name, v in ends.items():
+        if v is not None and (pp == 1 or v < 1):
+            raise MegagrpoError(f"mesh.{name}: {v} needs pp > 1 and at least 1 layer; set it to null")
+        if v is not None and v % chunks:
+            raise MegagrpoError(
+                f"mesh.{name}: {v} layers do not split into mesh.vpp={vpp} virtual chunks; make it a multiple "
+                f"of {vpp}"
+            )
+    first = first_stage_layers or 0
+    last = last_stage_layers or 0
+    middle_stages = pp - sum(v is not None for v in ends.values())
+    rest = num_layers - first - last
+    layout = f"num_layers={num_layers}, mesh.pp={pp}, first_stage_layers={first_stage_layers}, " + (
+        f"last_stage_layers={last_stage_layers}"
+    )
+    if rest < 0 or (middle_stages == 0 and rest > 0) or (middle_stages > 0 and rest < middle_stages):
+        raise MegagrpoError(
+            f"mesh: {layout}: the stage layer counts do not add up to the model's {num_layers} layers "
+            f"({rest} left for {middle_stages} other stage(s), each needs at least one); change "
+            "mesh.first_stage_layers / mesh.last_stage_layers (or mesh.pp)"
+        )
+    if middle_stages and rest % (middle_stages * chunks):
+        hint = (
+            "set mesh.first_stage_layers and/or mesh.last_stage_layers so that the rest divides"
+            if not (first_stage_layers or last_stage_layers)
+            else "change mesh.first_stage_layers / mesh.last_stage_layers"
+        )
+        raise MegagrpoError(
+            f"mesh: {layout}: the {rest} layers of the other {middle_stages} stage(s) do not split evenly"
+            f"{f' into {chunks} virtual chunks each' if chunks > 1 else ''}; {hint}"
+        )
+    per = rest // middle_stages if middle_stages else 0
+    counts = [per] * pp
+    if first_stage_layers is not None:
+        counts[0] = first_stage_layers
+    if last_stage_layers is not None:
+        counts[-1] = last_stage_layers
+    return tuple(counts)
+
+
+def layers_of_stage(counts: Sequence[int], stage: int) -> range:
+    """Global indices of the decoder layers of pipeline `stage`, given `stage_layer_counts`."""
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
 @dataclass(frozen=True)
@@ -127,6 +197,63 @@ def engine_count(world_size: int, engine_tp: int, num_engines: int | None, *, on
     return n
 
 
+# SGLang 0.5.23 on a CPU: its `init_model_parallel_group` turns PyNccl on for every device but NPU/XPU
+# (parallel_state.py), so a CPU engine of 2 ranks or more fails as its TP group starts, with "Expected a cuda
+# device, but got: cpu" (pynccl.py); seen with two schedulers, nnodes=2, tp_size=2 on one host. With PyNccl
+# off for that group (a probe outside megagrpo) the same two schedulers start over gloo and generate, so a
+# compat patch could lift this; megagrpo's CPU layer does not carry one, and the test cluster's two nodes of
+# 2 CPUs could not hold a learner beside an engine over both of them anyway.
+CPU_MULTI_RANK_ENGINE = (
+    "SGLang's CPU engine runs on one rank only here: SGLang 0.5.23 asks PyNccl for every TP group, on a CPU "
+    "device too, so an engine of 2 or more ranks (TP, or nodes: nnodes > 1) fails as it starts ('Expected a "
+    "cuda device, but got: cpu'), and megagrpo's CPU compatibility layer does not turn that off"
+)
+
+
+def engine_nodes(engine_tp: int, gpus_per_node: int) -> int:
+    """Nodes one SGLang engine spans: 1 when its engine_tp GPUs fit on one node, else
+    engine_tp / gpus_per_node whole nodes:
+    SGLang's multi-node tensor (and expert) parallelism, one server process per node (`ServerArgs.nnodes`,
+    `node_rank`, `dist_init_addr`). MegagrpoError naming rollout.engine_tp when it spans nodes but takes
+    part of one."""
+    if engine_tp <= gpus_per_node:
+        return 1  # whether engines straddle nodes then is checked where the ranks are placed (submit)
+    if engine_tp % gpus_per_node:
+        raise MegagrpoError(
+            f"rollout.engine_tp={engine_tp} spans nodes of {gpus_per_node} GPUs but is not a multiple of "
+            f"{gpus_per_node}: an engine over several nodes takes whole nodes (SGLang's nnodes); use "
+            f"{-(-engine_tp // gpus_per_node) * gpus_per_node}"
+        )
+    return engine_tp // gpus_per_node
+
+
+@dataclass(frozen=True)
+class EngineNode:
+    """The part of one SGLang engine that a rank starts: SGLang node `node_rank` of `nnodes`
+    (`ServerArgs.node_rank`, `nnodes`); node 0 serves HTTP, the others run their schedulers only."""
+
+    engine: int
+    node_rank: int
+    nnodes: int
+
+
+def engine_node_of(
+    rank: int, first_engine_rank: int, engine_tp: int, gpus_per_node: int
+) -> EngineNode | None:
+    """Which engine node `rank` starts, when engines of engine_tp ranks follow one another from
+    `first_engine_rank` (disaggregated: the ranks after the learner's) and ranks fill nodes in order: the
+    first rank of an engine on each of its nodes starts that node's server; None for every other rank (its
+    GPU is that server's) and for ranks before `first_engine_rank`."""
+    if rank < first_engine_rank:
+        return None
+    engine, within = divmod(rank - first_engine_rank, engine_tp)
+    nnodes = engine_nodes(engine_tp, gpus_per_node)
+    per = engine_tp // nnodes  # ranks of the engine on each of its nodes
+    if within % per:
+        return None
+    return EngineNode(engine=engine, node_rank=within // per, nnodes=nnodes)
+
+
 @dataclass(frozen=True)
 class Roles:
     """How a launch's ranks split between the learner and the samplers."""
@@ -152,7 +279,9 @@ def rank_roles(
     if not disaggregated:
         return Roles(world_size, engine_count(world_size, engine_tp, num_engines, on_gpu=on_gpu), 0)
     if not on_gpu and engine_tp != 1:
-        raise MegagrpoError(f"rollout.engine_tp={engine_tp}: the CPU engine runs with engine_tp=1 only")
+        raise MegagrpoError(
+            f"rollout.engine_tp={engine_tp}: {CPU_MULTI_RANK_ENGINE}; set rollout.engine_tp=1"
+        )
     n = 1 if num_engines is None else num_engines
     ranks = n * engine_tp
     if ranks >= world_size:

@@ -144,6 +144,20 @@ class ModelConfig(Section):
 class MeshConfig(Section):
     tp: int = Field(default=1, ge=1, description="Tensor-parallel size (attention + dense MLP + vocab).")
     pp: int = Field(default=1, ge=1, description="Pipeline-parallel size (layers split into stages).")
+    first_stage_layers: int | None = Field(
+        default=None,
+        description="Decoder layers on the first pipeline stage (megatron-core's "
+        "num_layers_in_first_pipeline_stage); null = an even share. The stages between the first and the "
+        "last split the remaining layers evenly. For a layer count that divides by no pipeline size "
+        "(DeepSeek-V3's 61 on pp=8: first 5 + 7 x 8), or to lighten the stage that also holds the "
+        "embedding. Checked against the model's layer count before any process starts.",
+    )
+    last_stage_layers: int | None = Field(
+        default=None,
+        description="Decoder layers on the last pipeline stage (num_layers_in_last_pipeline_stage); null = "
+        "an even share of what the first stage leaves. The last stage also computes the output layer and "
+        "the loss, so a smaller count balances it.",
+    )
     ep: int = Field(default=1, ge=1, description="Expert-parallel size (experts split across ranks).")
     etp: int = Field(
         default=1,
@@ -167,6 +181,8 @@ class MeshConfig(Section):
             etp=self.etp,
             cp=self.cp,
             sequence_parallel=self.sequence_parallel,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
         )
         if problems:
             raise invalid(*problems[0])

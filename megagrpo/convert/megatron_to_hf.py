@@ -111,6 +111,8 @@ def export(
     pp: int = 1,
     ep: int = 1,
     etp: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     mtp_from: str | Path | None = None,
@@ -134,7 +136,10 @@ def export(
         from megagrpo.learner.mesh import MeshConfig, init_mesh
 
         apply_cpu_compat()
-        mesh_cfg = MeshConfig(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1 and arch.is_moe)
+        mesh_cfg = MeshConfig(
+            tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1 and arch.is_moe,
+            first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+        )  # fmt: skip
         init_mesh(mesh_cfg)
     else:
         if (tp, pp, ep, etp) != (1, 1, 1, 1):
@@ -198,6 +203,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     )
     for axis in ("tp", "pp", "ep", "etp"):
         p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size of the torchrun mesh")
+    for end in ("first", "last"):
+        p.add_argument(
+            f"--{end}-stage-layers", type=int, default=None,
+            help=f"decoder layers on the {end} pipeline stage (uneven stages, as mesh.{end}_stage_layers)",
+        )  # fmt: skip
     a = p.parse_args(argv)
     try:
         s = export(
@@ -207,6 +217,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             pp=a.pp,
             ep=a.ep,
             etp=a.etp,
+            first_stage_layers=a.first_stage_layers,
+            last_stage_layers=a.last_stage_layers,
             dtype=a.dtype,
             max_shard_bytes=a.max_shard_bytes,
             mtp_from=a.mtp_from,

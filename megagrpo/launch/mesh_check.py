@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--first-stage-layers", type=int, default=None, help="as mesh.first_stage_layers")
+    p.add_argument("--last-stage-layers", type=int, default=None, help="as mesh.last_stage_layers")
     p.add_argument("--model", default=None, help="HF directory: also check the learner's logprobs")
     p.add_argument("--atol", type=float, default=1e-4)
     a = p.parse_args(argv)
@@ -85,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     apply_cpu_compat(megatron=True, sglang=False)
     # Sequence parallelism wherever TP: legal for every layout and required with EP (config.mesh_rules,
     # which MeshConfig.validate applies before any group is built).
-    mesh_cfg = MeshConfig(tp=a.tp, ep=a.ep, pp=a.pp, sequence_parallel=a.tp > 1)
+    mesh_cfg = MeshConfig(
+        tp=a.tp, ep=a.ep, pp=a.pp, sequence_parallel=a.tp > 1,
+        first_stage_layers=a.first_stage_layers, last_stage_layers=a.last_stage_layers,
+    )  # fmt: skip
     result: dict = {"launcher": env.launcher, "world": env.world_size, "tp": a.tp, "ep": a.ep, "pp": a.pp}
     if a.model:
         from megagrpo.learner.learner import Learner, LearnerConfig

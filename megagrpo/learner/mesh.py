@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megagrpo.config.mesh_rules import check_layout, mesh_sizes
+from megagrpo.config.mesh_rules import check_layout, mesh_sizes, stage_layer_counts
 from megagrpo.errors import MegagrpoError
 from megagrpo.net import free_port
 
@@ -32,6 +32,8 @@ class MeshConfig:
     cp: int = 1  # context parallel
     sequence_parallel: bool = False  # shard norm/dropout activations over TP; required when tp>1 and ep>1
     vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); None = 1
+    first_stage_layers: int | None = None  # decoder layers of the first stage; None = an even share
+    last_stage_layers: int | None = None  # decoder layers of the last stage; None = an even share
 
     def validate(self) -> None:
         """The layout rules of `megagrpo.config.mesh_rules` (the schema applies the same ones), plus one
@@ -39,6 +41,7 @@ class MeshConfig:
         check_layout(
             tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp,
             sequence_parallel=self.sequence_parallel, vpp=self.vpp,
+            first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
         )  # fmt: skip
         if self.vpp is not None and self.vpp > 1 and not torch.cuda.is_available():
             # Seen here: megatron's interleaved 1F1B with variable sequence lengths stalls in a gloo p2p
@@ -46,6 +49,12 @@ class MeshConfig:
             raise MegagrpoError(
                 f"mesh.vpp={self.vpp}: the interleaved pipeline schedule is GPU-only here; set vpp to null"
             )
+
+    def stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers of each pipeline stage (`config.mesh_rules.stage_layer_counts`)."""
+        return stage_layer_counts(
+            num_layers, self.pp, self.first_stage_layers, self.last_stage_layers, self.vpp
+        )
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP inferred as world / (tp*cp*pp); raises MegagrpoError naming the sizes if it does not divide."""

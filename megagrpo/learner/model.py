@@ -100,11 +100,7 @@ def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
         raise MegagrpoError(
             f"num_kv_heads={arch.num_kv_heads} and mesh.tp={mesh.tp}: one must divide the other"
         )
-    if arch.num_layers % (mesh.pp * (mesh.vpp or 1)):
-        raise MegagrpoError(
-            f"num_layers={arch.num_layers} is not divisible by mesh.pp*vpp={mesh.pp}*{mesh.vpp or 1}; "
-            "change mesh.pp/vpp"
-        )
+    mesh.stage_layer_counts(arch.num_layers)  # MegagrpoError naming mesh.* when the stages cannot add up
     if arch.is_moe:
         if arch.num_experts % mesh.ep:
             raise MegagrpoError(f"num_experts={arch.num_experts} is not divisible by mesh.ep={mesh.ep}")
@@ -201,6 +197,9 @@ def transformer_config_from_arch(
         tensor_model_parallel_size=mesh_cfg.tp,
         pipeline_model_parallel_size=mesh_cfg.pp,
         virtual_pipeline_model_parallel_size=mesh_cfg.vpp if mesh_cfg.vpp and mesh_cfg.vpp > 1 else None,
+        # uneven stages: megatron builds, offsets and checkpoints the layers by these counts
+        num_layers_in_first_pipeline_stage=mesh_cfg.first_stage_layers,
+        num_layers_in_last_pipeline_stage=mesh_cfg.last_stage_layers,
         context_parallel_size=mesh_cfg.cp,
         expert_model_parallel_size=mesh_cfg.ep,
         expert_tensor_parallel_size=mesh_cfg.etp,

@@ -12,6 +12,7 @@ from typing import Any
 from megagrpo.config.mesh_rules import colocated_world_unit
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
+from megagrpo.plan.engines import engine_span
 from megagrpo.plan.host import host_plan
 from megagrpo.plan.memory import MemoryPlan, plan_workload, workload_from_config
 from megagrpo.plan.pools import DisaggregatedPlan, plan_disaggregated
@@ -124,7 +125,14 @@ def plan_memory(
             cfg, gpus_per_node=gpus_per_node, engines=plan.engine.engines, disaggregated=True,
             host_mem_gib=host_mem_gib,
         )  # fmt: skip
-        return replace(plan, host=host)
+        span = engine_span(
+            arch,
+            plan.learner.workload,
+            gpus_per_node=gpus_per_node,
+            gpu_mem_gib=gpu_mem_gib,
+            disaggregated=True,
+        )
+        return replace(plan, host=host, engine_span=span)
     w = workload_from_config(cfg, nodes * gpus_per_node)
     plan = plan_workload(arch, w, gpu_mem_gib=gpu_mem_gib)
     if not plan.fits:
@@ -135,4 +143,11 @@ def plan_memory(
         cfg, gpus_per_node=gpus_per_node, engines=max(1, nodes * gpus_per_node // w.engine_tp),
         disaggregated=False, host_mem_gib=host_mem_gib,
     )  # fmt: skip
-    return replace(plan, host=host, reasons=plan.reasons + host.reasons, fits=plan.fits and host.fits)
+    span = engine_span(arch, w, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib, disaggregated=False)
+    return replace(
+        plan,
+        host=host,
+        engine_span=span,
+        reasons=plan.reasons + host.reasons + span.reasons,
+        fits=plan.fits and host.fits and span.fits,
+    )

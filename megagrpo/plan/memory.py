@@ -64,11 +64,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from megagrpo.config.mesh_rules import mesh_sizes
+from megagrpo.config.mesh_rules import layers_of_stage, mesh_sizes, stage_layer_counts
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 
 if TYPE_CHECKING:
+    from megagrpo.plan.engines import EngineSpan
     from megagrpo.plan.host import HostPlan
 
 GIB = 1 << 30
@@ -110,10 +111,13 @@ class PlanMesh:
     etp: int = 1
     cp: int = 1
     sequence_parallel: bool = False
+    first_stage_layers: int | None = None  # uneven stages (mesh.first/last_stage_layers); None = even
+    last_stage_layers: int | None = None
 
     @classmethod
     def of(cls, mesh: Any, world_size: int) -> PlanMesh:
-        """From any object with tp/pp/ep/etp(/cp/sequence_parallel) attributes (either MeshConfig)."""
+        """From any object with tp/pp/ep/etp(/cp/sequence_parallel/first,last_stage_layers) attributes
+        (either MeshConfig)."""
         if isinstance(mesh, PlanMesh):
             return replace(mesh, world_size=world_size)
         return cls(
@@ -124,7 +128,30 @@ class PlanMesh:
             etp=mesh.etp,
             cp=getattr(mesh, "cp", 1),
             sequence_parallel=bool(getattr(mesh, "sequence_parallel", False)),
+            first_stage_layers=getattr(mesh, "first_stage_layers", None),
+            last_stage_layers=getattr(mesh, "last_stage_layers", None),
         )
+
+    def stage_layers(self, num_layers: int, stage: int) -> range:
+        """Global decoder-layer indices of pipeline `stage` (megatron's split, `mesh_rules.stage_layer_counts`):
+        the plan sizes each stage by its own layers, and a GPU by the largest stage."""
+        counts = stage_layer_counts(num_layers, self.pp, self.first_stage_layers, self.last_stage_layers)
+        return layers_of_stage(counts, stage)
+
+    def stages_note(self, num_layers: int) -> str:
+        """` (layers per stage: 5+7x8)` for uneven stages; empty otherwise (the even split is implied)."""
+        if self.first_stage_layers is None and self.last_stage_layers is None:
+            return ""
+        c = stage_layer_counts(num_layers, self.pp, self.first_stage_layers, self.last_stage_layers)
+        first = [c[0]] if self.first_stage_layers is not None else []
+        last = [c[-1]] if self.last_stage_layers is not None else []
+        middle = len(c) - len(first) - len(last)
+        parts = (
+            [str(x) for x in first]
+            + ([f"{c[len(first)]}x{middle}"] if middle else [])
+            + [str(x) for x in last]
+        )
+        return f" (layers per stage: {'+'.join(parts)})"
 
     def check(self) -> None:
         """The one divisibility rule (`config.mesh_rules.mesh_sizes`), on the planned number of GPUs."""
@@ -162,11 +189,9 @@ def stage_tensor_numels(arch: ModelArch, mesh: PlanMesh, stage: int) -> tuple[li
     """
     H, n, g = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads
     tp, pp = mesh.tp, mesh.pp
-    if arch.num_layers % pp:
-        raise MegagrpoError(f"num_layers={arch.num_layers} is not divisible by mesh.pp={pp}")
+    layers = mesh.stage_layers(arch.num_layers, stage)  # MegagrpoError naming mesh.* if they cannot add up
     if n % tp or (g % tp and tp % g):
         raise MegagrpoError(f"attention heads {n}/{g} (q/kv) do not split over mesh.tp={tp}")
-    per_stage = arch.num_layers // pp
     moe = set(arch.moe_layers())
     attention = attention_numels(arch, tp)  # GQA or multi-latent, per TP rank
     dense: list[int] = []
@@ -174,7 +199,7 @@ def stage_tensor_numels(arch: ModelArch, mesh: PlanMesh, stage: int) -> tuple[li
     vocab_rows = padded_vocab(arch, tp) // tp
     if stage == 0:
         dense.append(vocab_rows * H)  # embedding.word_embeddings
-    for layer in range(stage * per_stage, (stage + 1) * per_stage):
+    for layer in layers:
         dense += [H, *attention, H]  # input norm, attention, pre-MLP norm
         if layer in moe:
             E, Fe, etp = arch.num_experts, arch.moe_ffn_hidden_size or arch.ffn_hidden_size, mesh.etp
@@ -375,14 +400,13 @@ def activation_bytes(
     pipeline `stage` during the backward pass (logits excluded: `logits_bytes`)."""
     m = PlanMesh.of(mesh, world_size or _min_world(mesh))
     a = dtype_bytes(act_dtype)
-    per_stage = arch.num_layers // m.pp
-    layers = range(stage * per_stage, (stage + 1) * per_stage)
+    layers = m.stage_layers(arch.num_layers, stage)
     t = tokens / m.cp
     per_layer = [layer_activation_bytes_per_token(arch, m, i, a) * t for i in layers]
     if recompute == "full":
         # each layer keeps its input; the layer in backward is recomputed, and its activations are freed
         # as its backward proceeds (measured on an H100: one layer's worth, not two; docs/scaling.md)
-        saved = per_stage * t * a * arch.hidden_size / m.seq_shard
+        saved = len(layers) * t * a * arch.hidden_size / m.seq_shard
         return int(saved * in_flight + max(per_layer))
     if recompute != "none":
         raise MegagrpoError(f"recompute={recompute!r}: use 'none' or 'full'")
@@ -484,6 +508,8 @@ def workload_from_config(cfg: Any, world_size: int, *, engines: int | None = Non
         etp=m.etp,
         cp=m.cp,
         sequence_parallel=m.sequence_parallel or (m.tp > 1 and m.ep > 1),
+        first_stage_layers=m.first_stage_layers,
+        last_stage_layers=m.last_stage_layers,
     )
     mesh.check()
     dp = world_size // (m.tp * m.cp * m.pp)
@@ -543,8 +569,10 @@ class MemoryPlan:
     max_kv_tokens: int  # largest KV cache, in tokens, whose rollout peak fits
     stage: int = 0  # the pipeline stage the bytes are of: the one with the highest training peak
     reasons: tuple[str, ...] = field(default=())
+    num_layers: int = 0  # the model's decoder layers (the table names uneven stages' layer counts)
     rows_in_flight: int = 0  # the step's rows on their way to the learner ranks (rollout phase)
     host: HostPlan | None = None  # the node's host memory for tool calls (`plan/host.py`)
+    engine_span: EngineSpan | None = None  # the nodes an engine takes (`plan/engines.py`)
 
     @property
     def margin(self) -> int:
@@ -579,8 +607,8 @@ class MemoryPlan:
             ("GPU memory", int(self.gpu_mem_gib * GIB), ""),
         ]
         rows = [
-            f"mesh: {m.world_size} GPUs, tp={m.tp} pp={m.pp} ep={m.ep} etp={m.etp} cp={m.cp} "
-            f"(dp={m.dp}, expert-dp={m.expert_dp}); engine_tp={w.engine_tp}, "
+            f"mesh: {m.world_size} GPUs, tp={m.tp} pp={m.pp}{m.stages_note(self.num_layers)} ep={m.ep} "
+            f"etp={m.etp} cp={m.cp} (dp={m.dp}, expert-dp={m.expert_dp}); engine_tp={w.engine_tp}, "
             f"mem_fraction_static={w.engine_mem_fraction}",
             f"micro-batch: {w.tokens()} tokens ({w.micro_batch_size} x {w.seq_len}), "
             f"recompute={w.recompute}, learner {w.param_dtype} params / {w.grad_dtype} grads",
@@ -590,6 +618,8 @@ class MemoryPlan:
         rows += ["" if x is None else f"  {x[0]:<32}{x[1] / GIB:9.2f}{x[2]}" for x in lines]
         if self.host is not None and self.host.lines():
             rows += ["", *self.host.lines()]
+        if self.engine_span is not None:
+            rows += ["", *self.engine_span.lines()]
         rows += [
             "",
             f"verdict: {'FITS' if self.fits else 'DOES NOT FIT'} "
@@ -709,6 +739,7 @@ def plan_workload(arch: ModelArch, w: Workload, *, gpu_mem_gib: float = 80.0) ->
     max_mb = max_micro_batch(arch, w, ref_resident, budget)
     room = budget - resident_rollout - e_weights - w.rows_in_flight
     return MemoryPlan(
+        num_layers=arch.num_layers,
         gpu_mem_gib=gpu_mem_gib,
         workload=w,
         params=worst.state.params,

@@ -46,6 +46,7 @@ from megagrpo.plan.memory import (
 )
 
 if TYPE_CHECKING:
+    from megagrpo.plan.engines import EngineSpan
     from megagrpo.plan.host import HostPlan
 
 W = 36  # the label column of the tables
@@ -100,6 +101,7 @@ class LearnerPool(_Verdict):
     stage: int = 0
     reasons: tuple[str, ...] = field(default=())
     engines_fed: int = 1  # the most engines one learner rank sends weights to
+    num_layers: int = 0  # the model's decoder layers (the header names uneven stages' layer counts)
 
     @property
     def total(self) -> int:
@@ -112,7 +114,8 @@ class LearnerPool(_Verdict):
     def lines(self) -> list[str]:
         m = self.workload.mesh
         rows = [
-            f"learner pool: {self.gpus} GPUs ({_ranks(0, self.gpus)}), tp={m.tp} pp={m.pp} ep={m.ep} "
+            f"learner pool: {self.gpus} GPUs ({_ranks(0, self.gpus)}), tp={m.tp} "
+            f"pp={m.pp}{m.stages_note(self.num_layers)} ep={m.ep} "
             f"etp={m.etp} cp={m.cp} (dp={m.dp}, expert-dp={m.expert_dp}); no engine, never offloaded",
             f"  {f'per learner GPU (pipeline stage {self.stage})':<{W}}{'GiB':>9}",
         ]
@@ -199,10 +202,12 @@ class DisaggregatedPlan:
     learner: LearnerPool
     engine: EnginePool
     host: HostPlan | None = None  # each node's host memory for tool calls (`plan/host.py`)
+    engine_span: EngineSpan | None = None  # the nodes an engine takes (`plan/engines.py`)
 
     @property
     def fits(self) -> bool:
-        return self.learner.fits and self.engine.fits and (self.host is None or self.host.fits)
+        span = self.engine_span is None or self.engine_span.fits
+        return self.learner.fits and self.engine.fits and (self.host is None or self.host.fits) and span
 
     @property
     def margin(self) -> int:
@@ -220,6 +225,7 @@ class DisaggregatedPlan:
     def failing(self) -> list[str]:
         """The pools that do not fit: 'learner pool', 'engine pool', and 'host' for the nodes' memory."""
         out = [n for n, p in (("learner pool", self.learner), ("engine pool", self.engine)) if not p.fits]
+        out += ["engine size"] if self.engine_span is not None and not self.engine_span.fits else []
         return out + (["host"] if self.host is not None and not self.host.fits else [])
 
     def summary(self) -> str:
@@ -247,6 +253,8 @@ class DisaggregatedPlan:
         ]
         if self.host is not None and self.host.lines():
             rows += [*self.host.lines(), *(f"    - {r}" for r in self.host.reasons), ""]
+        if self.engine_span is not None:
+            rows += [*self.engine_span.lines(), *(f"    - {r}" for r in self.engine_span.reasons), ""]
         verdict = "FITS" if self.fits else f"DOES NOT FIT ({' and '.join(self.failing)})"
         rows.append(
             f"verdict: {verdict}: learner pool margin {self.learner.margin / GIB:+.2f} GiB, engine pool "
@@ -282,6 +290,7 @@ def plan_learner_pool(arch: ModelArch, w: Workload, *, gpu_mem_gib: float, engin
         )
     max_mb = max_micro_batch(arch, w, ref_resident, budget, beside=w.rows_in_flight)
     return LearnerPool(
+        num_layers=arch.num_layers,
         gpus=w.mesh.world_size,
         workload=w,
         params=worst.state.params,

@@ -424,8 +424,18 @@ class RolloutEngine(EngineRequests):
                 "below 64 and that path cannot write the KV cache (it fails while capturing CUDA graphs). Use "
                 "a model with head_dim >= 64 on a GPU (every released Qwen3/Llama has 64 or 128)"
             )
-        if self.on_cpu and cfg.tp_size != 1:
-            raise MegagrpoError(f"rollout.tp_size={cfg.tp_size}: the CPU engine runs with tp_size=1 only")
+        if self.on_cpu and (cfg.tp_size != 1 or cfg.nnodes != 1):
+            # SGLang 0.5.23 asks PyNccl for every TP group, on a CPU device too (config.mesh_rules)
+            raise MegagrpoError(
+                f"rollout.tp_size={cfg.tp_size}, nnodes={cfg.nnodes}: the CPU engine runs with tp_size=1 on "
+                "one node only (SGLang's TP group asks PyNccl on a CPU device too and fails as it starts: "
+                "'Expected a cuda device, but got: cpu')"
+            )
+        if cfg.nnodes > 1 and (cfg.dist_init_addr is None or not 0 <= cfg.node_rank < cfg.nnodes):
+            raise MegagrpoError(
+                f"an engine over nnodes={cfg.nnodes} needs node_rank in [0, {cfg.nnodes}) (got {cfg.node_rank}) "
+                f"and dist_init_addr (got {cfg.dist_init_addr!r})"
+            )
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The `sglang.Engine` keyword arguments this config maps to."""
@@ -463,6 +473,8 @@ class RolloutEngine(EngineRequests):
             # Rollouts are decode-bound, so eager prefill costs little; `extra_engine_args` can turn it on.
             kw["cuda_graph_backend_prefill"] = "disabled"
             kw["base_gpu_id"] = cfg.base_gpu_id
+            if cfg.nnodes > 1:  # SGLang's multi-node engine: tp_size GPUs over nnodes nodes
+                kw.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, dist_init_addr=cfg.dist_init_addr)
             if cfg.fp8:
                 kw["quantization"] = "fp8"
             if cfg.deterministic:

@@ -8,7 +8,9 @@ engine waits for it (with the engine deadline), and at the end the owner asks it
 
 Keys (under the prefix `megagrpo/`): `engine/<e>/url`, `engine/<e>/where` (rank and host, for errors),
 `engine/<e>/key` (the bearer key its server requires, made by the engine rank for this launch),
-`engine/<e>/failed` (the engine rank's last words when its server could not start), `stop`.
+`engine/<e>/failed` (the engine rank's last words when its server could not start), `stop`; and for an
+engine over several nodes, `engine/<e>/dist_init` (host:port where its nodes' schedulers meet, published
+by node 0's rank before its server starts, read by the ranks that start the other nodes).
 
 The key keeps clients outside the launch from driving the engine (generating, or writing its weights);
 the store itself is torch's TCPStore, without authentication, so a process that speaks its protocol on
@@ -74,6 +76,29 @@ def publish(store: dist.Store, engine: int, url: str, where: str, key: str) -> N
 
 def publish_failure(store: dist.Store, engine: int, message: str) -> None:
     store.set(f"engine/{engine}/failed", message[-4000:])
+
+
+def publish_dist_init(store: dist.Store, engine: int, addr: str) -> None:
+    store.set(f"engine/{engine}/dist_init", addr)
+
+
+def wait_dist_init(store: dist.Store, engine: int, timeout_s: float) -> str:
+    """host:port where the nodes of multi-node engine `engine` meet (SGLang's dist_init_addr), once node
+    0's rank has published it; MegagrpoError past the deadline or when that rank reported a failure."""
+    key, failed = f"engine/{engine}/dist_init", f"engine/{engine}/failed"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with answering(store):
+            if store.check([failed]):
+                raise MegagrpoError(f"engine {engine}: its node 0 failed: {store.get(failed).decode()}")
+            if store.check([key]):
+                return store.get(key).decode()
+        if time.monotonic() > deadline:
+            raise MegagrpoError(
+                f"engine {engine}: its node 0 did not publish where its nodes meet within "
+                f"rollout.placement.engine_timeout_s={timeout_s:.0f} s; see that rank's log"
+            )
+        time.sleep(0.2)
 
 
 def wait_for(store: dist.Store, engine: int, timeout_s: float) -> Endpoint:

@@ -5,7 +5,10 @@ samplers (`config.mesh_rules.rank_roles`). The first rank of each engine runs SG
 (`sglang.srt.entrypoints.http_server.launch_server`, the server slime and miles drive) on its devices,
 with the same engine arguments a colocated engine gets (`RolloutEngine.engine_kwargs`), and publishes its
 URL in the launch's store (`rollout.rendezvous`) once it is ready; the other ranks of a TP group only
-wait (their GPUs are the server's).
+wait (their GPUs are the server's). An engine over several nodes (`config.mesh_rules.engine_nodes`, GPU
+only) is started by its first rank on each node: node 0's rank publishes where the nodes meet
+(`dist_init_addr`, a free port on its host) and runs the HTTP server; the first rank on node k starts
+SGLang's node k (`nnodes`, `node_rank`), whose schedulers join node 0's and serve no HTTP.
 
 Access. The server listens on the address it advertises (`net.advertised_host`), not on every interface,
 and requires a key made here for this launch (`secrets.token_urlsafe`), published in the store beside the
@@ -71,10 +74,13 @@ def serve(
     timeout_s: float,
     rank: int | None = None,
     nodes: int = 1,
+    node_rank: int = 0,
+    nnodes: int = 1,
 ) -> int:
     """Run engine `engine`'s server (its first rank) or wait beside it (`first=False`) until stopped.
     `addr`, `port`: the launch's store (MASTER_ADDR, MASTER_PORT); `nodes`: how many nodes the launch
-    spans (the server's address must reach the others: `net.advertised_host`)."""
+    spans (the server's address must reach the others: `net.advertised_host`). An engine over `nnodes`
+    nodes: `first` on each node's first rank, which starts SGLang node `node_rank` (module doc)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     # torchrun tells its workers to find the store of any tcp:// rendezvous at the agent's; the weights
@@ -86,7 +92,10 @@ def serve(
     where = f"rank {rank if rank is not None else os.environ.get('RANK', '?')} on {node_name()}"
     if first:
         try:
-            _start_server(rc, store, engine, where, advertised_host(addr, nodes=nodes))
+            host = advertised_host(addr, nodes=nodes)
+            if nnodes > 1:
+                rc = _node_config(rc, store, engine, host, node_rank, nnodes, timeout_s)
+            _start_server(rc, store, engine, where, host)
         except MegagrpoError as e:  # a user error (the address, the config): one line, here and at the owner
             rendezvous.publish_failure(store, engine, str(e))
             print(f"megagrpo: error: engine {engine}: {e}", file=sys.stderr, flush=True)
@@ -96,6 +105,21 @@ def serve(
             traceback.print_exc()
             return 1
     return _wait_for_stop(store, engine, where)
+
+
+def _node_config(
+    rc: RolloutConfig, store: Any, engine: int, host: str, node_rank: int, nnodes: int, timeout_s: float
+) -> RolloutConfig:
+    """`rc` for SGLang node `node_rank` of a multi-node engine: node 0 picks where the nodes meet (a free
+    port on its host) and publishes it; the others wait for it in the store."""
+    from dataclasses import replace
+
+    if node_rank == 0:
+        dist_init = f"[{host}]:{free_port(host)}" if ":" in host else f"{host}:{free_port(host)}"
+        rendezvous.publish_dist_init(store, engine, dist_init)
+    else:
+        dist_init = rendezvous.wait_dist_init(store, engine, timeout_s)
+    return replace(rc, nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init)
 
 
 def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: str) -> None:
@@ -112,6 +136,8 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def ready() -> None:
+        if rc.node_rank:  # a further node of a multi-node engine: node 0's server is the engine's URL
+            return
         rendezvous.publish(store, engine, url, where, key)
         print(f"engine {engine}: SGLang server at {url} ({where})", flush=True)
 

@@ -140,7 +140,14 @@ def _program(stage: str, cfg, snapshot: Path, log_dir: Path, job_name: str, worl
             tp, ep, pp = (m.tp if world % m.tp == 0 else 1), 1, 1
         out = f'"{log_dir}/{job_name}-$SLURM_JOB_ID.check.json"'
         model = shlex.quote(str(Path(cfg.model.hf_path).resolve()))
-        return f"-m megagrpo.launch.mesh_check --out {out} --tp {tp} --ep {ep} --pp {pp} --model {model}"
+        stages = "".join(
+            f" --{end}-stage-layers {n}"
+            for end, n in (("first", m.first_stage_layers), ("last", m.last_stage_layers))
+            if pp > 1 and n is not None
+        )  # uneven stages: a layer count that pp does not divide builds only with them
+        return (
+            f"-m megagrpo.launch.mesh_check --out {out} --tp {tp} --ep {ep} --pp {pp}{stages} --model {model}"
+        )
     return f"-m megagrpo.launch.run {stage} {shlex.quote(str(snapshot))} --resume auto"
 
 

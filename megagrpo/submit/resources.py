@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megagrpo.config.mesh_rules import engine_node_of, engine_nodes
 from megagrpo.config.schema import Config, MeshSizes, check_mesh
 from megagrpo.errors import MegagrpoError
 from megagrpo.submit.slurm import PartitionInfo
@@ -59,9 +60,15 @@ def check_mesh_fits(cfg: Config, shape: JobShape, stage: str = "train") -> MeshS
         raise MegagrpoError(f"{shape.describe()}: {e}") from None
     if disaggregated:
         check_engines_within_nodes(sizes, r.engine_tp, shape)
-    elif stage != "sft" and (
-        cfg.rollout.engine_tp > shape.procs_per_node or shape.procs_per_node % cfg.rollout.engine_tp
-    ):
+    elif stage != "sft" and cfg.rollout.engine_tp > shape.procs_per_node:
+        raise MegagrpoError(
+            f"rollout.engine_tp = {cfg.rollout.engine_tp} is more than the {shape.procs_per_node} GPUs of a "
+            "node: an engine over several nodes runs in the disaggregated placement only (set "
+            "rollout.placement.kind=disaggregated): there its weights reach every node's schedulers over "
+            "SGLang's update_weights_from_distributed, while the colocated handoff passes CUDA IPC handles, "
+            "which do not leave a node"
+        )
+    elif stage != "sft" and shape.procs_per_node % cfg.rollout.engine_tp:
         raise MegagrpoError(
             f"rollout.engine_tp = {cfg.rollout.engine_tp} must divide --gpus-per-node "
             f"{shape.procs_per_node}: each colocated SGLang engine lives on one node"
@@ -70,14 +77,20 @@ def check_mesh_fits(cfg: Config, shape: JobShape, stage: str = "train") -> MeshS
 
 
 def check_engines_within_nodes(sizes: MeshSizes, engine_tp: int, shape: JobShape) -> None:
-    """Disaggregated: every engine's engine_tp ranks on one node. The engines take the ranks after the
-    learner's `sizes.learners` (`config.mesh_rules.rank_roles`), and ranks fill nodes in order, so the
-    learner's share of its last node must leave whole engines there. MegagrpoError naming the engine and
-    the fields to change otherwise."""
+    """Disaggregated: every engine's engine_tp ranks on one node, or (engine_tp more than a node's GPUs)
+    on whole nodes of their own (`config.mesh_rules.engine_nodes`: SGLang's multi-node engine). The engines
+    take the ranks after the learner's `sizes.learners` (`config.mesh_rules.rank_roles`), and ranks fill
+    nodes in order, so the learner's share of its last node must leave whole engines there. MegagrpoError
+    naming the engine and the fields to change otherwise."""
     per_node = shape.procs_per_node
+    span = engine_nodes(engine_tp, per_node)
     for e in range(sizes.num_engines):
         first = sizes.learners + e * engine_tp
         last = first + engine_tp - 1
+        if span > 1:
+            # whole nodes by construction: the world and every engine (span x per_node ranks) are whole
+            # nodes, so the learner's ranks before them are too
+            continue
         if first // per_node == last // per_node:
             continue
         # With engine_tp dividing the node, learners = world - num_engines * engine_tp is a multiple of
@@ -105,14 +118,27 @@ def role_layout(sizes: MeshSizes, engine_tp: int, shape: JobShape) -> list[str]:
             parts.append(f"learner {_span(unit, 0, end - lo)} ({_span(('rank', 'ranks'), lo, end)})")
         if hi > sizes.learners:
             start = max(lo, sizes.learners)
-            engines = _span(
-                ("engine", "engines"),
-                (start - sizes.learners) // engine_tp,
-                (hi - 1 - sizes.learners) // engine_tp + 1,
-            )
+            span = engine_nodes(engine_tp, per_node)
+            if span > 1:  # this node is one SGLang node of a multi-node engine, started by its first rank
+                node_of = engine_node_of(start, sizes.learners, engine_tp, per_node)
+                engines = (
+                    f"engine {node_of.engine} of engine_tp {engine_tp}, its SGLang node_rank "
+                    f"{node_of.node_rank} of nnodes {node_of.nnodes}, started by rank {start}"
+                    if node_of is not None
+                    else f"engines of engine_tp {engine_tp}"
+                )
+            else:
+                engines = (
+                    _span(
+                        ("engine", "engines"),
+                        (start - sizes.learners) // engine_tp,
+                        (hi - 1 - sizes.learners) // engine_tp + 1,
+                    )
+                    + f" of engine_tp {engine_tp}"
+                )
             parts.append(
                 f"rollout {_span(unit, start - lo, per_node)} ({_span(('rank', 'ranks'), start, hi)}: "
-                f"{engines} of engine_tp {engine_tp})"
+                f"{engines})"
             )
         out.append(f"node {node}: " + ", ".join(parts))
     return out

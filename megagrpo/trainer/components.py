@@ -23,7 +23,10 @@ def torch_dtype(name: str) -> torch.dtype:
 def mesh_config(cfg: Config) -> MeshConfig:
     """The learner's mesh as the config gives it: `config.mesh_rules` already rejected an impossible one."""
     m = cfg.mesh
-    return MeshConfig(tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, cp=m.cp, sequence_parallel=m.sequence_parallel)
+    return MeshConfig(
+        tp=m.tp, pp=m.pp, ep=m.ep, etp=m.etp, cp=m.cp, sequence_parallel=m.sequence_parallel,
+        first_stage_layers=m.first_stage_layers, last_stage_layers=m.last_stage_layers,
+    )  # fmt: skip
 
 
 def learner_config(

@@ -35,7 +35,7 @@ def serve_if_engine_rank(cfg: Config) -> int | None:
     a learner rank gets the learner's world size (`learner.mesh.LEARNERS_ENV`) and None."""
     import torch
 
-    from megagrpo.config.mesh_rules import rank_roles
+    from megagrpo.config.mesh_rules import engine_node_of, rank_roles
     from megagrpo.learner.mesh import LEARNERS_ENV, DistEnv
 
     env = DistEnv.from_environ()
@@ -57,14 +57,17 @@ def serve_if_engine_rank(cfg: Config) -> int | None:
     if cores is not None:
         pin_engine(cores)  # before the server starts: its processes inherit the cores
     rc = replace(rollout_config(cfg, cfg.model.hf_path), base_gpu_id=env.local_rank)
-    first = (env.rank - roles.learners) % r.engine_tp == 0
+    # the first rank of the engine on each of its nodes starts that node's part (one node: the first rank)
+    node = engine_node_of(env.rank, roles.learners, r.engine_tp, env.world_size // max(1, env.nodes))
     return serve(
         rc,
         engine=engine,
         rank=env.rank,
-        first=first,
+        first=node is not None,
         addr=env.master_addr,
         port=env.master_port,
         timeout_s=r.placement.engine_timeout_s,
         nodes=env.nodes,
+        node_rank=node.node_rank if node is not None else 0,
+        nnodes=node.nnodes if node is not None else 1,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megagrpo.config.mesh_rules import stage_layer_counts
 from megagrpo.config.schema import Config
 from megagrpo.errors import MegagrpoError
 
@@ -59,6 +60,9 @@ def check_stage_inputs(cfg: Config, stage: str, resume: str | None) -> None:
 
     field, model = model_field(cfg, stage)
     arch = arch_from_hf(model)  # raises naming config.json for a model family megagrpo cannot build
+    m = cfg.mesh
+    # the pipeline stages' layer counts must add up to this model's layers (mesh.first/last_stage_layers)
+    stage_layer_counts(arch.num_layers, m.pp, m.first_stage_layers, m.last_stage_layers)
     if stage == "train" and cfg.replay != "none" and not arch.is_moe:
         raise MegagrpoError(
             f"replay: {cfg.replay} replays MoE routing, but {field}={model!r} is a dense model (no experts "

@@ -105,9 +105,9 @@ def route_slices(learner) -> RouteSlices | None:
     model. Read from the router taps, so any split of layers over stages and virtual chunks is right."""
     from megagrpo.moe.routers import router_taps
 
-    taps = router_taps(learner)
-    if not taps.slots:
+    if not learner.arch.is_moe:
         return None
+    taps = router_taps(learner)  # a stage of dense layers only (uneven stages) has none: its columns are ()
     mine = tuple(sorted({s.moe for s in taps.slots}))
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -60,6 +60,9 @@ TINY_DEEPSEEK_V3 = dataclasses.replace(
     rope_mscale_all_dim=1.0,
     **_V3_ROUTER,
 )
+# 5 layers divide by no PP size > 1 (DeepSeek-V3's 61 by none): PP2 with mesh.first_stage_layers=2 puts
+# the dense layer and one MoE layer on stage 0 and three MoE layers on stage 1 (issue 37 section 4)
+TINY_DEEPSEEK_V3_5L = dataclasses.replace(TINY_DEEPSEEK_V3, num_layers=5, moe_layer_pattern=(0, 1, 1, 1, 1))
 TINY_GLM4_MOE = dataclasses.replace(
     TINY_MOE, family="glm4_moe", **{**_V3_ROUTER, "qk_norm": True}, qkv_bias=True, rotary_percent=0.5
 )

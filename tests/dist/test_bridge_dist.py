@@ -45,7 +45,10 @@ MODELS = {
     # q_lora_rank null (Moonlight): q is one column-parallel projection (`_common.without_q_latent`)
     "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2, layers=4),
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
+    # 5 layers divide by no PP size (issue 37 section 4): uneven PP2, 2 layers (dense + MoE) then 3 MoE
+    "deepseek_v3_5l": dict(arch="deepseek_v3", experts=8, topk=2, layers=5),
 }
+UNEVEN = {"deepseek_v3_5l": ("pp2_first2",)}  # models checked on uneven pipeline stages only
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
 MOE_MESHES = ("tp2_sp", "ep2", "tp2_ep2", "tp2_ep2_etp2", "ep2_pp2")
 V3_MESHES = ("single", "tp2_sp", "ep2", "pp2", "tp2_ep2")
@@ -59,6 +62,7 @@ MESH_KW = {
     "tp2_ep2_etp2": dict(tp=2, ep=2, etp=2, sequence_parallel=True),
     "ep2_pp2": dict(ep=2, pp=2),
     "tp2_pp2": dict(tp=2, pp=2),
+    "pp2_first2": dict(pp=2, first_stage_layers=2),
 }
 # (model, mesh) pairs whose export is checked, in addition to their logits
 EXPORTS = {
@@ -69,6 +73,7 @@ EXPORTS = {
     ("deepseek_v3", "tp2_ep2"),
     (NO_Q_LATENT, "tp2_ep2"),
     ("glm4_moe", "pp2"),
+    ("deepseek_v3_5l", "pp2_first2"),
 }
 BUCKETS = (1, 3000, 70000, 1 << 40)
 SEQ, BATCH = 16, 2
@@ -77,7 +82,9 @@ SEQ, BATCH = 16, 2
 def cases() -> list[tuple[str, str]]:
     out = []
     for model, spec in MODELS.items():
-        if spec["arch"] in ("deepseek_v3", "glm4_moe"):
+        if model in UNEVEN:
+            meshes = UNEVEN[model]
+        elif spec["arch"] in ("deepseek_v3", "glm4_moe"):
             meshes = V3_MESHES
         else:
             meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES

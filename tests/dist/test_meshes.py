@@ -2,7 +2,8 @@
 
 One 4-process launch runs every mesh in sequence (re-initialising megatron's parallel_state); see
 workers_meshes.py for what each number means. fp32 throughout. The DeepSeek-V3 and GLM-4.5 shapes run in
-the same launch on TP2, EP2, PP2 (dense layer on stage 0, unequal MoE layers per stage) and TP2xEP2.
+the same launch on TP2, EP2, PP2 (dense layer on stage 0, unequal MoE layers per stage) and TP2xEP2; a
+5-layer DeepSeek-V3 shape on uneven PP2 stages (2 + 3 layers: mesh.first_stage_layers).
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ import json
 import pytest
 
 from tests.dist._harness import launch
-from tests.dist.workers_meshes import AGGS, FAMILY_ARCHS, FAMILY_MESHES, MESHES
+from tests.dist.workers_meshes import AGGS, FAMILY_ARCHS, FAMILY_MESHES, MESHES, UNEVEN, UNEVEN_MESHES
 
-CASES = list(MESHES) + [f"{family}/{mesh}" for family in FAMILY_ARCHS for mesh in FAMILY_MESHES]
+CASES = (
+    [m for m in MESHES if m not in UNEVEN_MESHES]
+    + [f"{family}/{mesh}" for family in FAMILY_ARCHS for mesh in FAMILY_MESHES]
+    + [f"{key}/{mesh}" for key, (_, mesh) in UNEVEN.items()]
+)
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,21 @@ def test_rspo_weights_under_pp2_equal_single_stage(results):
         assert r["rspo_pp2_vs_pp1"] < 1e-5
 
 
+@pytest.mark.parametrize(
+    "layout, stages", [("uneven_last1", [[0, 1], [2]]), ("uneven_first1", [[], [0, 1, 2]])]
+)
+def test_r3_on_uneven_pipeline_stages_equals_one_stage(results, layout, stages):
+    """Issue 37 section 4: DeepSeek-V3's shape (a dense layer, then MoE layers 0-2) on PP2 with
+    mesh.last_stage_layers=1 (stage 0: the dense layer and MoE layers 0-1; stage 1: MoE layer 2, where the
+    even split gives 0 | 1-2) or mesh.first_stage_layers=1 (stage 0: the dense layer alone, no router).
+    Each stage replays its own route columns, and the logprobs equal the single-stage R3 pass."""
+    assert [rank["r3_uneven"][layout]["stage_layers"] for rank in results] == stages
+    for rank in results:
+        r = rank["r3_uneven"][layout]
+        assert r["vs_single"] < 1e-5, r["vs_single"]
+        assert {k: r["metrics"][k] for k in CLEAN} == CLEAN, r["metrics"]
+
+
 def test_r3_training_pass_and_rspo_with_unchanged_weights(results):
     for rank in results:
         r = rank["r3"]

@@ -205,6 +205,47 @@ def run_r2(name: str, mesh: MeshConfig, recompute: str | None) -> dict[str, Any]
     return out
 
 
+# Uneven pipeline stages (issue 37 section 4) on DeepSeek-V3's shape (a dense layer, then 3 MoE layers):
+# the last stage holding one layer (stage 0: the dense layer and MoE layers 0-1; stage 1: MoE layer 2, where
+# the even split gives 0 | 1-2), and the first stage holding only the dense layer (no router on stage 0).
+UNEVEN = {
+    "uneven_last1": MeshConfig(pp=2, last_stage_layers=1),
+    "uneven_first1": MeshConfig(pp=2, first_stage_layers=1),
+}
+
+
+def run_r3_uneven(outdir: Path) -> dict[str, Any]:
+    """R3 on uneven pipeline stages: sampler routes (of a perturbed copy) replayed by one stage, then by
+    each layout of UNEVEN, each stage given only its own MoE layers' routes (`trainer.rows.RouteSlices`,
+    read off megatron's global layer numbers; none for a stage of dense layers only). The logprobs must
+    equal the single-stage pass on the same weights and routes."""
+    batch = _batch()
+    one = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=MeshConfig(), routing_replay=True, seed=5))
+    randomise_expert_bias(one.chunks)
+    ck = outdir / "r3_uneven_weights"
+    routes, _ = _sampler_routes(one, batch, ck)
+    lb = {k: v for k, v in batch.items() if k != "routes"}
+    rep = StepReplay.for_step("R3", one, batch)
+    lp_single = one.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+    one.close()
+    out: dict[str, Any] = {}
+    for name, mesh in UNEVEN.items():
+        pp = Learner(TINY_DEEPSEEK_V3, LearnerConfig(mesh=mesh, routing_replay=True, seed=5))
+        load_params(pp.chunks, ck)
+        mine = list(route_slices(pp).stage[dist.get_rank()])
+        rep = StepReplay.for_step(
+            "R3", pp, {**batch, "routes": routes[:, :, mine].to(torch.int32)}, route_layers=mine
+        )
+        lp = pp.forward(lb, hooks=rep.old_pass_hooks())["logprobs"]
+        out[name] = {
+            "stage_layers": mine,
+            "vs_single": float((lp - lp_single)[batch["loss_mask"]].abs().max()),
+            "metrics": {**rep.old_pass_metrics(), **rep.step_metrics()},
+        }
+        pp.close()
+    return out
+
+
 def _gamma_mean(gammas, batch) -> float:
     """Mean token weight over the loss tokens, over all ranks' micro-batches (each TP rank has a copy)."""
     s = torch.zeros(2, dtype=torch.float64)
@@ -536,6 +577,8 @@ def _rspo_gamma(learner: Learner, batch, ck: Path) -> torch.Tensor:
 
 def main(rank: int, world: int, outdir: Path, only: str | None = None) -> None:
     res: dict[str, Any] = {}
+    if not only or only == "r3_uneven":
+        res["r3_uneven"] = run_r3_uneven(outdir)
     for name, (mesh, recompute) in R2_MESHES.items():
         if only and only != name:
             continue

@@ -27,6 +27,7 @@ from megagrpo.learner.model import build_gpt_model, wrap_ddp
 from megagrpo.learner.train_step import forward_backward, optimizer_step, prepare, reduce_metrics
 from tests.dist._common import (
     TINY_DEEPSEEK_V3,
+    TINY_DEEPSEEK_V3_5L,
     TINY_GLM4_MOE,
     TINY_MOE,
     load_params,
@@ -56,6 +57,7 @@ MESHES = {
     "ep2_pp2": MeshConfig(ep=2, pp=2),
     "tp2_pp2": MeshConfig(tp=2, pp=2, sequence_parallel=True),
     "tp2_ep2_recompute": MeshConfig(tp=2, ep=2, sequence_parallel=True),
+    "pp2_first2": MeshConfig(pp=2, first_stage_layers=2),  # uneven stages: only the 5-layer model below
 }
 BUILD = {"tp2_ep2_recompute": {"recompute": "full"}}  # full activation recompute: RNG tracker + checkpointing
 # The DeepSeek-V3-shaped families (sigmoid router with correction bias, group-limited top-k, shared
@@ -63,6 +65,12 @@ BUILD = {"tp2_ep2_recompute": {"recompute": "full"}}  # full activation recomput
 # after the Qwen3-MoE meshes in the same launch; results under "{family}/{mesh}".
 FAMILY_ARCHS = {"deepseek_v3": TINY_DEEPSEEK_V3, "glm4_moe": TINY_GLM4_MOE}
 FAMILY_MESHES = ("tp2_sp", "ep2", "pp2", "tp2_ep2")
+# Uneven pipeline stages (issue 37 section 4): a 5-layer DeepSeek-V3 shape that no PP size divides, PP2
+# with 2 layers (the dense one and one MoE) on stage 0 and 3 MoE layers on stage 1; "{arch}/{mesh}".
+UNEVEN = {"deepseek_v3_5l": (TINY_DEEPSEEK_V3_5L, "pp2_first2")}
+
+
+UNEVEN_MESHES = {name for _, name in UNEVEN.values()}
 
 
 def loss_kwargs(variant: str, agg: str) -> dict[str, Any]:
@@ -267,12 +275,13 @@ def main(
     meshes: list[str] | None = None,
     invariance_mesh: str = "tp2_sp",
     families: list[str] | None = None,
+    uneven: list[str] | None = None,
 ) -> None:
     env = DistEnv.from_environ()
     t0 = time.time()
     ref = reference(outdir, env)
     results: dict[str, Any] = {"reference_seconds": time.time() - t0}
-    for name in list(MESHES) if meshes is None else meshes:
+    for name in [m for m in MESHES if m not in UNEVEN_MESHES] if meshes is None else meshes:
         results[name] = check_mesh(name, MESHES[name], env, outdir, ref, invariance=name == invariance_mesh)
     for family in families if families is not None else list(FAMILY_ARCHS):
         arch = FAMILY_ARCHS[family]
@@ -282,6 +291,12 @@ def main(
             results[f"{family}/{name}"] = check_mesh(
                 name, MESHES[name], env, fam_dir, ref, invariance=False, arch=arch
             )
+    for key in list(UNEVEN) if uneven is None else uneven:
+        arch, name = UNEVEN[key]
+        ref = reference(outdir / key, env, arch, aggs=("token-mean",))
+        results[f"{key}/{name}"] = check_mesh(
+            name, MESHES[name], env, outdir / key, ref, invariance=False, arch=arch
+        )
     results["hits"] = dict(HITS)
     write_json(outdir / f"rank{rank}.json", results)
     destroy_mesh(process_group=True)

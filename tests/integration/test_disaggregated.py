@@ -147,15 +147,17 @@ def test_async_disaggregated_resumes_trains_and_every_sync_is_bit_exact(fault_ru
 def test_pipeline_stages_send_their_own_weights_bit_exact(tmp_path):
     """PP 2 learners + 1 engine rank: each pipeline stage feeds the engine over a weights group of its own
     (no stage's tensors pass through the owner), and after every sync the engine's parameters hash like the
-    stages' exports together."""
+    stages' exports together. The stages are uneven (issue 37 section 4): 3 layers, 1 on the first stage
+    (mesh.first_stage_layers) and 2 on the last, through `megagrpo train`."""
     from megagrpo.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", "qwen3_moe", seed=1)
+    model = make_tiny_model(tmp_path / "model", "qwen3_moe", seed=1, layers=3)
     shipped = yaml.safe_load(SHIPPED.read_text())
     res = cli(
         "train", str(SHIPPED),
         *size_overrides(tmp_path, model), *data_overrides(shipped, tmp_path), reward_override(shipped),
-        "rollout.num_engines=1", "mesh.pp=2", "mesh.ep=1", "sync.checksum=true", "schedule.steps=2",
+        "rollout.num_engines=1", "mesh.pp=2", "mesh.first_stage_layers=1", "mesh.ep=1", "sync.checksum=true",
+        "schedule.steps=2",
         "schedule.save_every=0", "--nproc", "3",
     )  # fmt: skip
     out = res.stdout + res.stderr

@@ -293,3 +293,23 @@ def test_a_host_that_denies_the_sandbox_namespaces_is_refused_before_any_process
         ["train", write_config(tmp_path, tiny_model("qwen3"), rollout={"multi_turn": mt})], capsys
     )
     assert rc == 0 and started, err
+
+
+# -- issue 37 section 4: uneven pipeline stages must add up to the model's layers ------------------------
+
+
+def test_stage_layer_counts_that_do_not_add_up_fail_before_start(tiny_model, tmp_path, capsys, monkeypatch):
+    spawned: list = []
+    monkeypatch.setattr("megagrpo.cli._spawn_torchrun", lambda *a: spawned.append(a) or 0)
+    model = tiny_model("qwen3_moe", layers=3)  # 3 layers: PP2 needs the ends set
+    cases = {
+        None: "set mesh.first_stage_layers and/or mesh.last_stage_layers",
+        3: "do not add up to the model's 3 layers",
+    }
+    for first, words in cases.items():
+        cfg = write_config(tmp_path, model, mesh={"pp": 2, "first_stage_layers": first})
+        rc, err, _ = run_cli(["train", cfg, "--nproc", "2"], capsys)
+        assert rc == 2 and not spawned and words in err, err
+    cfg = write_config(tmp_path, model, mesh={"pp": 2, "first_stage_layers": 1})
+    rc, err, _ = run_cli(["train", cfg, "--nproc", "2"], capsys)
+    assert rc == 0 and len(spawned) == 1, err  # 1 + 2 layers: the launch goes ahead

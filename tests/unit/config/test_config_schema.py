@@ -176,3 +176,55 @@ def test_check_mesh_per_stage():
     assert check_mesh(cfg, 4, "eval").num_engines == 1  # eval trains nothing: no batch split
     with pytest.raises(ValueError, match="stage"):
         check_mesh(cfg, 1, "submit")
+
+
+# -- uneven pipeline stages (issue 37 section 4) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layers, pp, first, last, want",
+    [
+        (4, 2, None, None, (2, 2)),
+        (61, 8, 5, None, (5, 8, 8, 8, 8, 8, 8, 8)),  # DeepSeek-V3 on PP8: the first stage lighter
+        (61, 16, 1, None, (1,) + (4,) * 15),
+        (61, 4, 16, 15, (16, 15, 15, 15)),
+        (5, 2, 2, None, (2, 3)),
+        (5, 2, None, 1, (4, 1)),
+        (3, 2, 1, 2, (1, 2)),
+        (7, 3, 1, 2, (1, 4, 2)),
+    ],
+)
+def test_stage_layer_counts_follow_megatron(layers, pp, first, last, want):
+    from megagrpo.config.mesh_rules import layers_of_stage, stage_layer_counts
+
+    got = stage_layer_counts(layers, pp, first, last)
+    assert got == want and sum(got) == layers
+    # the stages tile the layers in order, as megatron's get_transformer_layer_offset numbers them
+    assert [i for s in range(pp) for i in layers_of_stage(got, s)] == list(range(layers))
+
+
+@pytest.mark.parametrize(
+    "layers, pp, first, last, words",
+    [
+        (61, 8, None, None, "set mesh.first_stage_layers and/or mesh.last_stage_layers"),
+        (5, 2, 3, 3, "do not add up to the model's 5 layers"),
+        (5, 2, 2, 2, "do not add up"),  # both ends set on PP2: no middle stage takes the fifth layer
+        (4, 3, 3, None, "each needs at least one"),
+        (61, 8, 4, None, "57 layers of the other 7 stage(s) do not split evenly"),
+        (4, 1, 2, None, "needs pp > 1"),
+    ],
+)
+def test_stage_layer_counts_refuse_what_cannot_add_up(layers, pp, first, last, words):
+    from megagrpo.config.mesh_rules import stage_layer_counts
+
+    with pytest.raises(MegagrpoError, match="mesh") as e:
+        stage_layer_counts(layers, pp, first, last)
+    assert words in str(e.value)
+
+
+def test_stage_layer_counts_schema_fields():
+    cfg = make(mesh={"pp": 2, "first_stage_layers": 1})
+    assert cfg.mesh.first_stage_layers == 1 and cfg.mesh.last_stage_layers is None
+    assert "mesh.first_stage_layers" in bad(mesh={"first_stage_layers": 2})  # pp = 1
+    assert "needs pp > 1" in bad(mesh={"first_stage_layers": 2})
+    assert "mesh.last_stage_layers" in bad(mesh={"pp": 2, "last_stage_layers": 0})

@@ -40,7 +40,7 @@ def test_disaggregated_engines_take_the_last_ranks():
 def test_disaggregated_refuses_a_launch_with_no_learner_and_a_cpu_engine_tp():
     with pytest.raises(MegagrpoError, match=r"take 8 of the 8 ranks.*at least 9"):
         rank_roles(8, 4, 2, disaggregated=True, on_gpu=True)
-    with pytest.raises(MegagrpoError, match="rollout.engine_tp=2: the CPU engine runs with engine_tp=1"):
+    with pytest.raises(MegagrpoError, match="rollout.engine_tp=2: SGLang.s CPU engine runs on one rank only"):
         rank_roles(4, 2, 1, disaggregated=True, on_gpu=False)
 
 

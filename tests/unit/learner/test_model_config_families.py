@@ -30,6 +30,23 @@ def test_glm4_moe_keeps_gqa():
     assert c.moe_router_enable_expert_bias and c.moe_router_bias_update_rate == 0.0
 
 
+def test_uneven_pipeline_stages_reach_megatron():
+    """Issue 37 section 4: a layer count PP does not divide builds with the first/last stage counts set,
+    and megatron's own offsets follow them (the bridge and the routers number layers by these)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    five = dataclasses.replace(TINY_DEEPSEEK_V3, num_layers=5)
+    with pytest.raises(MegagrpoError, match="mesh.first_stage_layers and/or mesh.last_stage_layers"):
+        transformer_config_from_arch(five, MeshConfig(pp=2))
+    c = transformer_config_from_arch(five, MeshConfig(pp=2, first_stage_layers=2))
+    assert (c.num_layers_in_first_pipeline_stage, c.num_layers_in_last_pipeline_stage) == (2, None)
+    assert [get_num_layers_to_build(c, pp_rank=r) for r in (0, 1)] == [2, 3]
+    assert [get_transformer_layer_offset(c, pp_rank=r) for r in (0, 1)] == [0, 2]
+    with pytest.raises(MegagrpoError, match="do not add up"):
+        transformer_config_from_arch(five, MeshConfig(pp=2, first_stage_layers=2, last_stage_layers=2))
+
+
 @pytest.mark.parametrize(
     "change, words",
     [

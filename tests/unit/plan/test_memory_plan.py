@@ -15,6 +15,7 @@ import pytest
 from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.cli import main
 from megagrpo.config import load_config
+from megagrpo.errors import MegagrpoError
 from megagrpo.plan.job import plan_memory
 from megagrpo.plan.memory import (
     GIB,
@@ -359,3 +360,26 @@ def test_the_shipped_architecture_facts_are_complete_hf_configs():
         cfg = json.loads((d / "config.json").read_text())
         arch = arch_from_hf(cfg)
         assert arch.num_layers > 0 and math.isfinite(arch.rope_theta)
+
+
+def test_uneven_pipeline_stages_are_planned_by_their_own_layers():
+    """Issue 37 section 4: a layer count that PP does not divide is planned with the first/last stage
+    counts (each stage holds its own layers; a GPU is sized by the largest stage), and refused without."""
+    import dataclasses
+
+    arch = dataclasses.replace(QWEN3_30B, num_layers=57)  # 57 = 1 + 8 x 7: PP8 does not divide it
+    with pytest.raises(MegagrpoError, match="mesh.first_stage_layers"):
+        stage_tensor_numels(arch, PlanMesh(64, pp=8, ep=8), 0)
+    mesh = PlanMesh(64, pp=8, ep=8, first_stage_layers=1)
+    layer = sum(map(sum, stage_tensor_numels(arch, mesh, 3)))  # a middle stage: 8 layers, nothing else
+    dense0, expert0 = stage_tensor_numels(arch, mesh, 0)
+    assert sum(dense0) + sum(expert0) == padded_vocab(arch, 1) * 2048 + layer // 8  # embedding + 1 layer
+    last = stage_tensor_numels(arch, mesh, 7)
+    assert sum(map(sum, last)) == layer + 2048 + padded_vocab(arch, 1) * 2048  # + final norm, output layer
+    # activations follow the stage's layer count (all layers alike here: MoE with the same shapes)
+    a0, a3 = (activation_bytes(arch, mesh, 4096, stage=s) for s in (0, 3))
+    assert a3 == pytest.approx(a0 * (8 + 1) / (1 + 1), rel=1e-9)  # its layers + one in backward
+    w = Workload(mesh=mesh, seq_len=2048, micro_batches=1)
+    plan = plan_workload(arch, w)
+    assert plan.stage != 0  # the one-layer first stage is not the largest
+    assert "pp=8 (layers per stage: 1+8x7)" in plan.table()

@@ -155,3 +155,15 @@ def test_the_check_stage_runs_every_rank_with_the_learners_tp_only(tmp_path):
     assert "--tp 2 --ep 8 --pp 1" in _program(
         "check", colocated, tmp_path / "c.yaml", tmp_path, "job", world=16
     )
+
+
+def test_the_check_stage_builds_uneven_pipeline_stages(tmp_path):
+    """Issue 37 section 4: a colocated PP mesh with set first/last stage layer counts is checked with them
+    (a layer count that pp does not divide builds only so)."""
+    from megagrpo.submit.command import _program
+
+    cfg = load_config(CONFIG, [f"model.hf_path={tmp_path}"], check_paths=False)
+    cfg.rollout.placement.kind = "colocated"
+    cfg.mesh.pp, cfg.mesh.first_stage_layers = 2, 5
+    args = _program("check", cfg, tmp_path / "c.yaml", tmp_path, "job", world=32)
+    assert "--pp 2 --first-stage-layers 5 --model" in args and "--last-stage-layers" not in args

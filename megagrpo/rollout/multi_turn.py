@@ -137,6 +137,9 @@ class Episode:
     bad_requests: int = 0
     agent_failure: str | None = None
     dropped: bool = False
+    # an agent session's other branches that hold a model turn, in the order opened: each trains as a row
+    # of its own, with the session's reward and advantage (`trainer.episodes.episode_rows`)
+    earlier: list[Trajectory] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:

@@ -164,9 +164,9 @@ def row_sessions(
     counts = [-1] * n
     for pos, rows, _, sessions in parts:
         counts[pos] = len(rows)
-        if (sessions is None and len(rows) != G) or (sessions is not None and sorted(set(sessions)) != list(
-            range(G)
-        )):
+        if (sessions is None and len(rows) != G) or (
+            sessions is not None and sorted(set(sessions)) != list(range(G))
+        ):
             raise ValueError(f"group {pos} has rows of sessions {sessions} for {G} sessions")
     if min(counts, default=0) < 0:
         raise ValueError(f"no owner published group {counts.index(-1)} of {n}")

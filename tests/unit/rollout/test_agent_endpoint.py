@@ -467,6 +467,28 @@ def test_the_config_names_the_agent_and_the_episode_sampler_runs_it(tok):
     assert EpisodeSampler.counts(groups)["multi_turn/trajectories"] == 2.0
 
 
+def test_the_episode_sampler_gives_a_branching_session_a_row_per_branch(tok):
+    from megagrpo.config.schema import MultiTurnConfig
+    from megagrpo.rollout.prompt_group import PromptGroup
+    from megagrpo.trainer.episodes import EpisodeSampler
+
+    mt = MultiTurnConfig(
+        enabled=True, agent={"function": "tests.unit.rollout.test_agent_endpoint:_summarising_agent"}
+    )
+    eng = ScriptedEngine(tok, {Q1: [SCRIPT1[0], "<answer>97406785</answer>", "<answer>97406785</answer>"]})
+    groups = [PromptGroup([1], sample=ROW)]
+    try:
+        [comps] = EpisodeSampler(mt).generate(eng, groups, SAMPLING, 2, 0, 4)
+    finally:
+        eng.close()
+    p = groups[0]
+    assert len(comps) == 2 and p.env_rewards == [1.0, 1.0]  # the group's samples: its 2 sessions
+    assert [len(b) for b in p.branches] == [1, 1] and [g for g, _ in p.rows()] == [0, 0, 1, 1]
+    # every row's loss is on ids the engine generated: together, all of them, once each
+    trained = sorted(x for _, c in p.rows() for x in c.output_ids[c.output_mask].tolist())
+    assert trained == sorted(x for r in eng.requests for x in r["out"])
+
+
 def test_an_agent_s_return_is_its_reward():
     from megagrpo.rollout.agent_endpoint import AgentFailed, agent_reward
 

@@ -51,7 +51,7 @@ def length_shaped_rewards(rewards: torch.Tensor, lengths: torch.Tensor, so) -> t
 def local_batch(rows: StepRows, adv: torch.Tensor, rewards: torch.Tensor, *, pad_id: int) -> dict:
     """This rank's learner batch (`trainer.batch.rollout_batch`) from the step's rows and the per-session
     `adv` and `rewards` `[n, G]`: every row takes its session's (`StepRows.session`), so each branch of an
-    agent session trains with the session's advantage (docs/agentic.md, "Branches")."""
+    agent session trains with the session's advantage (docs/agentic.md, "How branches train")."""
     sessions = rows.session[rows.local]
     return rollout_batch(
         [rows.completions], adv.reshape(-1)[sessions], pad_id=pad_id, rewards=rewards.reshape(-1)[sessions]

@@ -176,7 +176,11 @@ def test_every_branch_of_a_session_trains_with_the_session_s_advantage(tok):
     eng, groups, stats = _sessions(tok, script, rows, _by_kind(agents))
     eps = [g[0] for g in groups]  # three sessions of one prompt, sampled as three rows here
     assert [(e.branches, len(e.earlier)) for e in eps] == [(1, 1), (0, 0), (0, 0)]
-    assert stats.metrics()["rollout/branches"] == 1.0
+    m = stats.metrics()
+    # a session's counters hold all its branches: 2 model turns in the branching one, routes of both
+    assert (m["rollout/branches"], m["rollout/turns_mean"]) == (1.0, 4 / 3)
+    routes = sum(t.route_bytes_received for e in eps for t in (e.trajectory, *e.earlier))
+    assert m["rollout/route_bytes_per_traj"] == routes / 3 and eps[0].earlier[0].route_bytes_received > 0
     group = PromptGroup(
         [1], completions=[episode_completion(e) for e in eps], branches=[episode_rows(e) for e in eps]
     )

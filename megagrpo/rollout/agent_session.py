@@ -23,10 +23,11 @@ changed its tools, or asks again after an assistant message) departs from the re
 history rendered by the template (no loss: the earlier model turns in it are the agent's account of them,
 not ids the engine generated in that context), whose turns are then recorded as above; counted in
 `branches`. With "refuse" the request is answered 409 naming the first message that differs, counted in
-`branch_refusals`. The session's learner row is the branch of its last answered request (the one that
-holds the final answer the reward is about); an earlier branch's turns are recorded (`AgentSession.
-branches`) and do not train: a group has one row per session. Every row trains only on ids the engine
-generated, in the context the engine saw.
+`branch_refusals`. Every branch that holds a model turn becomes a learner row: the branch of the last
+answered request is the session's row (`Episode.trajectory`: the one that holds the final answer the reward
+is about), the others are `Episode.earlier`, in the order opened. The session has one reward; the trainer
+gives each of its rows the session's advantage (`trainer.episodes.episode_rows`, docs/agentic.md). Every
+row trains only on ids the engine generated, in the context the engine saw.
 
 Limits, as the driver's (`rollout.multi_turn` module doc): a branch's tokens after its prompt stay within
 `max_tokens` (a turn asks for at most what is left; a request that leaves none ends the session, truncated),
@@ -352,8 +353,9 @@ class AgentSession:
         return split
 
     def episode(self) -> Episode | None:
-        """The session's learner row as an `Episode` (the last answered request's branch), None when no
-        request was answered; `reward` and `done` are the caller's (the agent's outcome)."""
+        """The session as an `Episode`: its row the last answered request's branch, `earlier` its other
+        branches with a model turn; None when no request was answered; `reward` and `done` are the caller's
+        (the agent's outcome)."""
         if self.last is None:
             return None
         ep = Episode(
@@ -365,6 +367,7 @@ class AgentSession:
             cut_in_reasoning=self.cut_in_reasoning,
         )
         ep.branches = len(self.branches) - 1
+        ep.earlier = [b.traj for b in self.branches if b is not self.last and b.traj.turns > 0]
         ep.branch_refusals = self.branch_refusals
         ep.bad_requests = self.bad_requests
         return ep

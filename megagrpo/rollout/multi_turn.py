@@ -137,6 +137,9 @@ class Episode:
     bad_requests: int = 0
     agent_failure: str | None = None
     dropped: bool = False
+    # an agent session's other branches that hold a model turn, in the order opened: each trains as a row
+    # of its own, with the session's reward and advantage (`trainer.episodes.episode_rows`)
+    earlier: list[Trajectory] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
@@ -192,21 +195,22 @@ class MultiTurnStats:
         self.agent_no_request += e.agent_failure == "no_request"
         self.agent_dropped += e.dropped
         self.unscored += e.reward is None
-        self.turns += t.turns
         self.tools.add(e.tools)
         self.truncated_max_turns += e.truncation == "max_turns"
         self.truncated_max_tokens += e.truncation == "max_tokens"
         self.truncated_template += e.truncation == "template"
         self.cut_turns += e.cut_turns
         self.cut_in_reasoning += e.cut_in_reasoning
-        self.model_tokens += t.num_model_tokens
-        self.env_tokens += e.env_tokens
-        self.route_bytes_received += t.route_bytes_received
-        self.route_rows_received += t.route_rows_received
-        self.route_rows_if_resent += t.route_rows_if_resent
-        self.r3_prefix_recomputed += t.prefix_recomputed_turns
-        self.r3_prefix_recomputed_rows += t.prefix_recomputed_rows
-        self.r3_prefix_inexact += t.prefix_inexact_turns
+        for b in (t, *e.earlier):  # an agent session's other branches trained and were received too
+            self.turns += b.turns
+            self.model_tokens += b.num_model_tokens
+            self.env_tokens += b.num_tokens - b.prompt_ids.numel() - b.num_model_tokens
+            self.route_bytes_received += b.route_bytes_received
+            self.route_rows_received += b.route_rows_received
+            self.route_rows_if_resent += b.route_rows_if_resent
+            self.r3_prefix_recomputed += b.prefix_recomputed_turns
+            self.r3_prefix_recomputed_rows += b.prefix_recomputed_rows
+            self.r3_prefix_inexact += b.prefix_inexact_turns
 
     def counts(self) -> dict[str, float]:
         """The counters as `multi_turn/<name>` floats: they add up over engines and rounds

@@ -9,10 +9,11 @@ Keys (B rows, T = longest prompt + output):
   seq_lens      int64   [B]      P + O
   loss_mask     bool    [B, T]   the output tokens (cleared for filtered rows, see `overlong_filter`)
   sampler_logp  float32 [B, T]   the sampler's log p of each output token (0 elsewhere)
-  advantages    float32 [B]      one advantage per completion
-  rewards       float32 [B]      when given: the sequence rewards the advantages came from (rows of one
-                                  prompt group are G consecutive rows; algo.kl.placement=reward reshapes
-                                  them to [B / G, G] to recompute advantages after the KL penalty)
+  advantages    float32 [B]      one advantage per row: its session's (an agent session that branched has
+                                  a row per branch, `trainer.rows`: rows and sessions)
+  rewards       float32 [B]      when given: each row's session's reward, the advantages' source
+                                  (algo.kl.placement=reward sums them back per session, `trainer.rows.
+                                  StepRows.session`, to recompute advantages after the KL penalty)
   routes        int32   [B, T, L, K]  MoE only: the sampler's route of each token as an input
                                   (-1 for padding and the last token, see rollout.completion)
   response_len  int64   [B]      O

@@ -1,5 +1,7 @@
 """Multi-turn sampling in the trainer (`rollout.multi_turn`): an engine's share of prompt groups ->
-trajectories, each as one learner row (`Trajectory.to_completion`), their rewards and their counters.
+trajectories, each as one learner row (`Trajectory.to_completion`), their rewards and their counters. An
+agent session that branched adds a row per other branch (`episode_rows`, `PromptGroup.branches`): the
+session keeps one reward, and each of its rows gets the session's advantage (`trainer.rows`).
 
 Everything downstream of sampling (dynamic sampling, the data plane, packing, PP route slices, TIS/MIS,
 GSPO, replay) sees a trajectory as a completion whose output is every token after the prompt, with
@@ -42,6 +44,7 @@ from megagrpo.rollout.multi_turn import Episode, MultiTurnLimits, MultiTurnStats
 from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.rollout.reasoning import check_reasoning_parser
 from megagrpo.rollout.tool_calls import check_parser_name
+from megagrpo.rollout.trajectory import Trajectory
 
 FIELD = "rollout.multi_turn"
 log = logging.getLogger(__name__)
@@ -103,14 +106,24 @@ def agent_runner(mt: MultiTurnConfig):
     return AgentRunner(a.function, a.command, a.options)
 
 
-def episode_completion(e: Episode) -> Completion:
+def episode_completion(e: Episode, trajectory: Trajectory | None = None) -> Completion:
     """One episode as a learner row; "length" marks a truncated one (`algo.overlong_filter` drops it). An
     episode with an interrupted tool call, or an agent session that failed under `agent.on_failure: drop`,
-    is dropped: its row keeps its tokens and takes no loss."""
-    c = e.trajectory.to_completion(text=e.final_text, finish_reason="length" if e.truncated else "stop")
+    is dropped: its row keeps its tokens and takes no loss. `trajectory`: another branch of the episode's
+    session (`Episode.earlier`), made a row by the same rules: truncation and dropping belong to the
+    session, so every row of it follows them; only the session's own row carries the final text."""
+    t = e.trajectory if trajectory is None else trajectory
+    text = e.final_text if trajectory is None else ""
+    c = t.to_completion(text=text, finish_reason="length" if e.truncated else "stop")
     if (e.tools.interrupted_calls or e.dropped) and c.output_mask is not None:
         c.output_mask = torch.zeros_like(c.output_mask)
     return c
+
+
+def episode_rows(e: Episode) -> list[Completion]:
+    """The rows of an episode's other branches (`Episode.earlier`, empty for the driver's episodes), in
+    the order opened; its own row is `episode_completion(e)`."""
+    return [episode_completion(e, t) for t in e.earlier]
 
 
 class EpisodeSampler:
@@ -169,6 +182,8 @@ class EpisodeSampler:
         out = []
         for p, eps in zip(prompts, episodes, strict=True):
             p.completions = [episode_completion(e) for e in eps]
+            extra = [episode_rows(e) for e in eps]
+            p.branches = extra if any(extra) else None
             p.env_rewards = [e.reward for e in eps]
             stats = MultiTurnStats()
             for e in eps:

@@ -48,6 +48,16 @@ def length_shaped_rewards(rewards: torch.Tensor, lengths: torch.Tensor, so) -> t
     return rewards + pen.view_as(rewards)
 
 
+def local_batch(rows: StepRows, adv: torch.Tensor, rewards: torch.Tensor, *, pad_id: int) -> dict:
+    """This rank's learner batch (`trainer.batch.rollout_batch`) from the step's rows and the per-session
+    `adv` and `rewards` `[n, G]`: every row takes its session's (`StepRows.session`), so each branch of an
+    agent session trains with the session's advantage (docs/agentic.md, "How branches train")."""
+    sessions = rows.session[rows.local]
+    return rollout_batch(
+        [rows.completions], adv.reshape(-1)[sessions], pad_id=pad_id, rewards=rewards.reshape(-1)[sessions]
+    )
+
+
 def correction_masks(spec, cap: float, learner_logp, sampler_logp, loss_mask):
     """One TIS/MIS section (`algo.tis` or `algo.mis`) applied with upper bound `cap`; the schema's null
     `cap_low` is 1/cap for the masking modes (symmetric in log space) and no lower bound for truncate."""
@@ -216,25 +226,23 @@ class GRPOTrainer(Session):
                 num_mini_batches=a.ppo_mini_batches, micro_batch_size=cfg.schedule.micro_batch_size,
                 balance=self.learner.cfg.balance, routes=self.route_slices,
             )  # fmt: skip
-        with timer("reward"):
-            rewards = length_shaped_rewards(dyn.rewards.clone(), rows.response_len, a.soft_overlong)
+        with timer("reward"):  # per session (`trainer.rows`: rows and sessions), each row takes its session's
+            rewards = length_shaped_rewards(dyn.rewards.clone(), rows.session_response_len, a.soft_overlong)
             if cfg.rewards.combine == "gdpo":  # the schema ties it to algo.advantages=gdpo
                 weights = torch.tensor([f.weight for f in cfg.rewards.functions], dtype=torch.float32)
                 adv = gdpo(rows.per_reward, weights, a.adv_eps)
             else:
                 adv = group_advantages(rewards, a.advantages, a.adv_eps)
-        local = rows.local
         m.update(lag_metrics(lags, self.max_lag, lag))
-        batch = rollout_batch(
-            [rows.completions], adv.reshape(-1)[local], pad_id=self.pad_id, rewards=rewards.reshape(-1)[local]
-        )
+        batch = local_batch(rows, adv, rewards, pad_id=self.pad_id)
         # policy lag of each of this rank's tokens (mismatch by lag): a trajectory's tokens carry their own
-        self._token_lags = token_lags(batch, self.step, lags[local])
+        self._token_lags = token_lags(batch, self.step, lags[rows.session[rows.local]])
         if a.overlong_filter:
             keep = overlong_mask([c.finish_reason for c in rows.completions])
             batch["loss_mask"] &= keep[:, None]
         if cfg.rollout.multi_turn.enabled:
             m.update(self._mask_stale_tokens(batch))
+            m["rollout/rows_per_session"] = rows.plan.num_rows / rows.session_response_len.numel()
         lengths = rows.response_len
         m.update(
             {
@@ -435,13 +443,15 @@ class GRPOTrainer(Session):
         return out
 
     def _kl_in_reward(self, batch: dict[str, torch.Tensor], rows: StepRows) -> dict[str, float]:
-        """algo.kl.placement=reward: penalise each sequence's reward by coef * sum_t KL(old || ref) over its
-        response tokens and replace `batch["advantages"]` with the group advantages of the penalised
-        rewards. A group's rows may sit on different DP ranks, so the penalised rewards of the whole
-        batch (B floats) are summed over DP first; every rank then computes the same advantages."""
+        """algo.kl.placement=reward: penalise each session's reward by coef * sum_t KL(old || ref) over the
+        response tokens of its rows (one row per session, or one per branch of an agent session) and
+        replace `batch["advantages"]` with the group advantages of the penalised rewards, each row its
+        session's. A group's rows may sit on different DP ranks, so each session's reward sum, penalty and
+        row count (3 x n x G floats) are summed over DP first; every rank then computes the same advantages.
+        The reward sum over k equal fp32 rewards, divided by k in fp64, is the reward exactly."""
         a = self.cfg.algo
         dev = batch["ref_logp"].device  # the learner's device; the rollout batch stays on the host
-        shaped, penalty = kl_penalised_rewards(
+        _, penalty = kl_penalised_rewards(
             batch["rewards"].to(dev),
             batch["old_logp"].to(dev),
             batch["ref_logp"],
@@ -449,16 +459,17 @@ class GRPOTrainer(Session):
             a.kl.coef,
             a.kl.estimator,
         )
-        B = rows.plan.num_rows
-        both = torch.zeros(2, B, dtype=torch.float64, device=dev)
-        local = rows.local.to(dev)
-        both[0, local], both[1, local] = shaped.to(torch.float64), penalty.to(torch.float64)
-        both = self._dp_reducer().sum(both)
+        sessions = rows.session[rows.local].to(dev)
+        per_row = torch.stack([batch["rewards"].to(dev), penalty, torch.ones_like(penalty)]).to(torch.float64)
+        per_session = torch.zeros(3, rows.session_response_len.numel(), dtype=torch.float64, device=dev)
+        per_session.index_add_(1, sessions, per_row)
+        reward_sum, pen, count = self._dp_reducer().sum(per_session)
+        shaped = reward_sum / count - pen
         G = self.cfg.rollout.group_size
-        adv = group_advantages(both[0].to(torch.float32).view(-1, G), a.advantages, a.adv_eps).reshape(-1)
-        batch["advantages"] = adv[local].to(batch["advantages"].device, torch.float32)
+        adv = group_advantages(shaped.to(torch.float32).view(-1, G), a.advantages, a.adv_eps).reshape(-1)
+        batch["advantages"] = adv[sessions].to(batch["advantages"].device, torch.float32)
         return {
-            "reward/kl_penalty_mean": float(both[1].mean()),
+            "reward/kl_penalty_mean": float(pen.mean()),
             "adv/mean": float(adv.mean()),
             "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
             "adv/abs_max": float(adv.abs().max()),

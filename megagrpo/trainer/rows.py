@@ -10,8 +10,15 @@ rank trains on.
 4. The stage leader hands the same bytes to its stage's other ranks (TP and CP peers), within the stage's
    group.
 
+Rows and sessions. A group holds G sessions (samples) and at least G rows: an agent session that branched
+trains each of its branches as a row of its own (`PromptGroup.rows`), so B = the sum over groups of their
+rows, between n x G and more. Rows are numbered group after group in batch order, session after session
+within a group; `StepRows.session` maps each row to its session (position x G + g), whose reward and
+advantage it takes. Nothing below step 1 knows about groups: the plan and the exchange see B rows.
+
 Per-rank cost (B rows of up to T tokens, L MoE layers, top-k K, DP ranks, PP stages): the rows of its DP
-rank, about B/DP x T x (8 + 4 + 4·K·L/PP) bytes with routes, plus O(B) scalars.
+rank, about B/DP x T x (8 + 4 + 4·K·L/PP) bytes with routes, plus O(B) scalars (with branches, one more
+int per row of a group that has any).
 
 Device memory. On GPUs the groups are NCCL, which moves only device buffers, and this runs before the
 engine releases its pool. The rows therefore travel in pieces of at most `rollout.groups.WIRE_CHUNK_BYTES`
@@ -127,6 +134,8 @@ class StepRows:
     local: Tensor  # int64 [b]: global ids of this rank's rows, in local-batch order
     completions: list[Completion]  # [b] this rank's rows, same order
     bytes_received: int  # this rank's row bytes this step (step 3 or 4 above)
+    session: Tensor  # int64 [B]: each row's session, position x G + g (module doc: rows and sessions)
+    session_response_len: Tensor  # int64 [n x G]: each session's own row's output length
     route_layers: list[int] | None = None  # MoE-layer index of each route column; None = every MoE layer
 
     @property
@@ -136,12 +145,39 @@ class StepRows:
 
 def row_scalars(dyn: DynamicBatch) -> list:
     """Step 1's payload of this rank: per kept group its position, (tokens, output length, truncated)
-    per row, and its per-reward scores (None on a rank without an engine's groups)."""
-    return [
-        (pos, [(c.num_tokens, c.output_ids.numel(), c.finish_reason == "length") for c in p.completions],
-         p.per_reward)
-        for pos, p in zip(dyn.positions, dyn.prompts, strict=True)
-    ]  # fmt: skip
+    per row, its per-reward scores, and each row's session g (None when the group has one row per
+    session, as every group without a branching agent session has)."""
+    out = []
+    for pos, p in zip(dyn.positions, dyn.prompts, strict=True):
+        rows = p.rows()
+        scalars = [(c.num_tokens, c.output_ids.numel(), c.finish_reason == "length") for _, c in rows]
+        out.append((pos, scalars, p.per_reward, [g for g, _ in rows] if p.branches else None))
+    return out
+
+
+def row_sessions(
+    parts: list[tuple[int, list, object, list[int] | None]], n: int, group_size: int
+) -> tuple[Tensor, list[int]]:
+    """(int64 `[B]` session of every row, the first row id of each group) from every owner's `row_scalars`
+    (module doc: rows and sessions). Host cost O(B)."""
+    G = group_size
+    counts = [-1] * n
+    for pos, rows, _, sessions in parts:
+        counts[pos] = len(rows)
+        if (sessions is None and len(rows) != G) or (
+            sessions is not None and sorted(set(sessions)) != list(range(G))
+        ):
+            raise ValueError(f"group {pos} has rows of sessions {sessions} for {G} sessions")
+    if min(counts, default=0) < 0:
+        raise ValueError(f"no owner published group {counts.index(-1)} of {n}")
+    first = [0] * n
+    for pos in range(1, n):
+        first[pos] = first[pos - 1] + counts[pos - 1]
+    session = torch.empty(sum(counts), dtype=torch.int64)
+    for pos, rows, _, sessions in parts:
+        g = torch.arange(G) if sessions is None else torch.tensor(sessions, dtype=torch.int64)
+        session[first[pos] : first[pos] + len(rows)] = pos * G + g
+    return session, first
 
 
 def distribute_rows(
@@ -159,26 +195,29 @@ def distribute_rows(
     receives every route column the sampler returned. Raises on every rank when an owner holds a row
     whose routes do not fit (`RouteSlices.check`): that owner its MegagrpoError, the others `PeerFailed`."""
     G, n = group_size, dyn.kept
-    B = n * G
-    mine = row_scalars(dyn)
+    parts = [x for part in engines.gather_from_engines(row_scalars(dyn)) for x in part or []]
+    session, first = row_sessions(parts, n, G)
+    B = int(session.numel())
     seq_lens = torch.zeros(B, dtype=torch.int64)
     response_len = torch.zeros(B, dtype=torch.int64)
     truncated = torch.zeros(B, dtype=torch.bool)
     per_reward: list[Tensor | None] = [None] * n
-    for part in engines.gather_from_engines(mine):
-        for pos, rows, scores in part or []:
-            for g, (tokens, out, trunc) in enumerate(rows):
-                i = pos * G + g
-                seq_lens[i], response_len[i], truncated[i] = tokens, out, trunc
-            per_reward[pos] = scores
+    for pos, rows, scores, _ in parts:
+        for j, (tokens, out, trunc) in enumerate(rows):
+            i = first[pos] + j
+            seq_lens[i], response_len[i], truncated[i] = tokens, out, trunc
+        per_reward[pos] = scores
+    # a session's own row comes after its other branches (`PromptGroup.rows`): its highest row id
+    own = torch.zeros(n * G, dtype=torch.int64).scatter_reduce(0, session, torch.arange(B), "amax")
+    session_response_len = response_len[own]
     plan = RowPlan.build(
         seq_lens, dp=mesh.dp, num_mini_batches=num_mini_batches, micro_batch_size=micro_batch_size,
         balance=balance,
     )  # fmt: skip
     owned = {
-        pos * G + g: c
+        first[pos] + j: c
         for pos, p in zip(dyn.positions, dyn.prompts, strict=True)
-        for g, c in enumerate(p.completions)
+        for j, (_, c) in enumerate(p.rows())
     }
     if routes is not None:  # an MoE model (on every rank): a bad row stops every rank before the exchange
         with agreed("the step's rows (a sampled row's routes do not fit the learner's model)"):
@@ -206,5 +245,7 @@ def distribute_rows(
         local=local,
         completions=comps,
         bytes_received=received,
+        session=session,
+        session_response_len=session_response_len,
         route_layers=list(routes.stage[engines.rank]) if routes is not None else None,
     )

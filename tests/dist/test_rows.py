@@ -39,6 +39,10 @@ def test_each_rank_receives_exactly_its_dp_ranks_rows(results, mesh, engines):
     rows = sorted(i for local in by_replica.values() for i in local)
     assert rows == list(range(len(results[0][key]["seq_lens"]))), "a row is missing or trained twice"
     assert len(by_replica) == MESHES[mesh]
+    # issue 38: groups 1 and 7 hold an extra row (session 2's other branch, before its own row); every
+    # rank maps every row to its session, and the rows after them shift by one and two
+    want = [pos * 4 + g for pos in range(12) for g in ((0, 1, 2, 2, 3) if pos in (1, 7) else (0, 1, 2, 3))]
+    assert all(results[rank][key]["session"] == want for rank in range(WORLD)) and len(want) == 50
 
 
 @pytest.mark.parametrize("mesh", ["dp2_pp2", "dp1_pp2"])

@@ -1,5 +1,5 @@
 """The step's data plane on 4 gloo ranks: meshes DP4, DP2 x TP2, DP1 x TP4, DP2 x PP2 and DP1 x TP2 x PP2,
-1 or 2 engine owners, a batch of 48 rows with MoE routes for every model layer (as SGLang returns them;
+1 or 2 engine owners, a batch of 50 rows (48 sessions, two of which branched) with MoE routes for every model layer (as SGLang returns them;
 layer 0 is dense). Each rank records the global ids of the rows it received, a digest of their tokens,
 logprobs and the route columns of its pipeline stage, what the plan says it should hold, and its bytes.
 Then (issue 25) two meshes again with the wire cut into 4 KiB pieces, recording the largest byte buffer
@@ -33,12 +33,16 @@ CHUNK = 4096
 TIMEOUT_S = 120  # the process groups' timeout: a rank left waiting would wait this long
 
 
+BRANCHING = (1, 7)  # groups whose session 2 branched once (issue 38): a row more, one on each engine's share
+
+
 def make_group(pos: int) -> PromptGroup:
-    """Group `pos`, a deterministic function of its position (every engine count builds the same one)."""
+    """Group `pos`, a deterministic function of its position (every engine count builds the same one); the
+    groups of `BRANCHING` hold a fifth row, session 2's other branch."""
     gen = torch.Generator().manual_seed(pos)
     prompt = torch.randint(0, 50, (3 + pos % 4,), generator=gen)
     comps = []
-    for g in range(G):
+    for g in range(G + (pos in BRANCHING)):
         n_out = 2 + (pos * G + g) * 7 % 23
         out = torch.randint(0, 50, (n_out,), generator=gen)
         n = prompt.numel() + n_out
@@ -47,7 +51,15 @@ def make_group(pos: int) -> PromptGroup:
             Completion(pos, g, prompt, out, -torch.rand(n_out, generator=gen), "length" if g == 0 else "stop",
                        "decoded text the learner never needs " * 20, routes)
         )  # fmt: skip
-    return PromptGroup(prompt.tolist(), completions=comps, per_reward=torch.ones(G, 1), position=pos)
+    branches = [[], [], [comps.pop()], []] if pos in BRANCHING else None
+    return PromptGroup(
+        prompt.tolist(), completions=comps, per_reward=torch.ones(G, 1), position=pos, branches=branches
+    )
+
+
+def all_rows() -> list[Completion]:
+    """Every row of the batch in its global order (`trainer.rows`: group after group, session after session)."""
+    return [c for pos in range(N_GROUPS) for _, c in make_group(pos).rows()]
 
 
 def digest(c: Completion, route_columns: list[int] | None = None) -> float:
@@ -72,7 +84,8 @@ def step_rows(rank: int, name: str, m, n_engines: int, *, bad_route: bool = Fals
         prompts=prompts, positions=list(share),
     )  # fmt: skip
     rows = distribute_rows(engines, m, dyn, G, num_mini_batches=2, micro_batch_size=2, routes=slices)
-    want = {int(i): digest(make_group(int(i) // G).completions[int(i) % G], cols) for i in rows.local}
+    every = all_rows()
+    want = {int(i): digest(every[int(i)], cols) for i in rows.local}
     return dict(
         dp_rank=m.dp_rank,
         pp_rank=m.pp_ranks[rank],
@@ -87,6 +100,7 @@ def step_rows(rank: int, name: str, m, n_engines: int, *, bad_route: bool = Fals
         route_bytes=sum(c.routes.nbytes for c in rows.completions),
         seq_lens=rows.seq_lens.tolist(),
         truncated=rows.truncated.tolist(),
+        session=rows.session.tolist(),
     )
 
 

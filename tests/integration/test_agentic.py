@@ -87,6 +87,7 @@ def test_multi_turn_metrics_and_r3_exact_on_every_turn(runs, run):
         # no agent session failed, departed or was refused (the endpoint run's; the driver's are 0 too)
         for k in ("branches", "branch_refusals", "agent_bad_requests", "agent_timeouts", "agent_errors"):
             assert r[f"rollout/{k}"] == 0.0, k
+        assert r["rollout/rows_per_session"] == 1.0  # so one row per session, as the driver's
         # 1 byte per route entry (int8 holds the tiny model's experts): rows = tokens - 1 per trajectory
         assert r["rollout/route_bytes_per_traj"] > 0
         for k in range(3):

@@ -4,7 +4,8 @@ scripted fake engine of test_multi_turn, with agents written against the real `o
 * the calculator agent records, token for token, the trajectory the built-in driver records for the same
   conversation (ids, masks, logprobs, versions, routes new-rows-only, seeds), streamed or not;
 * an agent that rewrites its history opens a branch: the learner's row is ids the engine saw, with the loss
-  on exactly the ids it generated; with on_departure=refuse the request is answered 409;
+  on exactly the ids it generated; every branch trains, with its session's advantage; with
+  on_departure=refuse the request is answered 409;
 * faults: an agent that hangs, crashes, sends a malformed request, or sends no token ends its session
   within its budget, counted, and the rollout completes; a request after its session ended gets 410;
   a command agent runs with its base URL in its environment.
@@ -151,6 +152,54 @@ def test_a_history_that_departs_opens_a_branch_and_the_learner_trains_on_the_eng
     assert b["input_ids"][0].tolist() == second["ids"] + second["out"]
     assert b["input_ids"][0][b["loss_mask"][0]].tolist() == second["out"]
     assert torch.equal(b["sampler_logp"][0][b["loss_mask"][0]], t.model_segments[0].logprobs)
+
+
+def _answers_zero(base_url, row):
+    _one_request(base_url, row)
+    return 0.0
+
+
+def test_every_branch_of_a_session_trains_with_the_session_s_advantage(tok):
+    """A group of G = 3 sessions, one of which branches: both of its branches reach the learner's batch,
+    each with the loss on exactly the ids the engine generated in that branch, and both with the session's
+    advantage; the group's advantages are those of its 3 sessions, as without the branch."""
+    from megagrpo.algo.advantages import group_advantages
+    from megagrpo.rollout.prompt_group import PromptGroup
+    from megagrpo.trainer.episodes import episode_rows
+    from megagrpo.trainer.grpo import local_batch
+    from tests.unit.trainer.test_branch_rows import step_rows
+
+    q2 = "What is 2 + 2?"
+    script = {Q1: [SCRIPT1[0], "<answer>97406785</answer>", "<answer>97406785</answer>"], q2: ["4"]}
+    rows = [{**ROW, "kind": "branch"}, {"prompt": q2, "kind": "one"}, {"prompt": q2, "kind": "zero"}]
+    agents = {"branch": _summarising_agent, "one": _one_request, "zero": _answers_zero}
+    eng, groups, stats = _sessions(tok, script, rows, _by_kind(agents))
+    eps = [g[0] for g in groups]  # three sessions of one prompt, sampled as three rows here
+    assert [(e.branches, len(e.earlier)) for e in eps] == [(1, 1), (0, 0), (0, 0)]
+    m = stats.metrics()
+    # a session's counters hold all its branches: 2 model turns in the branching one, routes of both
+    assert (m["rollout/branches"], m["rollout/turns_mean"]) == (1.0, 4 / 3)
+    routes = sum(t.route_bytes_received for e in eps for t in (e.trajectory, *e.earlier))
+    assert m["rollout/route_bytes_per_traj"] == routes / 3 and eps[0].earlier[0].route_bytes_received > 0
+    group = PromptGroup(
+        [1], completions=[episode_completion(e) for e in eps], branches=[episode_rows(e) for e in eps]
+    )
+    rewards = torch.tensor([[e.reward for e in eps]])
+    adv = group_advantages(rewards, "grpo")
+    assert adv[0, 0] > 0 and adv[0, 2] < 0
+    step = step_rows([group], group_size=3)
+    batch = local_batch(step, adv, rewards, pad_id=0)
+    assert step.session.tolist() == [0, 0, 1, 2]
+    first, second = (r for r in eng.requests if Q1 in tok.decode(r["ids"]))
+    for rid, req in ((0, first), (1, second)):  # the branch opened first, then the session's own row
+        i = step.local.tolist().index(rid)
+        n = int(batch["seq_lens"][i])
+        assert batch["input_ids"][i, :n].tolist() == req["ids"] + req["out"]
+        assert batch["input_ids"][i][batch["loss_mask"][i]].tolist() == req["out"]
+        assert batch["advantages"][i] == adv[0, 0]
+    # the session advantages are the group's: the plain sessions' rows get theirs
+    for rid, g in ((2, 1), (3, 2)):
+        assert batch["advantages"][step.local.tolist().index(rid)] == adv[0, g]
 
 
 def test_on_departure_refuse_answers_409_and_counts(tok):
@@ -420,6 +469,28 @@ def test_the_config_names_the_agent_and_the_episode_sampler_runs_it(tok):
     assert sum(int(c.output_mask.sum()) for c in comps) == sum(len(r["out"]) for r in eng.requests)
     assert set(comps[0].output_versions[comps[0].output_mask].tolist()) == {4}
     assert EpisodeSampler.counts(groups)["multi_turn/trajectories"] == 2.0
+
+
+def test_the_episode_sampler_gives_a_branching_session_a_row_per_branch(tok):
+    from megagrpo.config.schema import MultiTurnConfig
+    from megagrpo.rollout.prompt_group import PromptGroup
+    from megagrpo.trainer.episodes import EpisodeSampler
+
+    mt = MultiTurnConfig(
+        enabled=True, agent={"function": "tests.unit.rollout.test_agent_endpoint:_summarising_agent"}
+    )
+    eng = ScriptedEngine(tok, {Q1: [SCRIPT1[0], "<answer>97406785</answer>", "<answer>97406785</answer>"]})
+    groups = [PromptGroup([1], sample=ROW)]
+    try:
+        [comps] = EpisodeSampler(mt).generate(eng, groups, SAMPLING, 2, 0, 4)
+    finally:
+        eng.close()
+    p = groups[0]
+    assert len(comps) == 2 and p.env_rewards == [1.0, 1.0]  # the group's samples: its 2 sessions
+    assert [len(b) for b in p.branches] == [1, 1] and [g for g, _ in p.rows()] == [0, 0, 1, 1]
+    # every row's loss is on ids the engine generated: together, all of them, once each
+    trained = sorted(x for _, c in p.rows() for x in c.output_ids[c.output_mask].tolist())
+    assert trained == sorted(x for r in eng.requests for x in r["out"])
 
 
 def test_an_agent_s_return_is_its_reward():

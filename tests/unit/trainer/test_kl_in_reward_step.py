@@ -58,7 +58,7 @@ def test_reward_placement_replaces_the_advantages_per_group():
     order = torch.tensor([2, 0, 3, 1])
     local = {k: v[order] for k, v in batch.items()}
     trainer = types.SimpleNamespace(cfg=cfg, _dp_reducer=LocalReducer)
-    rows = types.SimpleNamespace(local=order, plan=types.SimpleNamespace(num_rows=4))
+    rows = types.SimpleNamespace(local=order, session=torch.arange(4), session_response_len=torch.zeros(4))
     m = GRPOTrainer._kl_in_reward(trainer, local, rows)
     torch.testing.assert_close(local["advantages"], want[order])
     # The overlong-filtered row 3 still pays its penalty, so its group's baseline is not biased.

@@ -14,7 +14,7 @@ from typing import Any
 
 from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_v3_family
 from megagrpo.bridge.hf_fields import require, unsupported
-from megagrpo.config.model import FAMILIES, ModelArch
+from megagrpo.config.model import FAMILIES, MODEL_TYPE_ALIASES, ModelArch
 from megagrpo.errors import MegagrpoError
 
 # HF architectures class written into an exported config.json, per family.
@@ -84,10 +84,13 @@ def _reject(cond: bool, where: str, field: str, value: Any, why: str) -> None:
 def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
     """Derive the framework-free `ModelArch` from a HF config (dict, model dir or config.json path)."""
     cfg, where = load_hf_config(config)
-    family = cfg.get("model_type")
+    model_type = cfg.get("model_type")
+    family = MODEL_TYPE_ALIASES.get(model_type, model_type)
     if family not in FAMILIES:
+        aliases = ", ".join(f"{a} (as {f})" for a, f in MODEL_TYPE_ALIASES.items())
         raise MegagrpoError(
-            f"{where}: model_type={family!r} is not supported; supported model types: {', '.join(FAMILIES)}"
+            f"{where}: model_type={model_type!r} is not supported; supported model types: "
+            f"{', '.join(FAMILIES)}, and their published aliases {aliases}"
         )
     if family in V3_FAMILIES:
         return ModelArch(**parse_v3_family(cfg, where, family))
@@ -209,6 +212,14 @@ def hf_config_from_arch(
     return _finish(arch, kw, base, dtype)
 
 
+def exported_config(arch: ModelArch, source_dir: str | Path, *, dtype: str | None = None) -> dict[str, Any]:
+    """`hf_config_from_arch` for an export beside `source_dir`: its config.json, when there is one, is the
+    base, so the export keeps the source's extra fields, auto_map and published model_type."""
+    path = Path(source_dir) / "config.json"
+    base = load_hf_config(path)[0] if path.is_file() else None
+    return hf_config_from_arch(arch, base=base, dtype=dtype)
+
+
 def _finish(
     arch: ModelArch, kw: dict[str, Any], base: dict[str, Any] | None, dtype: str | None
 ) -> dict[str, Any]:
@@ -220,10 +231,15 @@ def _finish(
     ):  # fmt: skip
         cfg.pop(k, None)
     cfg.update(kw)
-    cfg["model_type"] = f
+    cfg["model_type"], cfg["architectures"] = f, [ARCHITECTURES[f]]
+    source = base or {}
+    if MODEL_TYPE_ALIASES.get(source.get("model_type")) == f:
+        # the family under its published name (Kimi-K2's kimi_k2): keep the name and classes, so the
+        # export loads through the same auto_map (and the same SGLang model class) as the original
+        cfg["model_type"] = source["model_type"]
+        cfg["architectures"] = list(source.get("architectures") or cfg["architectures"])
     if dtype is not None:
         cfg["dtype"] = dtype
-    cfg["architectures"] = [ARCHITECTURES[f]]
     out = dict(sorted(cfg.items()))
     back = arch_from_hf(out)
     if back != arch:

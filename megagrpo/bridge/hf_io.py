@@ -38,6 +38,7 @@ SIDE_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "tokenizer.model",
+    "tiktoken.model",  # Kimi-K2's tiktoken BPE ranks (read by its tokenization_kimi.py)
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
@@ -233,10 +234,39 @@ def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
         raise
 
 
+def remote_code_files(src: Path) -> list[str]:
+    """The Python files in `src` that the `auto_map`s of its config.json and tokenizer_config.json name
+    (Kimi-K2: configuration_deepseek.py, tokenization_kimi.py), with the local modules they import
+    (transformers' `get_relative_import_files`, as its loader copies them). References into another
+    repository (`repo--module.Class`) have no file here."""
+    modules: set[str] = set()
+    for name in ("config.json", "tokenizer_config.json"):
+        path = src / name
+        if not path.is_file():
+            continue
+        try:
+            auto_map = json.loads(path.read_text()).get("auto_map") or {}
+        except json.JSONDecodeError as e:
+            raise MegagrpoError(f"{path}: not valid JSON ({e}); restore the model's {name}") from e
+        refs = auto_map if isinstance(auto_map, list) else list(auto_map.values())
+        for ref in refs:
+            for r in ref if isinstance(ref, list) else [ref]:
+                if isinstance(r, str) and "--" not in r and "." in r:
+                    modules.add(r.rsplit(".", 1)[0] + ".py")
+    files = {m for m in modules if (src / m).is_file()}
+    if files:
+        from transformers.dynamic_module_utils import get_relative_import_files
+
+        for m in sorted(files):
+            files |= {Path(f).name for f in get_relative_import_files(str(src / m))}
+    return sorted(files)
+
+
 def copy_side_files(src: Path, dst: Path, names: Iterable[str] = SIDE_FILES) -> list[str]:
-    """Copy tokenizer / generation-config files that exist in `src`; return the names copied."""
+    """Copy tokenizer / generation-config files that exist in `src`, and the Python files its auto_maps
+    name (`remote_code_files`), so `dst` loads wherever `src` did; return the names copied."""
     copied = []
-    for n in names:
+    for n in [*names, *remote_code_files(src)]:
         if (src / n).is_file():
             shutil.copy2(src / n, dst / n)
             copied.append(n)

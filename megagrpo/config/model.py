@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+# Published `model_type`s that are one of FAMILIES under another name: the checkpoint ships its own
+# configuration class (`auto_map`), but the architecture is the family's, field for field. Accepted as
+# the family; an export keeps the source's name, so the exported directory looks like the original.
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: configuration_deepseek.DeepseekV3Config
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,14 @@ class ModelConfig(Section):
         description="Tokenizer directory when it differs from hf_path; null uses hf_path. Lets a "
         "checkpoint reuse the base model's tokenizer and chat template.",
     )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Let transformers and SGLang run the Python the checkpoint ships (its config.json / "
+        "tokenizer_config.json `auto_map`: Kimi-K2's configuration_deepseek.py and tiktoken tokenizer "
+        "tokenization_kimi.py), in every process that loads the model or its tokenizer (trainer, learner "
+        "ranks, engines). Off by default because that is arbitrary code execution from the model directory; "
+        "the preflight names the files and classes when a model needs it.",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the tokenizer's chat template, passed wherever it is rendered: prompts, "

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from megagrpo.bridge.export import ExportGroups, export_tensors, iter_hf_buckets
-from megagrpo.bridge.hf_config import hf_config_from_arch
+from megagrpo.bridge.hf_config import exported_config
 from megagrpo.bridge.hf_io import (
     HFCheckpoint,
     atomic_output_dir,
@@ -166,8 +166,7 @@ def export(
         weight_map = write_hf_checkpoint(
             tmp, itertools.chain(buckets, mtp), expected_names=hf_names(arch) + mtp_names
         )
-        base = json.loads((ckpt / "config.json").read_text()) if (ckpt / "config.json").is_file() else None
-        cfg = hf_config_from_arch(arch, base=base, dtype=str(out_dtype).removeprefix("torch."))
+        cfg = exported_config(arch, ckpt, dtype=str(out_dtype).removeprefix("torch."))
         if arch.mtp_layers and not mtp_names:
             # a config that promises MTP layers without their tensors loads nowhere that uses them
             log.warning(

@@ -30,6 +30,9 @@ class RolloutConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # SGLang's trust_remote_code: run the checkpoint's own Python (its `auto_map` config / tokenizer classes)
+    # in the engine's processes, and in the remote engine's tokenizer load (model.trust_remote_code)
+    trust_remote_code: bool = False
     log_level: str = "error"
     extra_engine_args: dict = field(default_factory=dict)  # passed to sglang.Engine verbatim, last
 

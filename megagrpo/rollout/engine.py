@@ -448,6 +448,7 @@ class RolloutEngine(EngineRequests):
             random_seed=cfg.seed,
             log_level=cfg.log_level,
             enable_return_routed_experts=cfg.return_routes and self.is_moe_config(),
+            trust_remote_code=cfg.trust_remote_code,
         )
         if cfg.max_context_len is not None:
             kw["context_length"] = cfg.max_context_len

@@ -81,7 +81,9 @@ class RemoteEngine(EngineRequests):
         self._read_dims(self._hf_config().get)
         self._routes = bool(info.get("enable_return_routed_experts")) and self.num_experts is not None
         self.context_len = int(models["data"][0]["max_model_len"])
-        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.cfg.model_path, trust_remote_code=self.cfg.trust_remote_code
+        )
         self._loop = asyncio.new_event_loop()
         return self
 

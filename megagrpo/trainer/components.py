@@ -6,6 +6,8 @@ single place that translates the user-facing schema into them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megagrpo.config.schema import Config
@@ -73,6 +75,16 @@ def optimizer_factory(
     return learner_optimizer_factory(ocfg)
 
 
+def load_tokenizer(cfg: Config, model_path: str) -> Any:
+    """The run's tokenizer: model.tokenizer_path, else the model's own, running the checkpoint's Python
+    only when model.trust_remote_code allows it (Kimi-K2's tiktoken tokenizer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        cfg.model.tokenizer_path or model_path, trust_remote_code=cfg.model.trust_remote_code
+    )
+
+
 def rollout_config(cfg: Config, model_path: str) -> RolloutConfig:
     r = cfg.rollout
     dtype = r.dtype if r.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
@@ -86,6 +98,7 @@ def rollout_config(cfg: Config, model_path: str) -> RolloutConfig:
         return_routes=True,  # MoE routes feed R3 and the rollout-vs-learner agreement statistics
         max_total_tokens=kv_cache_tokens(cfg),
         seed=cfg.schedule.seed,
+        trust_remote_code=cfg.model.trust_remote_code,
     )
 
 

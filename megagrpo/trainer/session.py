@@ -25,7 +25,7 @@ from megagrpo.rollout.groups import EngineGroups
 from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.trainer import checkpointing
 from megagrpo.trainer.batch import turn_index
-from megagrpo.trainer.components import learner_config, optimizer_factory, sampling_config
+from megagrpo.trainer.components import learner_config, load_tokenizer, optimizer_factory, sampling_config
 from megagrpo.trainer.health import HealthConfig, health_warnings
 from megagrpo.trainer.metrics import MetricsLogger, console_line
 from megagrpo.trainer.rows import route_slices
@@ -50,8 +50,6 @@ class Session(SamplerMixin):
     needs_engine = True
 
     def __init__(self, cfg: Config, *, resume: str | None = None) -> None:
-        from transformers import AutoTokenizer
-
         from megagrpo.data.iterator import PromptIterator
         from megagrpo.data.sets import build_prompt_sets
         from megagrpo.data.template import PromptFormatter
@@ -64,7 +62,7 @@ class Session(SamplerMixin):
         self.out_dir = Path(self.output_dir())
         self.ckpt_root = Path(self.checkpoint_dir())
         self.arch = arch_from_hf(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
+        self.tokenizer = load_tokenizer(cfg, self.model_path)
         self.pad_id = (
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
-from megagrpo.bridge.hf_config import hf_config_from_arch
+from megagrpo.bridge.hf_config import exported_config
 from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, copy_side_files, write_hf_checkpoint
 from megagrpo.bridge.load import iter_local_shards
 from megagrpo.bridge.maps import Placement
@@ -186,10 +186,5 @@ def save_hf(
         write_hf_checkpoint(tmp, buckets)
         src = Path(side_files_from)
         copy_side_files(src, tmp)
-        base = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
-        cfg = (
-            hf_config_from_arch(learner.arch, base=base)
-            if base is not None
-            else hf_config_from_arch(learner.arch)
-        )
+        cfg = exported_config(learner.arch, src)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

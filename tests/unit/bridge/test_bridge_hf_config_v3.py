@@ -31,7 +31,7 @@ DEEPSEEK_V3 = {
     "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
 }  # fmt: skip
 KIMI_K2 = {
-    **DEEPSEEK_V3, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "n_routed_experts": 384,
+    **DEEPSEEK_V3, "model_type": "kimi_k2", "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "n_routed_experts": 384,
     "num_attention_heads": 64, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "rope_theta": 50000.0,
     "routed_scaling_factor": 2.827, "vocab_size": 163840, "max_position_embeddings": 131072,
     "rope_scaling": {**_YARN, "beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0},
@@ -161,3 +161,30 @@ def test_tiny_models_have_the_router_the_issue_asks_for(tiny_model, arch):
     assert a.is_mla == (arch == "deepseek_v3") and (a.rope_type == "yarn") == (arch == "deepseek_v3")
     cfg = json.loads((d / "config.json").read_text())
     assert arch_from_hf(hf_config_from_arch(a, base=cfg)) == a
+
+
+def test_kimi_k2_is_deepseek_v3_under_its_published_name():
+    a = arch_from_hf(KIMI_K2)
+    assert a.family == "deepseek_v3" and a == arch_from_hf({**KIMI_K2, "model_type": "deepseek_v3"})
+    # the export keeps the published name and classes (its auto_map names a kimi_k2 configuration class)
+    out = hf_config_from_arch(a, base=KIMI_K2)
+    assert (out["model_type"], out["architectures"], out["auto_map"]) == (
+        "kimi_k2",
+        ["DeepseekV3ForCausalLM"],
+        KIMI_K2["auto_map"],
+    )
+    assert hf_config_from_arch(a)["model_type"] == "deepseek_v3"  # no source: the family's own name
+    # an alias of another family is not taken over by this one
+    glm = arch_from_hf(GLM45)
+    assert hf_config_from_arch(glm, base={**GLM45, "model_type": "kimi_k2"})["model_type"] == "glm4_moe"
+    with pytest.raises(MegagrpoError, match=r"model_type='kimi_k3'.*aliases kimi_k2 \(as deepseek_v3\)"):
+        arch_from_hf({**KIMI_K2, "model_type": "kimi_k3"})
+
+
+def test_the_shipped_kimi_k2_config_is_the_published_one():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "configs" / "models" / "Kimi-K2" / "config.json"
+    cfg = json.loads(path.read_text())
+    assert cfg["model_type"] == "kimi_k2" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert arch_from_hf(path) == arch_from_hf(KIMI_K2)

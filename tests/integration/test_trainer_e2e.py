@@ -343,4 +343,4 @@ def test_the_families_train_with_gspo_r3_and_tis(tmp_path, family):
     for rec in recs:
         assert rec["sync/bytes"] > 0 or rec["step"] == 1
         assert rec["mismatch/abs_dp_max"] <= 1e-5 and rec["mismatch/abs_dlogp_mean"] <= 1e-6, rec
-        assert rec["moe/agreement_rollout_old"] == 1.0 and rec["moe/replay_fallback_tokens"] == 0
+        assert rec["moe/agreement_rollout_old"] > 0.99 and rec["moe/replay_fallback_tokens"] == 0

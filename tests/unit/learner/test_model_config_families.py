@@ -46,3 +46,20 @@ def test_unreproducible_descriptions_are_refused(change, words):
 def test_yarn_without_mla_is_refused():
     with pytest.raises(MegagrpoError, match="YaRN"):
         transformer_config_from_arch(dataclasses.replace(TINY_GLM4_MOE, rope_type="yarn"), MeshConfig())
+
+
+def test_mla_without_a_q_latent_has_no_q_latent_norm():
+    """q_lora_rank null (Moonlight): megatron's local spec gives MLA a q norm whenever qk_layernorm is set,
+    and its MLASelfAttention refuses to build with a norm it would not use (`megagrpo train` failed)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megagrpo.learner.model import _local_block_spec
+
+    c = transformer_config_from_arch(dataclasses.replace(TINY_DEEPSEEK_V3, q_lora_rank=None), MeshConfig())
+    assert c.q_lora_rank is None and c.qk_layernorm
+    spec = _local_block_spec(c, None, 0)
+    assert all(
+        layer.submodules.self_attention.submodules.q_layernorm is IdentityOp for layer in spec.layer_specs
+    )
+    kv_norms = {layer.submodules.self_attention.submodules.kv_layernorm for layer in spec.layer_specs}
+    assert IdentityOp not in kv_norms  # the kv latent keeps its norm

@@ -304,7 +304,6 @@ def transformer_config_from_arch(
 
 def _local_block_spec(config: Any, vp_stage: int | None, pp_rank: int | None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
     from megatron.core.transformer.identity_op import IdentityOp
 
     from megagrpo.learner.attention import TorchCoreAttention, local_mla_self_attention

@@ -123,6 +123,11 @@ def local_mla_self_attention() -> type:
     handing it over in the sequence-parallel layout of megatron's duplicated-`Linear` path (TE's) makes
     megatron gather `k_pos_emb` over the sequence itself, whose backward reduce-scatter sums the heads'
     parts over TP. MoE models need sequence parallelism with TP > 1 anyway (`learner.model`).
+
+    Without a q latent (`q_lora_rank` null: Moonlight, DeepSeek-V2-Lite) the query is one plain projection
+    of the layer's input and only the kv latent has a norm. megatron's resolver of MLA norms cannot say
+    that without Transformer Engine: with `qk_layernorm` it wants a fused norm+linear q projection (a norm
+    these models lack), and it refuses the local spec's q norm as unused. `_resolve_qk_norm_config` says it.
     """
     global _LOCAL_MLA
     if _LOCAL_MLA is None:
@@ -130,6 +135,7 @@ def local_mla_self_attention() -> type:
             gather_from_tensor_model_parallel_region,
             scatter_to_sequence_parallel_region,
         )
+        from megatron.core.transformer.identity_op import IdentityOp
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
         class LocalMLASelfAttention(MLASelfAttention):
@@ -142,6 +148,17 @@ def local_mla_self_attention() -> type:
                         gather_from_tensor_model_parallel_region(kv_combined)
                     )
                 return q_compressed, kv_combined
+
+            def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+                if self.config.q_lora_rank is not None or not self.config.qk_layernorm:
+                    return super()._resolve_qk_norm_config(submodules)
+                return dict(
+                    linear_q_proj=submodules.linear_q_proj,
+                    linear_q_up_proj=IdentityOp,
+                    linear_kv_up_proj=submodules.linear_kv_up_proj,
+                    q_layernorm=IdentityOp,
+                    kv_layernorm=submodules.kv_layernorm,
+                )
 
         _LOCAL_MLA = LocalMLASelfAttention
     return _LOCAL_MLA

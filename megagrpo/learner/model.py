@@ -304,7 +304,6 @@ def transformer_config_from_arch(
 
 def _local_block_spec(config: Any, vp_stage: int | None, pp_rank: int | None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.identity_op import IdentityOp
 
     from megagrpo.learner.attention import TorchCoreAttention, local_mla_self_attention
 
@@ -318,12 +317,6 @@ def _local_block_spec(config: Any, vp_stage: int | None, pp_rank: int | None) ->
         )
         if config.multi_latent_attention:
             attn = dataclasses.replace(attn, module=local_mla_self_attention())
-            if config.q_lora_rank is None:
-                # No q latent (Moonlight, DeepSeek-V2-Lite), so no q latent norm: megatron's local spec
-                # gives one whenever qk_layernorm is set, and its MLA refuses a norm it would not use.
-                attn = dataclasses.replace(
-                    attn, submodules=dataclasses.replace(attn.submodules, q_layernorm=IdentityOp)
-                )
         layer.submodules.self_attention = attn
     return spec
 

@@ -78,12 +78,12 @@ def make_config(
     tok,
     *,
     hidden: int,
+    q_lora_rank: int = 32,
     layers: int,
     experts: int,
     topk: int,
     tie: bool,
     max_pos: int,
-    q_lora_rank: int = 32,
 ):
     from transformers import AutoConfig
 
@@ -184,6 +184,7 @@ def make_tiny_model(
     arch: str = "qwen3_moe",
     *,
     hidden: int = 64,
+    q_lora_rank: int = 32,
     layers: int = 2,
     experts: int = 8,
     topk: int = 2,
@@ -192,7 +193,6 @@ def make_tiny_model(
     max_pos: int = 512,
     seed: int = 0,
     init_std: float = 0.02,
-    q_lora_rank: int = 32,
 ) -> Path:
     """Create the model directory atomically (written beside it, then renamed) and return its path."""
     import torch
@@ -209,12 +209,12 @@ def make_tiny_model(
         vocab_size,
         tok,
         hidden=hidden,
+        q_lora_rank=q_lora_rank,
         layers=layers,
         experts=experts,
         topk=topk,
         tie=tie,
         max_pos=max_pos,
-        q_lora_rank=q_lora_rank,
     )
     cfg.initializer_range = init_std
     torch.manual_seed(seed)

@@ -42,8 +42,9 @@ import torch
 from megagrpo.bridge.hf_io import open_safetensors
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.engine import EngineFailed
+from megagrpo.sync import sglang_layout
 from megagrpo.sync.buckets import NamedTensor, tensor_bytes
-from megagrpo.sync.sglang_layout import FusedParam, engine_dtype, fuse_into, sglang_params, sglang_plan
+from megagrpo.sync.sglang_layout import FusedParam, fuse_into, sglang_params, sglang_plan
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +427,7 @@ class _Packer:
         self.owner, self.dtype, self.staging = owner, dtype, staging or _Staging()
         params = {fp.name: fp for fp in owner.values()}  # room for every parameter that `owner` can fill
         self.staging.begin(
-            _Staging.nbytes((fp.shape, engine_dtype(fp.name, dtype)) for fp in params.values())
+            _Staging.nbytes((fp.shape, sglang_layout.engine_dtype(fp.name, dtype)) for fp in params.values())
         )
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.sends: list[list[NamedTensor]] = []
@@ -442,7 +443,9 @@ class _Packer:
                 ready.append((fp, [got[p] for p in fp.parts]))
         if not ready:
             return
-        outs = self.staging.views([(fp.shape, engine_dtype(fp.name, self.dtype)) for fp, _ in ready])
+        outs = self.staging.views(
+            [(fp.shape, sglang_layout.engine_dtype(fp.name, self.dtype)) for fp, _ in ready]
+        )
         for (fp, parts), out in zip(ready, outs):
             fuse_into(out, parts)
             if not all_finite(out):
@@ -831,7 +834,7 @@ def verify_checksum(engine: Any, buckets: list[list[NamedTensor]]) -> bool:
     if int(eng.server_args.tp_size) != 1:
         raise MegagrpoError("weight sync checksum supports engines with tp_size=1 only; set checksum=false")
     dtype = eng.tokenizer_manager.model_config.dtype
-    sent = {name: t.to(engine_dtype(name, dtype)) for b in buckets for name, t in b}
+    sent = {name: t.to(dtype) for b in buckets for name, t in b}
     expected = sglang_params(sent)
     held = engine_checksums(eng)
     common = [n for n in expected if n in held]

@@ -30,6 +30,19 @@ def test_glm4_moe_keeps_gqa():
     assert c.moe_router_enable_expert_bias and c.moe_router_bias_update_rate == 0.0
 
 
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(moe_renormalize_topk=False), "always renormalised"),
+        (dict(moe_router_num_groups=3), "moe_router_num_groups=3"),
+        (dict(num_kv_heads=2), "num_kv_heads == num_attention_heads"),
+    ],
+)
+def test_unreproducible_descriptions_are_refused(change, words):
+    with pytest.raises(MegagrpoError, match=words):
+        transformer_config_from_arch(dataclasses.replace(TINY_DEEPSEEK_V3, **change), MeshConfig())
+
+
 def test_mla_without_a_q_latent_has_a_plain_q_projection_and_the_kv_norm():
     """q_lora_rank null (Moonlight): megatron's MLA norm resolver, without Transformer Engine, refused the
     local spec (a q norm it would not use, or no fused norm+linear q projection), so `megagrpo train` failed
@@ -49,19 +62,6 @@ def test_mla_without_a_q_latent_has_a_plain_q_projection_and_the_kv_norm():
     assert got["linear_q_proj"] is sub.linear_q_proj and got["q_layernorm"] is IdentityOp
     assert got["kv_layernorm"] is sub.kv_layernorm and sub.kv_layernorm is not IdentityOp
     assert got["linear_kv_up_proj"] is sub.linear_kv_up_proj
-
-
-@pytest.mark.parametrize(
-    "change, words",
-    [
-        (dict(moe_renormalize_topk=False), "always renormalised"),
-        (dict(moe_router_num_groups=3), "moe_router_num_groups=3"),
-        (dict(num_kv_heads=2), "num_kv_heads == num_attention_heads"),
-    ],
-)
-def test_unreproducible_descriptions_are_refused(change, words):
-    with pytest.raises(MegagrpoError, match=words):
-        transformer_config_from_arch(dataclasses.replace(TINY_DEEPSEEK_V3, **change), MeshConfig())
 
 
 def test_yarn_without_mla_is_refused():

@@ -12,6 +12,7 @@ costs one engine start, shared by the tests of every engine file. Tests that cha
 from __future__ import annotations
 
 import os
+import signal
 
 import psutil
 import pytest
@@ -78,7 +79,11 @@ def family_engine(request, tiny_model):
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_model(**FAMILY_MODELS[request.param])
+    # SIGQUIT has one handler per process and an engine's start takes it over (rollout.engine, "SIGQUIT");
+    # the session engine's is put back, which tests of that engine check (one engine per trainer process).
+    session_handler = signal.getsignal(signal.SIGQUIT)
     engine = _start_engine(model_dir)
+    signal.signal(signal.SIGQUIT, session_handler)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     yield FamilyEngine(request.param, model_dir, engine, reference)
     pids = engine.pids

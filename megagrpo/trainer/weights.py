@@ -68,7 +68,8 @@ def load_hf_into_learner(learner: Any, hf_dir: str | Path) -> ModelArch:
     padded = padded_vocab_size(arch, tp_size)
     for chunk in learner.chunks:
         chunk = _unwrap(chunk)
-        params = dict(bridge_export.export_tensors(chunk))  # the router's correction bias (a buffer) is loaded too
+        # the parameters and the router's correction bias (a buffer): the checkpoint fills both
+        params = dict(bridge_export.export_tensors(chunk))
         offset = _layer_offset(chunk)
         n_layers = len(chunk.decoder.layers) if hasattr(chunk, "decoder") else 0
         shards = iter_local_shards(

@@ -341,6 +341,7 @@ def test_the_families_train_with_gspo_r3_and_tis(tmp_path, family):
     recs = [r for r in records(tmp_path / "run") if "mismatch/abs_dp_max" in r]
     assert [r["step"] for r in recs] == [1, 2]  # step 2 samples with the weights synced after step 1
     for rec in recs:
+        print(family, rec["step"], rec["mismatch/abs_dp_max"], rec["mismatch/abs_dlogp_mean"])  # with -s
         assert rec["sync/bytes"] > 0 or rec["step"] == 1
         assert rec["mismatch/abs_dp_max"] <= 1e-5 and rec["mismatch/abs_dlogp_mean"] <= 1e-6, rec
         assert rec["moe/agreement_rollout_old"] > 0.99 and rec["moe/replay_fallback_tokens"] == 0

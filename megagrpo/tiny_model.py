@@ -6,7 +6,8 @@ with a chat template. Tests, benchmarks and the demo build every model they use 
 
     python tools/make_tiny_model.py OUT_DIR --arch qwen3_moe [--experts 8 --topk 2 --seed 0]
 
-`--arch deepseek_v3` (multi-latent attention, YaRN) and `--arch glm4_moe` (partial rotary, q/k/v biases,
+`--arch deepseek_v3` (multi-latent attention, YaRN; `--q-lora-rank 0` writes `q_lora_rank: null`, a full-rank
+query projection as Moonlight and DeepSeek-V2-Lite ship it) and `--arch glm4_moe` (partial rotary, q/k/v biases,
 q/k norms) have DeepSeek-V3's router: sigmoid scores, a non-zero correction bias, group-limited top-k
 (2 groups), one shared expert, and a dense first layer.
 """
@@ -77,6 +78,7 @@ def make_config(
     tok,
     *,
     hidden: int,
+    q_lora_rank: int = 32,
     layers: int,
     experts: int,
     topk: int,
@@ -137,10 +139,14 @@ def make_config(
             num_nextn_predict_layers=0,
         )
     if arch == "deepseek_v3":
+        # Every public DeepSeek-V3-shaped config.json names its router and MoE layout; transformers' config
+        # class has no defaults for these, and SGLang's model reads them.
+        common.update(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
+    if arch == "deepseek_v3":
         # multi-latent attention with a q latent and YaRN (factor 4 over a quarter of the positions)
         common.update(
             num_key_value_heads=heads,
-            q_lora_rank=32,
+            q_lora_rank=q_lora_rank or None,
             kv_lora_rank=16,
             qk_nope_head_dim=16,
             qk_rope_head_dim=8,
@@ -179,6 +185,7 @@ def make_tiny_model(
     arch: str = "qwen3_moe",
     *,
     hidden: int = 64,
+    q_lora_rank: int = 32,
     layers: int = 2,
     experts: int = 8,
     topk: int = 2,
@@ -206,6 +213,7 @@ def make_tiny_model(
         vocab_size,
         tok,
         hidden=hidden,
+        q_lora_rank=q_lora_rank,
         layers=layers,
         experts=experts,
         topk=topk,
@@ -252,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--max-pos", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--q-lora-rank", type=int, default=32, help="deepseek_v3 only; 0 writes q_lora_rank: null (Moonlight)"
+    )
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out_dir,
@@ -264,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         tie=a.tie,
         max_pos=a.max_pos,
         seed=a.seed,
+        q_lora_rank=a.q_lora_rank,
     )
     print(json.dumps({"out_dir": str(out), "arch": a.arch}))
     return 0

@@ -33,6 +33,19 @@ What is patched, and why (each through `megagrpo.compat.patching.replace`, which
   because its `torch.compile` would build C++ with inductor in every scheduler process for a few
   elementwise ops.
 
+* `AttentionBackendRegistry.get_handler` (sglang.srt.models.deepseek_common.attention_backend_handler): the
+  torch-native MLA path. DeepSeek-V3's multi-latent attention picks a forward method per batch from a
+  handler per attention backend; `torch_native` has none and falls back to triton's, which sends a prefill
+  without a cached prefix through the MHA method: it computes K and V in full and calls the backend with
+  `save_kv_cache=False`, expecting the backend to attend over the K and V it was given. The torch-native
+  backend always attends over its KV pool instead, and an MLA pool holds the latent (kv_lora_rank +
+  qk_rope_head_dim per token), so every prefill attended over the wrong tensors (a tiny model whose latent
+  width happens to equal its query width ran and was wrong by 0.5 nats; DeepSeek-V3's widths, 576 and 192,
+  would not). SGLang's other CPU path is the fused MLA kernel behind Intel AMX (sgl_kernel CPU ops, not on
+  PyPI). For `torch_native` every batch now takes the absorbed MLA method, which writes the latent into the
+  pool and attends over it with the query absorbed through `w_kc` (exact in real arithmetic, so the
+  logprobs agree with transformers' MHA to fp32 round-off), as decode already did.
+
 Subprocesses. `sglang.Engine` starts its scheduler (one per TP rank) with `multiprocessing` in `spawn` mode,
 so the child is a fresh interpreter: patches made in the parent are gone there. Two things make them
 active in the child without sitecustomize or an installed entry point:
@@ -223,6 +236,28 @@ def murmur_hash32_torch(
     return h ^ (h >> 16)
 
 
+def absorbed_mla_for_every_batch(attn: Any, forward_batch: Any) -> Any:
+    """The forward method of an MLA layer under the torch-native backend: absorbed MLA (attention over the
+    latent KV pool) for prefill, extend and decode alike (see the module doc)."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    del attn, forward_batch
+    return AttnForwardMethod.MLA
+
+
+_UPSTREAM_GET_HANDLER: Any = None
+
+
+def mla_handler_for_backend(cls: Any, backend_name: str) -> Any:
+    """`AttentionBackendRegistry.get_handler`: torch-native gets `absorbed_mla_for_every_batch`."""
+    if backend_name == "torch_native":
+        patching.hit("AttentionBackendRegistry.get_handler")
+        return absorbed_mla_for_every_batch
+    return _UPSTREAM_GET_HANDLER.__func__(cls, backend_name)
+
+
 def _check_not_imported_too_early() -> None:
     common = sys.modules.get("sglang.srt.utils.common")
     if common is not None and not common.is_cpu():
@@ -295,6 +330,21 @@ def apply() -> None:
         getattr(sampler.multinomial_with_seed, "_torchdynamo_orig_callable", sampler.multinomial_with_seed),
         reason="sampler.multinomial_with_seed: its torch.compile would build C++ with inductor in every "
         "scheduler process; the undecorated function",
+        count_hits=False,
+    )
+
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+
+    global _UPSTREAM_GET_HANDLER
+    if _UPSTREAM_GET_HANDLER is None:
+        _UPSTREAM_GET_HANDLER = AttentionBackendRegistry.__dict__["get_handler"]
+    replace(
+        AttentionBackendRegistry,
+        "get_handler",
+        classmethod(mla_handler_for_backend),
+        reason="AttentionBackendRegistry.get_handler: torch_native has no MLA handler and took triton's, "
+        "whose MHA prefill the torch-native backend computes over the latent KV pool; absorbed MLA for "
+        "every batch instead (SGLang's other CPU MLA path needs Intel AMX kernels)",
         count_hits=False,
     )
 

@@ -123,6 +123,11 @@ def local_mla_self_attention() -> type:
     handing it over in the sequence-parallel layout of megatron's duplicated-`Linear` path (TE's) makes
     megatron gather `k_pos_emb` over the sequence itself, whose backward reduce-scatter sums the heads'
     parts over TP. MoE models need sequence parallelism with TP > 1 anyway (`learner.model`).
+
+    Without a q latent (`q_lora_rank` null: Moonlight, DeepSeek-V2-Lite) the query is one plain projection
+    of the layer's input and only the kv latent has a norm. megatron's resolver of MLA norms cannot say
+    that without Transformer Engine: with `qk_layernorm` it wants a fused norm+linear q projection (a norm
+    these models lack), and it refuses the local spec's q norm as unused. `_resolve_qk_norm_config` says it.
     """
     global _LOCAL_MLA
     if _LOCAL_MLA is None:
@@ -130,29 +135,10 @@ def local_mla_self_attention() -> type:
             gather_from_tensor_model_parallel_region,
             scatter_to_sequence_parallel_region,
         )
+        from megatron.core.transformer.identity_op import IdentityOp
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
         class LocalMLASelfAttention(MLASelfAttention):
-            def _resolve_qk_norm_config(self, submodules: Any) -> dict:
-                """Without a q latent (q_lora_rank null: Moonlight, DeepSeek-V2-Lite) HF's q_proj reads
-                the layer's normed input, which the local spec normalises already (input_layernorm);
-                megatron's resolver asks for a fused norm+linear there, which only Transformer Engine
-                has. Resolve the kv side as megatron does, and give q a plain column-parallel projection."""
-                if self.config.q_lora_rank is not None:
-                    return super()._resolve_qk_norm_config(submodules)
-                from megatron.core.transformer.identity_op import IdentityOp
-                from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
-
-                resolver = QKNormConfigResolver(self.config, submodules)
-                resolver.has_q_lora = True  # resolves the q side as a latent's, replaced below
-                out = resolver.resolve()
-                return {
-                    **out,
-                    "linear_q_proj": submodules.linear_q_proj or resolver.linear_impl,
-                    "linear_q_up_proj": IdentityOp,
-                    "q_layernorm": IdentityOp,
-                }
-
             def _qkv_down_projection(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
                 q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
                 if kv_combined.size(-1) != self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim:
@@ -162,6 +148,17 @@ def local_mla_self_attention() -> type:
                         gather_from_tensor_model_parallel_region(kv_combined)
                     )
                 return q_compressed, kv_combined
+
+            def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+                if self.config.q_lora_rank is not None or not self.config.qk_layernorm:
+                    return super()._resolve_qk_norm_config(submodules)
+                return dict(
+                    linear_q_proj=submodules.linear_q_proj,
+                    linear_q_up_proj=IdentityOp,
+                    linear_kv_up_proj=submodules.linear_kv_up_proj,
+                    q_layernorm=IdentityOp,
+                    kv_layernorm=submodules.kv_layernorm,
+                )
 
         _LOCAL_MLA = LocalMLASelfAttention
     return _LOCAL_MLA

@@ -18,6 +18,10 @@ from pathlib import Path
 
 DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 
+# Families whose SGLang module is not named after their model_type: DeepSeek-V3's classes live in
+# deepseek_v2.py (beside V2's, which they subclass).
+MODULE_OF_MODEL_TYPE = {"deepseek_v3": "deepseek_v2"}
+
 
 def _models_dir() -> Path:
     # `sglang` is a namespace package (no __file__); the spec of its models package has the directory
@@ -29,8 +33,8 @@ def skipped_model_modules(model_path: str | Path) -> list[str]:
     """The `sglang.srt.models` modules a scheduler may skip for this checkpoint, or [] to import them all.
 
     The module kept is the one named after the config's `model_type` (SGLang's naming for the families
-    megagrpo converts: llama, qwen2, qwen3, qwen3_moe, mixtral), and only if its source declares the
-    config's architecture class; anything else falls back to SGLang's full scan, so no model loses support.
+    megagrpo converts: llama, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe; deepseek_v3 through
+    `MODULE_OF_MODEL_TYPE`), and only if its source declares the config's architecture class; anything else falls back to SGLang's full scan, so no model loses support.
     """
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -41,11 +45,12 @@ def skipped_model_modules(model_path: str | Path) -> list[str]:
         models = _models_dir()
     except (ImportError, AttributeError, ValueError):  # not SGLang's layout (a test stand-in): skip nothing
         return []
-    source = models / f"{model_type}.py"
+    module = MODULE_OF_MODEL_TYPE.get(model_type, model_type)
+    source = models / f"{module}.py"
     if not model_type or len(archs) != 1 or not source.is_file() or archs[0] not in source.read_text():
         return []
     names = [n for _, n, pkg in pkgutil.iter_modules([str(models)]) if not pkg]
-    return sorted(n for n in names if n not in (model_type, "registry"))
+    return sorted(n for n in names if n not in (module, "registry"))
 
 
 @contextlib.contextmanager

@@ -1,12 +1,18 @@
 """HF checkpoint tensors -> the parameters SGLang holds after loading them (TP=1): names, shapes, fusion.
 
-SGLang fuses some HF tensors when it loads them (llama/qwen2/qwen3/qwen3_moe/mixtral families):
+SGLang fuses some HF tensors when it loads them (llama/qwen2/qwen3/qwen3_moe/mixtral/glm4_moe/deepseek_v3):
   q_proj, k_proj, v_proj        -> self_attn.qkv_proj   (concatenated on dim 0, order q, k, v)
   gate_proj, up_proj (dense)    -> mlp.gate_up_proj     (concatenated on dim 0, order gate, up)
+  shared_experts.gate/up_proj   -> mlp.shared_experts.gate_up_proj   (the same, for shared experts)
+  q_a_proj, kv_a_proj_with_mqa  -> self_attn.fused_qkv_a_proj_with_mqa (multi-latent attention with a q
+                                   latent; order q_a, kv_a. With q_lora_rank null, q_proj and
+                                   kv_a_proj_with_mqa keep their names)
   experts.{e}.gate_proj/up_proj -> mlp.experts.w13_weight [E, 2I, H]  (per expert: gate rows, then up rows)
   experts.{e}.down_proj         -> mlp.experts.w2_weight  [E, H, I]
   (Mixtral: w1 = gate, w3 = up, w2 = down, under block_sparse_moe.)
-Every other tensor keeps its HF name.
+Every other tensor keeps its HF name. SGLang keeps a router's correction bias (`e_score_correction_bias`)
+in fp32 whatever the engine's dtype (`FP32_PARAMS`, `engine_dtype`). MLA's `w_kc`/`w_vc` are not
+parameters: SGLang derives them from `kv_b_proj` after a load (`weights.load_packed` refreshes them).
 
 Every fusion above is a concatenation on dim 0 of the parts, in `FusedParam.parts` order, into the fused
 tensor viewed as `[-1, *part.shape[1:]]`: w13 is `[g_0; u_0; g_1; u_1; ...]` as `[E*2I, H]` and w2 is
@@ -38,7 +44,18 @@ from dataclasses import dataclass
 import torch
 
 _ATTN = re.compile(r"^(.*\.self_attn\.)(q|k|v)_proj\.(weight|bias)$")
-_DENSE = re.compile(r"^(.*\.mlp\.)(gate|up)_proj\.weight$")
+_DENSE = re.compile(r"^(.*\.mlp\.(?:shared_experts\.)?)(gate|up)_proj\.weight$")
+_MLA_A = re.compile(r"^(.*\.self_attn\.)(q_a_proj|kv_a_proj_with_mqa)\.weight$")
+# Parameters SGLang allocates in fp32 whatever the engine's dtype (DeepSeek-V3's MoEGate): the correction
+# bias drives the expert selection, and a rounded bias routes differently from the learner's.
+FP32_PARAMS = (".mlp.gate.e_score_correction_bias",)
+
+
+def engine_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine holds SGLang parameter `name` in, when its model runs in `dtype`."""
+    return torch.float32 if name.endswith(FP32_PARAMS) else dtype
+
+
 _EXPERT = re.compile(
     r"^(.*\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
@@ -74,8 +91,11 @@ def sglang_plan(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam]:
     attn: dict[tuple[str, str], dict[str, str]] = {}
     dense: dict[str, dict[str, str]] = {}
     experts: dict[str, dict[int, dict[str, str]]] = {}
+    mla_a: dict[str, dict[str, str]] = {}
     for name in shapes:
-        if m := _ATTN.match(name):
+        if m := _MLA_A.match(name):
+            mla_a.setdefault(m.group(1), {})[m.group(2)] = name
+        elif m := _ATTN.match(name):
             attn.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = name
         elif m := _EXPERT.match(name):
             experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = name
@@ -97,6 +117,13 @@ def sglang_plan(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam]:
     for (prefix, kind), parts in attn.items():
         if set(parts) == {"q", "k", "v"}:
             fused(f"{prefix}qkv_proj.{kind}", [parts["q"], parts["k"], parts["v"]])
+        else:
+            unfused(list(parts.values()))
+    for prefix, parts in mla_a.items():
+        if set(parts) == {"q_a_proj", "kv_a_proj_with_mqa"}:
+            fused(
+                f"{prefix}fused_qkv_a_proj_with_mqa.weight", [parts["q_a_proj"], parts["kv_a_proj_with_mqa"]]
+            )
         else:
             unfused(list(parts.values()))
     for prefix, parts in dense.items():

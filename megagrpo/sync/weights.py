@@ -51,6 +51,7 @@ import torch
 from megagrpo.bridge.hf_io import open_safetensors
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.engine import EngineFailed
+from megagrpo.sync import sglang_layout
 from megagrpo.sync.buckets import NamedTensor, tensor_bytes
 from megagrpo.sync.sglang_layout import FusedParam, fuse_into, laid_out, sglang_params, sglang_plan
 
@@ -265,6 +266,10 @@ def load_packed(model: torch.nn.Module, named_tensors: list[NamedTensor]) -> Non
     of mapping the file again, so the next sync's copy reads pages that are already mapped: no page faults
     and no unmap (18 ms of the 205 MB load here, half of it). Holds no memory of its own: the pages are the
     parent's staging, which lives as long as the engine.
+
+    Tensors SGLang derives from its parameters after a load are derived again, as its own `load_weights`
+    does: multi-latent attention's `w_kc`/`w_vc` (from `kv_b_proj`, in `post_load_weights`), which would
+    otherwise keep serving the old weights' attention.
     """
     params = dict(model.named_parameters())
     for name, t in named_tensors:  # SGLang's `default_weight_loader`, without importing its model loader
@@ -276,7 +281,20 @@ def load_packed(model: torch.nn.Module, named_tensors: list[NamedTensor]) -> Non
                 f"{name}: sent {tuple(t.size())}, parameter {tuple(param.size())}"
             )
             param.data.copy_(t)
+    _derive_after_load(model, [name for name, _ in named_tensors])
     _HELD[:] = list({id(s): s for s in (t.untyped_storage() for _, t in named_tensors)}.values())
+
+
+# Parameters from which SGLang's `post_load_weights` derives tensors that are not parameters (DeepSeek-V3's
+# family: w_kc and w_vc split from kv_b_proj per layer).
+DERIVED_FROM = (".self_attn.kv_b_proj.weight",)
+
+
+def _derive_after_load(model: torch.nn.Module, names: list[str]) -> None:
+    """SGLang's `post_load_weights` for the layers whose `DERIVED_FROM` parameters were just loaded."""
+    loaded = [n for n in names if n.endswith(DERIVED_FROM)]
+    if loaded and hasattr(model, "post_load_weights"):
+        model.post_load_weights(weight_names=loaded)
 
 
 # The probe of a CPU engine's real parameter shapes (`rollout.engine` names it in `custom_weight_loader`
@@ -454,7 +472,9 @@ class _Packer:
     def __init__(self, owner: Mapping[str, FusedParam], dtype: torch.dtype, staging: _Staging | None = None):
         self.owner, self.dtype, self.staging = owner, dtype, staging or _Staging()
         params = {fp.name: fp for fp in owner.values()}  # room for every parameter that `owner` can fill
-        self.staging.begin(_Staging.nbytes((fp.shape, dtype) for fp in params.values()))
+        self.staging.begin(
+            _Staging.nbytes((fp.shape, sglang_layout.engine_dtype(fp.name, dtype)) for fp in params.values())
+        )
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.sends: list[list[NamedTensor]] = []
 
@@ -469,11 +489,13 @@ class _Packer:
                 ready.append((fp, [got[p] for p in fp.parts]))
         if not ready:
             return
-        outs = self.staging.views([(fp.shape, self.dtype) for fp, _ in ready])
+        outs = self.staging.views(
+            [(fp.shape, sglang_layout.engine_dtype(fp.name, self.dtype)) for fp, _ in ready]
+        )
         for (fp, parts), out in zip(ready, outs):
             fuse_into(out, parts, fp.slot)
             if not all_finite(out):
-                _raise_non_finite(fp, parts, self.dtype)
+                _raise_non_finite(fp, parts, out.dtype)
         self.sends.append([(fp.name, out) for (fp, _), out in zip(ready, outs)])
 
     def finish(self) -> list[list[NamedTensor]]:

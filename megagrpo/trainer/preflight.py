@@ -41,18 +41,6 @@ def resume_request(cfg: Config, stage: str, resume: str | None) -> str | None:
     return None if stage == "eval" else cfg.checkpoint.resume
 
 
-def sampler_unsupported(arch) -> list[str]:
-    """What of `arch` the sampler side (SGLang on this CPU, the weight sync) cannot serve yet: the sync
-    sends parameters only, so a router's correction bias (a buffer) would stay stale in the engine, and
-    SGLang's CPU engine runs multi-latent attention only through Intel AMX kernels."""
-    missing = []
-    if arch.kv_lora_rank > 0:
-        missing.append("multi-latent attention (kv_lora_rank > 0)")
-    if arch.moe_router_expert_bias:
-        missing.append("a router correction bias (e_score_correction_bias) in the weight sync")
-    return missing
-
-
 def _read_json(path: Path) -> dict:
     import json
 
@@ -139,7 +127,7 @@ def check_remote_code(cfg: Config, stage: str) -> None:
 
 def check_stage_inputs(cfg: Config, stage: str, resume: str | None) -> None:
     """Raise MegagrpoError for what the stage would otherwise refuse only after it has started:
-    routing replay on a dense model, a model the sampler cannot serve yet, a multi-turn environment or tool parser that does not exist, a
+    routing replay on a dense model, a multi-turn environment or tool parser that does not exist, a
     `--resume` that is no checkpoint, or one of another model or stage."""
     from megagrpo.bridge.hf_config import arch_from_hf
 
@@ -156,13 +144,6 @@ def check_stage_inputs(cfg: Config, stage: str, resume: str | None) -> None:
             f"{field} at a MoE model"
         )
     if stage != "sft":
-        unserved = sampler_unsupported(arch)
-        if unserved:
-            raise MegagrpoError(
-                f"{field}={model!r}: the learner and `megagrpo convert` support this model, but sampling it "
-                f"with SGLang and syncing its weights do not yet: {', '.join(unserved)}. `megagrpo sft` and "
-                "`megagrpo convert` run; `megagrpo train` and `eval` need the sampler path (issue 37, part 2)"
-            )
         from megagrpo.trainer.episodes import check_multi_turn
 
         check_multi_turn(cfg.rollout.multi_turn)  # imports the user's environment module, builds one

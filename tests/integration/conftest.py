@@ -4,17 +4,25 @@
 per session and shut down by the fixture, which then asserts that none of its processes outlived it.
 Tests that change the engine's weights must put the original weights back (see `sglang_reference`).
 `sglang_hits_dir`: where the engine's subprocesses record which CPU-compat patches they hit.
+`family_engine`: one engine per DeepSeek-V3-shaped family (`FAMILY_MODELS`), parametrised: pytest runs every
+test of one family before it starts the next (a session fixture's parameters are grouped), so each family
+costs one engine start, shared by the tests of every engine file. Tests that change its weights put them back.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 import psutil
 import pytest
 import torch
 
 ENGINE_MODEL = dict(arch="qwen3_moe", experts=8, topk=2)
+# MLA with a q latent (DeepSeek-V3, Kimi-K2; q_lora_rank null is served in test_trainer_e2e's run), and
+# GLM-4.5's partial rotary, q/k/v biases and q/k norms; both with a sigmoid router, a correction bias,
+# group-limited top-k, a shared expert and a dense first layer.
+FAMILY_MODELS = {"deepseek_v3": dict(arch="deepseek_v3"), "glm4_moe": dict(arch="glm4_moe")}
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +55,41 @@ def sglang_engine(sglang_model_dir, sglang_hits_dir):
     engine.shutdown()
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"SGLang processes outlived the engine fixture: {alive}"
+
+
+def _start_engine(model_dir):
+    from megagrpo.compat import apply_cpu_compat
+
+    apply_cpu_compat(megatron=False, sglang=True)
+    from megagrpo.rollout import RolloutConfig, RolloutEngine
+
+    cfg = RolloutConfig(str(model_dir), dtype="float32", max_total_tokens=4096, seed=0)
+    return RolloutEngine(cfg).start()
+
+
+class FamilyEngine:
+    """A running engine of one family, its model directory and its transformers reference (fp32, eval)."""
+
+    def __init__(self, family, model_dir, engine, reference):
+        self.family, self.model_dir, self.engine, self.reference = family, model_dir, engine, reference
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILY_MODELS))
+def family_engine(request, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model(**FAMILY_MODELS[request.param])
+    # SIGQUIT has one handler per process and an engine's start takes it over (rollout.engine, "SIGQUIT");
+    # the session engine's is put back, which tests of that engine check (one engine per trainer process).
+    session_handler = signal.getsignal(signal.SIGQUIT)
+    engine = _start_engine(model_dir)
+    signal.signal(signal.SIGQUIT, session_handler)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    yield FamilyEngine(request.param, model_dir, engine, reference)
+    pids = engine.pids
+    engine.shutdown()
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"SGLang processes outlived the family engine: {alive}"
 
 
 @pytest.fixture(scope="session")

@@ -244,3 +244,49 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
         eng.update_weights_from_tensor = update
         sglang_engine.resume()
     assert all(not torch.equal(a, b) for a, b in zip(baseline, sglang_engine.score(SEQS)))
+
+
+def test_the_families_sync_packed_and_hf_named(family_engine, tmp_path):
+    """DeepSeek-V3 and GLM-4.5 (issue 37, part 2): a perturbed model, correction bias included, synced in
+    SGLang's layout (MLA's fused q_a/kv_a, shared experts' gate_up, w_kc/w_vc derived again from kv_b_proj)
+    serves as transformers does with those weights, greedy output included; the HF-named transport holds
+    the same weights. Before, the packed plan missed the fused names and fell back to load_weights, and a
+    packed load left w_kc/w_vc stale."""
+    from megagrpo.rollout import SamplingConfig
+
+    engine, hf = family_engine.engine, family_engine.reference
+    original = _checkpoint_tensors(hf, tmp_path / "orig")
+    updated = copy.deepcopy(hf)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for name, b in updated.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(b.flip(0) * 3)  # a bias that reorders the selection
+    tensors = _checkpoint_tensors(updated, tmp_path / "new")
+    biases = [n for n, _ in tensors if n.endswith("e_score_correction_bias")]
+    assert biases and all(t.dtype == torch.float32 for n, t in tensors if n in biases)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    prompts = [s[:5] for s in SEQS]
+    try:
+        stats = sync_weights(engine, bucketize(tensors, bucket_bytes=64 << 10), checksum=True)
+        assert stats.packed and stats.checksum_ok is True, family_engine.family
+        assert _max_diff(engine, updated) < 1e-5
+        assert _max_diff(engine, hf) > 100 * 1e-5
+        for prompt, (c,) in zip(prompts, engine.generate(prompts, sampling, 1)):
+            with torch.no_grad():
+                logits = updated(torch.cat([c.prompt_ids, c.output_ids])[None]).logits[
+                    0, len(prompt) - 1 : -1
+                ]
+            assert torch.equal(logits.argmax(-1), c.output_ids), (
+                family_engine.family
+            )  # greedy, token by token
+        first = engine.score(SEQS)
+        hf_path = sync_weights(engine, bucketize(tensors, bucket_bytes=64 << 10), checksum=True, pack=False)
+        assert hf_path.checksum_ok is True and not hf_path.packed
+        for a, b in zip(first, engine.score(SEQS)):
+            assert torch.equal(a, b)
+    finally:
+        sync_weights(engine, bucketize(original))
+    assert _max_diff(engine, hf) < 1e-5

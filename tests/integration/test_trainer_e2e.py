@@ -320,3 +320,28 @@ def test_two_processes_pipeline_parallel(tmp_path, moe_model):
     res = cli("train", str(cfg), "mesh.pp=2", "--nproc", "2")
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     check_two_process_run(tmp_path, is_async=False)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_the_families_train_with_gspo_r3_and_tis(tmp_path, family):
+    """`megagrpo train` on DeepSeek-V3 (MLA with q_lora_rank null, as Moonlight ships it) and GLM-4.5, GSPO +
+    R3 + TIS with the sampler in fp32 (issue 37, part 4): every step's learner logprobs equal the sampler's
+    to fp32 round-off, also after a weight sync (MLA, shared experts, dense layer, correction bias), the
+    learner routes as the sampler did, nothing falls back."""
+    from megagrpo.tiny_model import make_tiny_model
+
+    model = make_tiny_model(
+        tmp_path / "model", family, seed=1, **({"q_lora_rank": 0} if family == "deepseek_v3" else {})
+    )
+    cfg = write_config(
+        tmp_path, model, **{**TWO_PROCESS_RUN, "schedule__save_every": 0, "schedule__eval_every": 0}
+    )
+    res = cli("train", str(cfg))
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    recs = [r for r in records(tmp_path / "run") if "mismatch/abs_dp_max" in r]
+    assert [r["step"] for r in recs] == [1, 2]  # step 2 samples with the weights synced after step 1
+    for rec in recs:
+        print(family, rec["step"], rec["mismatch/abs_dp_max"], rec["mismatch/abs_dlogp_mean"])  # with -s
+        assert rec["sync/bytes"] > 0 or rec["step"] == 1
+        assert rec["mismatch/abs_dp_max"] <= 1e-5 and rec["mismatch/abs_dlogp_mean"] <= 1e-6, rec
+        assert rec["moe/agreement_rollout_old"] > 0.99 and rec["moe/replay_fallback_tokens"] == 0

@@ -242,3 +242,84 @@ def test_cpu_engines_are_started_with_the_packed_loader_and_its_shape_probe(tmp_
     assert packed_load_format(SimpleNamespace(server_args=SimpleNamespace(**kw))) == PACKED_LOADER
     bare = SimpleNamespace(server_args=SimpleNamespace(custom_weight_loader=None))  # a bare sglang.Engine
     assert packed_load_format(bare) == "direct"
+
+
+# What SGLang 0.5.23's CPU engine holds for layers 0 (dense) and 1 (MoE) of the tiny models, read from the
+# engine (its check_weights names), for each family and q_lora_rank (issue 37, part 2).
+_HELD_COMMON = [
+    "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.down_proj.weight",
+    "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.post_attention_layernorm.weight",
+    "model.layers.1.input_layernorm.weight", "model.layers.1.mlp.experts.w13_weight",
+    "model.layers.1.mlp.experts.w2_weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+    "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
+    "model.layers.1.mlp.shared_experts.gate_up_proj.weight", "model.layers.1.post_attention_layernorm.weight",
+]  # fmt: skip
+_HELD_ATTN = {
+    "deepseek_v3": [
+        "fused_qkv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight",
+        "q_a_layernorm.weight", "q_b_proj.weight",
+    ],
+    "deepseek_v3_q_null": [
+        "kv_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight", "o_proj.weight",
+        "q_proj.weight",
+    ],
+    "glm4_moe": ["k_norm.weight", "o_proj.weight", "q_norm.weight", "qkv_proj.bias", "qkv_proj.weight"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_HELD_ATTN))
+def test_the_families_fuse_as_sglang_holds_them(tiny_model, case):
+    from megagrpo.sync.weights import checkpoint_shapes
+
+    arch = case.removesuffix("_q_null")
+    model = tiny_model(arch, **({"q_lora_rank": 0} if case.endswith("_q_null") else {}))
+    shapes = checkpoint_shapes(str(model))
+    plan = sglang_plan(shapes)
+    held = _HELD_COMMON + [f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in _HELD_ATTN[case]]
+    assert sorted(n for n in plan if n.startswith(("model.layers.0.", "model.layers.1."))) == sorted(held)
+    assert sorted(p for fp in plan.values() for p in fp.parts) == sorted(shapes)  # nothing dropped
+    if arch == "deepseek_v3" and case == arch:
+        fused = plan["model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight"]
+        assert fused.parts == (
+            "model.layers.1.self_attn.q_a_proj.weight",
+            "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+        )
+        assert fused.shape == (32 + 16 + 8, 64)  # q_lora_rank + kv_lora_rank + qk_rope_head_dim rows
+
+
+def test_the_correction_bias_is_packed_in_fp32_in_a_bf16_engine():
+    hf = _moe_layer()
+    bias = "model.layers.0.mlp.gate.e_score_correction_bias"
+    hf[bias] = torch.tensor([0.1234567, -0.0456789, 0.01, 0.3], dtype=torch.float32)
+    got = {n: t for b in _pack([list(hf.items())], _owner(hf), torch.bfloat16) for n, t in b}
+    assert got[bias].dtype == torch.float32 and torch.equal(got[bias], hf[bias])  # bf16 would round it
+    assert got["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def test_a_packed_load_derives_mla_tensors_again():
+    """SGLang derives MLA's w_kc/w_vc from kv_b_proj after its own load (`post_load_weights`); the packed
+    load copies parameters only, so it must ask for that too, for the layers it loaded."""
+    from megagrpo.sync.weights import load_packed
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kv = torch.nn.Linear(2, 4, bias=False)
+            self.o = torch.nn.Linear(2, 2, bias=False)
+            self.derived: list[list[str]] = []
+
+        def named_parameters(self, *a, **k):
+            return iter([
+                ("model.layers.3.self_attn.kv_b_proj.weight", self.kv.weight),
+                ("model.layers.3.self_attn.o_proj.weight", self.o.weight),
+            ])  # fmt: skip
+
+        def post_load_weights(self, is_nextn=False, weight_names=None):
+            self.derived.append(list(weight_names))
+
+    m = Model()
+    load_packed(m, [("model.layers.3.self_attn.o_proj.weight", torch.ones(2, 2))])
+    assert m.derived == []  # nothing derived from o_proj
+    load_packed(m, [("model.layers.3.self_attn.kv_b_proj.weight", torch.ones(4, 2))])
+    assert m.derived == [["model.layers.3.self_attn.kv_b_proj.weight"]]
+    assert torch.equal(m.kv.weight, torch.ones(4, 2))

@@ -60,6 +60,27 @@ def test_unreproducible_descriptions_are_refused(change, words):
         transformer_config_from_arch(dataclasses.replace(TINY_DEEPSEEK_V3, **change), MeshConfig())
 
 
+def test_mla_without_a_q_latent_has_a_plain_q_projection_and_the_kv_norm():
+    """q_lora_rank null (Moonlight): megatron's MLA norm resolver, without Transformer Engine, refused the
+    local spec (a q norm it would not use, or no fused norm+linear q projection), so `megagrpo train` failed
+    at build; the learner's MLA resolves a plain q projection and keeps the kv latent's norm."""
+    import types
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megagrpo.learner.attention import local_mla_self_attention
+
+    c = transformer_config_from_arch(dataclasses.replace(TINY_DEEPSEEK_V3, q_lora_rank=None), MeshConfig())
+    assert c.q_lora_rank is None and c.qk_layernorm
+    spec = get_gpt_decoder_block_spec(c, use_transformer_engine=False, normalization="RMSNorm", pp_rank=0)
+    sub = spec.layer_specs[0].submodules.self_attention.submodules
+    got = local_mla_self_attention()._resolve_qk_norm_config(types.SimpleNamespace(config=c), sub)
+    assert got["linear_q_proj"] is sub.linear_q_proj and got["q_layernorm"] is IdentityOp
+    assert got["kv_layernorm"] is sub.kv_layernorm and sub.kv_layernorm is not IdentityOp
+    assert got["linear_kv_up_proj"] is sub.linear_kv_up_proj
+
+
 def test_yarn_without_mla_is_refused():
     with pytest.raises(MegagrpoError, match="YaRN"):
         transformer_config_from_arch(dataclasses.replace(TINY_GLM4_MOE, rope_type="yarn"), MeshConfig())

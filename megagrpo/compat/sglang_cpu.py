@@ -32,6 +32,13 @@ What is patched, and why (each through `megagrpo.compat.patching.replace`, which
   16-byte key in int64 torch arithmetic. `multinomial_with_seed` is swapped for its undecorated original,
   because its `torch.compile` would build C++ with inductor in every scheduler process for a few
   elementwise ops.
+* `parallel_state.init_model_parallel_group`: for every model-parallel group whose caller does not choose,
+  SGLang 0.5.23 turns PyNccl on for all devices but NPU/XPU (and out-of-tree platforms without it), the CPU
+  platform included, so an engine of 2 ranks or more (`tp_size > 1`, or `nnodes > 1`) fails as its TP group
+  starts: "Expected a cuda device, but got: cpu" (pynccl.py). SGLang has no server argument or variable
+  for this (`disable_custom_all_reduce` covers the custom all-reduce only, which megagrpo's engine config
+  also sets on CPU); the replacement passes `use_pynccl=False`, so the group's collectives run on its
+  torch.distributed group (gloo on the CPU platform), as they already do for CPU tensors.
 
 Subprocesses. `sglang.Engine` starts its scheduler (one per TP rank) with `multiprocessing` in `spawn` mode,
 so the child is a fresh interpreter: patches made in the parent are gone there. Two things make them
@@ -223,6 +230,28 @@ def murmur_hash32_torch(
     return h ^ (h >> 16)
 
 
+def _without_pynccl(upstream: Any) -> Any:
+    """`parallel_state.init_model_parallel_group` with PyNccl off: there is no CUDA device to hold it."""
+
+    def init_model_parallel_group(*args: Any, **kwargs: Any) -> Any:
+        kwargs["use_pynccl"] = False
+        return upstream(*args, **kwargs)
+
+    return init_model_parallel_group
+
+
+def _patch_tp_groups() -> None:
+    from sglang.srt.distributed import parallel_state
+
+    replace(
+        parallel_state,
+        "init_model_parallel_group",
+        _without_pynccl(parallel_state.init_model_parallel_group),
+        reason="parallel_state.init_model_parallel_group: PyNccl is asked for every TP group on a CPU device "
+        "too, so an engine of 2+ ranks failed ('Expected a cuda device, but got: cpu'); gloo instead",
+    )
+
+
 def _check_not_imported_too_early() -> None:
     common = sys.modules.get("sglang.srt.utils.common")
     if common is not None and not common.is_cpu():
@@ -297,6 +326,8 @@ def apply() -> None:
         "scheduler process; the undecorated function",
         count_hits=False,
     )
+
+    _patch_tp_groups()
 
     from sglang.srt.entrypoints.engine import Engine
 

@@ -424,13 +424,6 @@ class RolloutEngine(EngineRequests):
                 "below 64 and that path cannot write the KV cache (it fails while capturing CUDA graphs). Use "
                 "a model with head_dim >= 64 on a GPU (every released Qwen3/Llama has 64 or 128)"
             )
-        if self.on_cpu and (cfg.tp_size != 1 or cfg.nnodes != 1):
-            # SGLang 0.5.23 asks PyNccl for every TP group, on a CPU device too (config.mesh_rules)
-            raise MegagrpoError(
-                f"rollout.tp_size={cfg.tp_size}, nnodes={cfg.nnodes}: the CPU engine runs with tp_size=1 on "
-                "one node only (SGLang's TP group asks PyNccl on a CPU device too and fails as it starts: "
-                "'Expected a cuda device, but got: cpu')"
-            )
         if cfg.nnodes > 1 and (cfg.dist_init_addr is None or not 0 <= cfg.node_rank < cfg.nnodes):
             raise MegagrpoError(
                 f"an engine over nnodes={cfg.nnodes} needs node_rank in [0, {cfg.nnodes}) (got {cfg.node_rank}) "
@@ -456,6 +449,9 @@ class RolloutEngine(EngineRequests):
         if self.on_cpu:
             # SGLang's CPU platform: torch-native attention, no CUDA graphs; the memory saver needs libcuda.
             kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+            # SGLang's own switch for its custom all-reduce (CUDA IPC buffers); without it every TP group of 2+
+            # ranks logs a failed setup. Its PyNccl has no switch: megagrpo.compat.sglang_cpu turns it off.
+            kw["disable_custom_all_reduce"] = True
             # The packed weight sync's loader (a string: rollout does not import sync): `direct`'s copy,
             # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`);
             # and its probe of the engine's real parameter shapes, asked before the first packed send.
@@ -473,12 +469,12 @@ class RolloutEngine(EngineRequests):
             # Rollouts are decode-bound, so eager prefill costs little; `extra_engine_args` can turn it on.
             kw["cuda_graph_backend_prefill"] = "disabled"
             kw["base_gpu_id"] = cfg.base_gpu_id
-            if cfg.nnodes > 1:  # SGLang's multi-node engine: tp_size GPUs over nnodes nodes
-                kw.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, dist_init_addr=cfg.dist_init_addr)
             if cfg.fp8:
                 kw["quantization"] = "fp8"
             if cfg.deterministic:
                 kw["enable_deterministic_inference"] = True
+        if cfg.nnodes > 1:  # SGLang's multi-node engine: tp_size devices (GPUs, or CPU ranks) over nnodes nodes
+            kw.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, dist_init_addr=cfg.dist_init_addr)
         kw.update(cfg.extra_engine_args)
         return kw
 

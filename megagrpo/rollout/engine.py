@@ -473,7 +473,8 @@ class RolloutEngine(EngineRequests):
                 kw["quantization"] = "fp8"
             if cfg.deterministic:
                 kw["enable_deterministic_inference"] = True
-        if cfg.nnodes > 1:  # SGLang's multi-node engine: tp_size devices (GPUs, or CPU ranks) over nnodes nodes
+        # SGLang's multi-node engine: tp_size devices (GPUs, or CPU ranks) over nnodes nodes
+        if cfg.nnodes > 1:
             kw.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, dist_init_addr=cfg.dist_init_addr)
         kw.update(cfg.extra_engine_args)
         return kw

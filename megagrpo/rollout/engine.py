@@ -449,8 +449,8 @@ class RolloutEngine(EngineRequests):
         if self.on_cpu:
             # SGLang's CPU platform: torch-native attention, no CUDA graphs; the memory saver needs libcuda.
             kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
-            # SGLang's own switch for its custom all-reduce (CUDA IPC buffers); without it every TP group of 2+
-            # ranks logs a failed setup. Its PyNccl has no switch: megagrpo.compat.sglang_cpu turns it off.
+            # SGLang's own switch for its custom all-reduce, a CUDA IPC kernel that a TP group of 2+ ranks
+            # would otherwise try to set up; PyNccl has no switch: megagrpo.compat.sglang_cpu turns it off.
             kw["disable_custom_all_reduce"] = True
             # The packed weight sync's loader (a string: rollout does not import sync): `direct`'s copy,
             # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`);

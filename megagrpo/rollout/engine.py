@@ -105,6 +105,24 @@ def has_flash_attention_3() -> bool:
     return any(any(Path(d).glob("flash_ops*.so")) for d in spec.submodule_search_locations)
 
 
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_bind(tp_size: int, nnodes: int, cores: Sequence[int]) -> str:
+    """SGLang's `SGLANG_CPU_OMP_THREADS_BIND` for a CPU engine of `tp_size` ranks over `nnodes` nodes on
+    these `cores`: this node's `tp_size // nnodes` ranks take equal runs of them, in the order of their
+    device id on the node (base_gpu_id 0 plus the local TP index; all the cores each when there are fewer
+    cores than ranks). Unset, SGLang asserts one NUMA node per rank, which a CPU engine of 2+ ranks on one
+    socket fails. SGLang binds OpenMP threads to the runs only with its AMX/arm64 kernels
+    (`init_cpu_threads_env`); elsewhere the value is checked and unused."""
+    per = max(1, tp_size // max(1, nnodes))
+    cores = sorted(cores)
+    if len(cores) < per:
+        return "|".join([",".join(map(str, cores))] * per)
+    n = len(cores) // per
+    return "|".join(",".join(map(str, cores[i * n : (i + 1) * n])) for i in range(per))
+
+
 class EngineFailed(MegagrpoError):
     """A process of the in-process SGLang engine died (module doc, "SIGQUIT"): the engine cannot serve."""
 
@@ -479,6 +497,15 @@ class RolloutEngine(EngineRequests):
         kw.update(cfg.extra_engine_args)
         return kw
 
+    def export_cpu_threads_bind(self) -> None:
+        """On the CPU, an engine of 2+ ranks needs `SGLANG_CPU_OMP_THREADS_BIND` (`cpu_threads_bind`); set
+        from this process's cores before the schedulers are spawned (they inherit it), unless the user set
+        it."""
+        if self.on_cpu and self.cfg.tp_size > 1 and not os.environ.get(THREADS_BIND_ENV):
+            os.environ[THREADS_BIND_ENV] = cpu_threads_bind(
+                self.cfg.tp_size, self.cfg.nnodes, sorted(os.sched_getaffinity(0))
+            )
+
     def _head_dim(self) -> int | None:
         hf = self._hf_config()
         if hf.get("head_dim"):
@@ -496,6 +523,7 @@ class RolloutEngine(EngineRequests):
         import sglang
 
         before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.export_cpu_threads_bind()
         try:
             with only_the_served_model_imported(self.cfg.model_path):
                 self._engine = sglang.Engine(**self.engine_kwargs())

@@ -126,12 +126,14 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
     from sglang.srt.entrypoints import http_server
     from sglang.srt.entrypoints.engine import Engine
 
+    from megagrpo.rollout.engine import RolloutEngine
     from megagrpo.rollout.startup import DISABLED_ARCHS_ENV, skipped_model_modules
 
     skipped = skipped_model_modules(rc.model_path)
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
     port, key = free_port(host), secrets.token_urlsafe(32)
+    RolloutEngine(rc).export_cpu_threads_bind()  # inherited by the schedulers
     sa = server_args(rc, host=host, port=port, key=key)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 

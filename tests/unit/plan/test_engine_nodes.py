@@ -8,6 +8,7 @@ rendezvous of the nodes' ranks), and refused on the CPU, where SGLang cannot run
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,25 @@ def test_the_cpu_engine_starts_its_node_of_an_engine_over_nodes(tmp_path):
     assert kw["disable_custom_all_reduce"] is True
     with pytest.raises(MegagrpoError, match="needs node_rank in"):
         RolloutEngine(RolloutConfig(str(tmp_path), tp_size=2, nnodes=2, node_rank=1))
+
+
+def test_a_cpu_engine_of_two_ranks_gets_its_threads_bind(tmp_path, monkeypatch):
+    """Unset, SGLang asserts one NUMA node per CPU rank ("SGLANG_CPU_OMP_THREADS_BIND is not set ..."), so
+    a TP 2 engine on one socket failed as its schedulers started; the engine sets it from its cores."""
+    from megagrpo.rollout import RolloutConfig
+    from megagrpo.rollout.engine import THREADS_BIND_ENV, RolloutEngine, cpu_threads_bind
+
+    assert cpu_threads_bind(2, 1, [3, 0, 1, 2]) == "0,1|2,3"  # one node: a run for each rank
+    assert cpu_threads_bind(4, 2, range(8)) == "0,1,2,3|4,5,6,7"  # each node holds 2 of the 4 ranks
+    assert cpu_threads_bind(2, 2, [0, 1]) == "0,1"
+    assert cpu_threads_bind(4, 1, [0, 1]) == "0,1|0,1|0,1|0,1"  # fewer cores than ranks: all, each
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv(THREADS_BIND_ENV, "")  # unset (empty counts so), and restored after the test
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    RolloutEngine(RolloutConfig(str(tmp_path))).export_cpu_threads_bind()
+    assert os.environ[THREADS_BIND_ENV] == ""  # one rank: SGLang's default holds
+    RolloutEngine(RolloutConfig(str(tmp_path), tp_size=2)).export_cpu_threads_bind()
+    assert os.environ[THREADS_BIND_ENV] == "0|1"
+    monkeypatch.setenv(THREADS_BIND_ENV, "5|6")  # the user's own
+    RolloutEngine(RolloutConfig(str(tmp_path), tp_size=2)).export_cpu_threads_bind()
+    assert os.environ[THREADS_BIND_ENV] == "5|6"

@@ -22,7 +22,7 @@ checksum lays them out as the engine holds them (issue 37).
 - the server exits 0 when the store says stop, and leaves no SGLang process behind.
 
 One server start for the module (20 s of the 33 s the module takes here), and one of the engine over two
-nodes; tests that change the weights put
+nodes, with its two tests (+66 s: 64 s without them, 131 s with them, run side by side on a shared host); tests that change the weights put
 the checkpoint back.
 """
 

@@ -32,6 +32,13 @@ What is patched, and why (each through `megagrpo.compat.patching.replace`, which
   16-byte key in int64 torch arithmetic. `multinomial_with_seed` is swapped for its undecorated original,
   because its `torch.compile` would build C++ with inductor in every scheduler process for a few
   elementwise ops.
+* `parallel_state.init_model_parallel_group`: for every model-parallel group whose caller does not choose,
+  SGLang 0.5.23 turns PyNccl on for all devices but NPU/XPU (and out-of-tree platforms without it), the CPU
+  platform included, so an engine of 2 ranks or more (`tp_size > 1`, or `nnodes > 1`) fails as its TP group
+  starts: "Expected a cuda device, but got: cpu" (pynccl.py). SGLang has no server argument or variable
+  for this (`disable_custom_all_reduce` covers the custom all-reduce only, which megagrpo's engine config
+  also sets on CPU); the replacement passes `use_pynccl=False`, so the group's collectives run on its
+  torch.distributed group (gloo on the CPU platform), as they already do for CPU tensors.
 
 * `AttentionBackendRegistry.get_handler` (sglang.srt.models.deepseek_common.attention_backend_handler): the
   torch-native MLA path. DeepSeek-V3's multi-latent attention picks a forward method per batch from a
@@ -258,6 +265,28 @@ def mla_handler_for_backend(cls: Any, backend_name: str) -> Any:
     return _UPSTREAM_GET_HANDLER.__func__(cls, backend_name)
 
 
+def _without_pynccl(upstream: Any) -> Any:
+    """`parallel_state.init_model_parallel_group` with PyNccl off: there is no CUDA device to hold it."""
+
+    def init_model_parallel_group(*args: Any, **kwargs: Any) -> Any:
+        kwargs["use_pynccl"] = False
+        return upstream(*args, **kwargs)
+
+    return init_model_parallel_group
+
+
+def _patch_tp_groups() -> None:
+    from sglang.srt.distributed import parallel_state
+
+    replace(
+        parallel_state,
+        "init_model_parallel_group",
+        _without_pynccl(parallel_state.init_model_parallel_group),
+        reason="parallel_state.init_model_parallel_group: PyNccl is asked for every TP group on a CPU device "
+        "too, so an engine of 2+ ranks failed ('Expected a cuda device, but got: cpu'); gloo instead",
+    )
+
+
 def _check_not_imported_too_early() -> None:
     common = sys.modules.get("sglang.srt.utils.common")
     if common is not None and not common.is_cpu():
@@ -347,6 +376,7 @@ def apply() -> None:
         "every batch instead (SGLang's other CPU MLA path needs Intel AMX kernels)",
         count_hits=False,
     )
+    _patch_tp_groups()
 
     from sglang.srt.entrypoints.engine import Engine
 

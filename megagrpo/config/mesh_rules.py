@@ -197,19 +197,6 @@ def engine_count(world_size: int, engine_tp: int, num_engines: int | None, *, on
     return n
 
 
-# SGLang 0.5.23 on a CPU: its `init_model_parallel_group` turns PyNccl on for every device but NPU/XPU
-# (parallel_state.py), so a CPU engine of 2 ranks or more fails as its TP group starts, with "Expected a cuda
-# device, but got: cpu" (pynccl.py); seen with two schedulers, nnodes=2, tp_size=2 on one host. With PyNccl
-# off for that group (a probe outside megagrpo) the same two schedulers start over gloo and generate, so a
-# compat patch could lift this; megagrpo's CPU layer does not carry one, and the test cluster's two nodes of
-# 2 CPUs could not hold a learner beside an engine over both of them anyway.
-CPU_MULTI_RANK_ENGINE = (
-    "SGLang's CPU engine runs on one rank only here: SGLang 0.5.23 asks PyNccl for every TP group, on a CPU "
-    "device too, so an engine of 2 or more ranks (TP, or nodes: nnodes > 1) fails as it starts ('Expected a "
-    "cuda device, but got: cpu'), and megagrpo's CPU compatibility layer does not turn that off"
-)
-
-
 def engine_nodes(engine_tp: int, gpus_per_node: int) -> int:
     """Nodes one SGLang engine spans: 1 when its engine_tp GPUs fit on one node, else
     engine_tp / gpus_per_node whole nodes:
@@ -274,14 +261,11 @@ def rank_roles(
 
     Colocated: every rank learns and `engine_count` engines share their devices. Disaggregated
     (`rollout.placement.kind`): the last `num_engines * engine_tp` ranks (default one engine) run SGLang
-    servers only, one rank per GPU on GPUs, so an engine of TP t spans t ranks whose first runs the server.
+    servers only, one rank per GPU on GPUs (per CPU process on CPUs: an engine of TP t there runs t SGLang
+    schedulers over gloo, `compat.sglang_cpu`), so an engine of TP t spans t ranks whose first runs the server.
     MegagrpoError naming the field when no rank would be left to learn."""
     if not disaggregated:
         return Roles(world_size, engine_count(world_size, engine_tp, num_engines, on_gpu=on_gpu), 0)
-    if not on_gpu and engine_tp != 1:
-        raise MegagrpoError(
-            f"rollout.engine_tp={engine_tp}: {CPU_MULTI_RANK_ENGINE}; set rollout.engine_tp=1"
-        )
     n = 1 if num_engines is None else num_engines
     ranks = n * engine_tp
     if ranks >= world_size:

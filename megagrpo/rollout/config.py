@@ -24,7 +24,7 @@ class RolloutConfig:
     return_routes: bool = True  # MoE: record routed experts (needed for routing replay R3)
     seed: int = 0  # the engine's random seed (sampling RNG of the scheduler)
     base_gpu_id: int = 0  # GPU: the first of the engine's tp_size GPUs on its node (rollout.groups)
-    # An engine over several nodes (SGLang's multi-node TP/EP, GPU only; `config.mesh_rules.engine_nodes`):
+    # An engine over several nodes (SGLang's multi-node TP/EP; `config.mesh_rules.engine_nodes`):
     # this process starts SGLang node `node_rank` of `nnodes`, which meet at `dist_init_addr` (host:port
     # of node 0); tp_size counts the GPUs of all its nodes.
     nnodes: int = 1

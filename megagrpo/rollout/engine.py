@@ -105,6 +105,24 @@ def has_flash_attention_3() -> bool:
     return any(any(Path(d).glob("flash_ops*.so")) for d in spec.submodule_search_locations)
 
 
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_bind(tp_size: int, nnodes: int, cores: Sequence[int]) -> str:
+    """SGLang's `SGLANG_CPU_OMP_THREADS_BIND` for a CPU engine of `tp_size` ranks over `nnodes` nodes on
+    these `cores`: this node's `tp_size // nnodes` ranks take equal runs of them, in the order of their
+    device id on the node (base_gpu_id 0 plus the local TP index; all the cores each when there are fewer
+    cores than ranks). Unset, SGLang asserts one NUMA node per rank, which a CPU engine of 2+ ranks on one
+    socket fails. SGLang binds OpenMP threads to the runs only with its AMX/arm64 kernels
+    (`init_cpu_threads_env`); elsewhere the value is checked and unused."""
+    per = max(1, tp_size // max(1, nnodes))
+    cores = sorted(cores)
+    if len(cores) < per:
+        return "|".join([",".join(map(str, cores))] * per)
+    n = len(cores) // per
+    return "|".join(",".join(map(str, cores[i * n : (i + 1) * n])) for i in range(per))
+
+
 class EngineFailed(MegagrpoError):
     """A process of the in-process SGLang engine died (module doc, "SIGQUIT"): the engine cannot serve."""
 
@@ -424,13 +442,6 @@ class RolloutEngine(EngineRequests):
                 "below 64 and that path cannot write the KV cache (it fails while capturing CUDA graphs). Use "
                 "a model with head_dim >= 64 on a GPU (every released Qwen3/Llama has 64 or 128)"
             )
-        if self.on_cpu and (cfg.tp_size != 1 or cfg.nnodes != 1):
-            # SGLang 0.5.23 asks PyNccl for every TP group, on a CPU device too (config.mesh_rules)
-            raise MegagrpoError(
-                f"rollout.tp_size={cfg.tp_size}, nnodes={cfg.nnodes}: the CPU engine runs with tp_size=1 on "
-                "one node only (SGLang's TP group asks PyNccl on a CPU device too and fails as it starts: "
-                "'Expected a cuda device, but got: cpu')"
-            )
         if cfg.nnodes > 1 and (cfg.dist_init_addr is None or not 0 <= cfg.node_rank < cfg.nnodes):
             raise MegagrpoError(
                 f"an engine over nnodes={cfg.nnodes} needs node_rank in [0, {cfg.nnodes}) (got {cfg.node_rank}) "
@@ -457,6 +468,9 @@ class RolloutEngine(EngineRequests):
         if self.on_cpu:
             # SGLang's CPU platform: torch-native attention, no CUDA graphs; the memory saver needs libcuda.
             kw.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+            # SGLang's own switch for its custom all-reduce, a CUDA IPC kernel that a TP group of 2+ ranks
+            # would otherwise try to set up; PyNccl has no switch: megagrpo.compat.sglang_cpu turns it off.
+            kw["disable_custom_all_reduce"] = True
             # The packed weight sync's loader (a string: rollout does not import sync): `direct`'s copy,
             # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`);
             # and its probe of the engine's real parameter shapes, asked before the first packed send.
@@ -474,14 +488,24 @@ class RolloutEngine(EngineRequests):
             # Rollouts are decode-bound, so eager prefill costs little; `extra_engine_args` can turn it on.
             kw["cuda_graph_backend_prefill"] = "disabled"
             kw["base_gpu_id"] = cfg.base_gpu_id
-            if cfg.nnodes > 1:  # SGLang's multi-node engine: tp_size GPUs over nnodes nodes
-                kw.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, dist_init_addr=cfg.dist_init_addr)
             if cfg.fp8:
                 kw["quantization"] = "fp8"
             if cfg.deterministic:
                 kw["enable_deterministic_inference"] = True
+        # SGLang's multi-node engine: tp_size devices (GPUs, or CPU ranks) over nnodes nodes
+        if cfg.nnodes > 1:
+            kw.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, dist_init_addr=cfg.dist_init_addr)
         kw.update(cfg.extra_engine_args)
         return kw
+
+    def export_cpu_threads_bind(self) -> None:
+        """On the CPU, an engine of 2+ ranks needs `SGLANG_CPU_OMP_THREADS_BIND` (`cpu_threads_bind`); set
+        from this process's cores before the schedulers are spawned (they inherit it), unless the user set
+        it."""
+        if self.on_cpu and self.cfg.tp_size > 1 and not os.environ.get(THREADS_BIND_ENV):
+            os.environ[THREADS_BIND_ENV] = cpu_threads_bind(
+                self.cfg.tp_size, self.cfg.nnodes, sorted(os.sched_getaffinity(0))
+            )
 
     def _head_dim(self) -> int | None:
         hf = self._hf_config()
@@ -500,6 +524,7 @@ class RolloutEngine(EngineRequests):
         import sglang
 
         before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.export_cpu_threads_bind()
         try:
             with only_the_served_model_imported(self.cfg.model_path):
                 self._engine = sglang.Engine(**self.engine_kwargs())

@@ -5,8 +5,8 @@ samplers (`config.mesh_rules.rank_roles`). The first rank of each engine runs SG
 (`sglang.srt.entrypoints.http_server.launch_server`, the server slime and miles drive) on its devices,
 with the same engine arguments a colocated engine gets (`RolloutEngine.engine_kwargs`), and publishes its
 URL in the launch's store (`rollout.rendezvous`) once it is ready; the other ranks of a TP group only
-wait (their GPUs are the server's). An engine over several nodes (`config.mesh_rules.engine_nodes`, GPU
-only) is started by its first rank on each node: node 0's rank publishes where the nodes meet
+wait (their GPUs are the server's). An engine over several nodes (`config.mesh_rules.engine_nodes`,
+GPUs or CPU ranks) is started by its first rank on each node: node 0's rank publishes where the nodes meet
 (`dist_init_addr`, a free port on its host) and runs the HTTP server; the first rank on node k starts
 SGLang's node k (`nnodes`, `node_rank`), whose schedulers join node 0's and serve no HTTP.
 
@@ -126,12 +126,14 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
     from sglang.srt.entrypoints import http_server
     from sglang.srt.entrypoints.engine import Engine
 
+    from megagrpo.rollout.engine import RolloutEngine
     from megagrpo.rollout.startup import DISABLED_ARCHS_ENV, skipped_model_modules
 
     skipped = skipped_model_modules(rc.model_path)
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
     port, key = free_port(host), secrets.token_urlsafe(32)
+    RolloutEngine(rc).export_cpu_threads_bind()  # inherited by the schedulers
     sa = server_args(rc, host=host, port=port, key=key)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 

@@ -228,8 +228,8 @@ def run_submit(args: argparse.Namespace) -> int:
     if args.device != "auto":
         check_mesh_fits(cfg, _job_shape(args, args.device), args.stage)
     elif cfg.rollout.placement.disaggregated:
-        # A disaggregated layout's rules (whole engines per node, ranks left to learn) are the GPU's, or
-        # stricter on the CPU (engine_tp 1), so they are checked for GPUs before the cluster is asked.
+        # A disaggregated layout's rules (whole engines per node, ranks left to learn) are the same on GPUs
+        # and CPUs, so they are checked for GPUs before the cluster is asked.
         check_mesh_fits(cfg, _job_shape(args, "gpu"), args.stage)
     if args.stage in ("train", "sft"):
         from megagrpo.trainer.preflight import check_stage_inputs

@@ -6,6 +6,11 @@ settings the CPU tests use (fp32, 4096 KV tokens, routes on as the trainer asks)
 that store. The context yields the URL; on exit it asks the server to stop (`rendezvous.request_stop`) and
 kills what is left only if it did not exit within the deadline. The child is `python -m
 tests.integration.engine_server MODEL_DIR --port P`, run from the repository root.
+
+`nnodes=n` starts an engine of tp_size n over n "nodes" of one rank each: n children, child k running
+`serve(..., node_rank=k, nnodes=n)` as the first engine rank on node k of a launch does (`trainer.entry`):
+node 0 publishes where the nodes meet (`dist_init_addr`) and serves HTTP, the others wait for it in the
+store and run their scheduler only. The nodes are this host, so they meet on loopback.
 """
 
 from __future__ import annotations
@@ -39,22 +44,27 @@ class EngineServer:
     where: str
     key: str  # the bearer key the server requires (`rollout.server`, "Access")
     log: Path
+    nodes: tuple[subprocess.Popen, ...] = ()  # the further nodes of an engine over several (nnodes > 1)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        """Ask the server to stop, as the learners do at the end of a run; its exit code."""
+        """Ask the server to stop, as the learners do at the end of a run; its exit code (the worst of
+        its nodes')."""
         from megagrpo.rollout import rendezvous
 
-        if self.proc.poll() is None:
+        if any(p.poll() is None for p in (self.proc, *self.nodes)):
             rendezvous.request_stop(self.store)
-        return self.proc.wait(timeout=timeout_s)
+        return max(abs(p.wait(timeout=timeout_s)) for p in (self.proc, *self.nodes))
 
     def tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
 
 
 @contextlib.contextmanager
-def engine_server(model_dir: Path | str, log: Path, *, timeout_s: float = 600.0) -> Iterator[EngineServer]:
-    """Start the server for `model_dir`, yield it once its URL is published, stop it at the end."""
+def engine_server(
+    model_dir: Path | str, log: Path, *, timeout_s: float = 600.0, nnodes: int = 1
+) -> Iterator[EngineServer]:
+    """Start the server for `model_dir` (over `nnodes` nodes: module doc), yield it once its URL is
+    published, stop it at the end. Node k > 0 logs to `log` with the suffix `.node<k>`."""
     import torch.distributed as dist
 
     from megagrpo.rollout import rendezvous
@@ -77,36 +87,51 @@ def engine_server(model_dir: Path | str, log: Path, *, timeout_s: float = 600.0)
     ]
     cmd += ["--timeout", str(timeout_s)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    procs = []
     try:
-        yield EngineServer(proc, store, *_wait_for_url(store, proc, log, timeout_s), log)
+        for k in range(nnodes):
+            node_log = log if k == 0 else log.with_name(f"{log.name}.node{k}")
+            with open(node_log, "w") as out:
+                node = ["--node-rank", str(k), "--nnodes", str(nnodes)] if nnodes > 1 else []
+                procs.append(
+                    subprocess.Popen(cmd + node, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                )
+        yield EngineServer(
+            procs[0], store, *_wait_for_url(store, procs, log, timeout_s), log, nodes=tuple(procs[1:])
+        )
     finally:
-        if proc.poll() is None:
+        if any(p.poll() is None for p in procs):
             rendezvous.request_stop(store)
+        for p in procs:
             try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
+                p.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                _kill_tree(proc.pid)
-                proc.wait()
+                _kill_tree(p.pid)
+                p.wait()
 
 
-def rollout_config(model_dir: Path | str) -> Any:
+def rollout_config(model_dir: Path | str, tp_size: int = 1) -> Any:
     """The engine's settings, on both sides: what `trainer.components.rollout_config` gives a CPU test run
     (fp32, a fixed KV-cache size, routes on)."""
     from megagrpo.rollout.config import RolloutConfig
 
-    return RolloutConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=4096, seed=0)
+    return RolloutConfig(
+        model_path=str(model_dir), dtype="float32", max_total_tokens=4096, seed=0, tp_size=tp_size
+    )
 
 
-def _wait_for_url(store: Any, proc: subprocess.Popen, log: Path, timeout_s: float) -> Any:
+def _wait_for_url(store: Any, procs: list[subprocess.Popen], log: Path, timeout_s: float) -> Any:
     from megagrpo.errors import MegagrpoError
     from megagrpo.rollout import rendezvous
 
     deadline = time.monotonic() + timeout_s
     while True:
-        if proc.poll() is not None:
-            raise ServerDied(f"the engine server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        for k, proc in enumerate(procs):
+            if proc.poll() is not None:
+                node_log = log if k == 0 else log.with_name(f"{log.name}.node{k}")
+                raise ServerDied(
+                    f"the engine server (node {k}) exited with {proc.returncode}:\n{node_log.read_text()[-4000:]}"
+                )
         try:
             return rendezvous.wait_for(store, ENGINE, 1.0)
         except MegagrpoError:
@@ -133,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--addr", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=int, default=1)
     a = p.parse_args(argv)
     from megagrpo.compat import apply_cpu_compat
 
@@ -140,7 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     from megagrpo.rollout.server import serve
 
     return serve(
-        rollout_config(a.model_dir), engine=ENGINE, first=True, addr=a.addr, port=a.port, timeout_s=a.timeout
+        rollout_config(a.model_dir, tp_size=a.nnodes),  # one rank per node
+        engine=ENGINE,
+        first=True,
+        addr=a.addr,
+        port=a.port,
+        timeout_s=a.timeout,
+        node_rank=a.node_rank,
+        nnodes=a.nnodes,
     )
 
 

@@ -82,6 +82,21 @@ def test_compat_patches_in_process(sglang_engine):
     assert HITS["torch.get_device_module"] >= before + 2  # the engine's threads may call it too
 
 
+def test_tp_groups_ask_no_pynccl_on_cpu(sglang_engine, monkeypatch):
+    """SGLang asks PyNccl for every model-parallel group whose caller does not choose, on the CPU platform
+    too, and PyNccl fails there ("Expected a cuda device, but got: cpu") as a group of 2+ ranks starts; the
+    compat layer turns it off. The TP group's call, as `initialize_model_parallel` makes it, here (a TP 2
+    engine itself runs in test_weights_broadcast.py)."""
+    from sglang.srt.distributed import parallel_state
+
+    seen = {}
+    monkeypatch.setattr(parallel_state, "GroupCoordinator", lambda **kw: seen.update(kw))
+    before = HITS["sglang.srt.distributed.parallel_state.init_model_parallel_group"]
+    parallel_state.init_model_parallel_group([[0, 1]], 0, "gloo", group_name="tp")
+    assert seen["use_pynccl"] is False and seen["group_ranks"] == [[0, 1]]
+    assert HITS["sglang.srt.distributed.parallel_state.init_model_parallel_group"] == before + 1
+
+
 def test_seeded_requests_repeat_and_group_members_differ(sglang_engine, sglang_hits_dir):
     """Request k of a call samples with seed + k (the compat layer honours SGLang's sampling_seed on CPU):
     the same call repeats token for token, group members differ, and another seed gives other samples."""

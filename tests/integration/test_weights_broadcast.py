@@ -13,10 +13,16 @@ checksum lays them out as the engine holds them (issue 37).
   for bit, without the checksum's buffer per bucket;
 - a bucket that the engine fails to load while the owner copies the next is reported by the next send,
   naming the engine, the bucket and that it is partly updated;
+- an engine of tp_size 2 over two "nodes" of one rank each (`engine_server(nnodes=2)`: megagrpo's own
+  multi-node start, node 0 publishing `dist_init_addr` in the store, node 1 joining it; SGLang's TP group
+  over gloo, `compat.sglang_cpu`) samples the greedy ids, logprobs (fp32 round-off) and routed experts of
+  the one-rank engine, before and after perturbed weights are broadcast to both (the TP2 engine's group
+  has 3 ranks, and both of its shards load them); its checksum is refused by name (TP 1 only);
 - the server listens on its advertised address only and refuses every request without the launch's key;
 - the server exits 0 when the store says stop, and leaves no SGLang process behind.
 
-One server start for the module (20 s of the 33 s the module takes here); tests that change the weights put
+One server start for the module (20 s of the 33 s the module takes here), and one of the engine over two
+nodes, with its two tests (+66 s: 64 s without them, 131 s with them, run side by side on a shared host); tests that change the weights put
 the checkpoint back.
 """
 
@@ -242,6 +248,76 @@ def test_only_this_launch_drives_the_engine(served):
         assert stranger.get("/health") is None  # SGLang's probes stay open
     ids, _ = _greedy(served.engine)  # the launch's own client, with its key, still drives it
     assert ids == served.ids
+
+
+@dataclasses.dataclass
+class OverNodes:
+    server: EngineServer
+    engine: object  # RemoteEngine, engine 1: its weights group is megagrpo-weights-1
+    transport: object  # BroadcastTransport
+
+
+@pytest.fixture(scope="module")
+def over_nodes(served, tmp_path_factory):
+    """The same checkpoint on an engine of tp_size 2 over two nodes of one rank each (module doc)."""
+    from megagrpo.rollout.remote import RemoteEngine
+    from megagrpo.sync.broadcast import BroadcastTransport
+
+    model = served.engine.cfg.model_path
+    t0 = time.monotonic()
+    log = tmp_path_factory.mktemp("over_nodes") / "server.log"
+    with engine_server(model, log, timeout_s=TIMEOUT_S, nnodes=2) as server:
+        print(f"engine over 2 nodes up in {time.monotonic() - t0:.1f} s at {server.url}")
+        engine = RemoteEngine(
+            rollout_config(model, tp_size=2), index=1, url=server.url, where=server.where, key=server.key,
+            timeout_s=TIMEOUT_S,
+        ).start()  # fmt: skip
+        transport = BroadcastTransport(engine, timeout_s=TIMEOUT_S)
+        try:
+            yield OverNodes(server, engine, transport)
+        finally:
+            transport.close()
+            engine.shutdown()
+            assert server.stop() == 0, server.tail()
+
+
+def _greedy_routes(engine) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
+    done = [c for g in engine.generate(PROMPTS, GREEDY) for c in g]
+    return [c.output_ids.tolist() for c in done], [c.logprobs for c in done], [c.routes for c in done]
+
+
+def _same_sampling(one, two) -> None:
+    """Engines `one` (TP 1) and `two` (TP 2 over two nodes) sample alike: greedy ids, routed experts, and
+    logprobs to fp32 round-off (TP 2 sums each row-parallel matmul's halves in another order)."""
+    ids1, lp1, routes1 = _greedy_routes(one)
+    ids2, lp2, routes2 = _greedy_routes(two)
+    assert ids2 == ids1
+    assert _moved(lp2, lp1) < ROUND_OFF, _moved(lp2, lp1)
+    assert all(r is not None for r in routes1 + routes2)
+    for a, b in zip(routes1, routes2):
+        assert torch.equal(a, b)
+
+
+def test_an_engine_over_two_nodes_samples_what_one_rank_does(served, over_nodes):
+    # both nodes run a scheduler: node 0 under the server's process, node 1 under its own
+    for proc in (over_nodes.server.proc, *over_nodes.server.nodes):
+        titles = [" ".join(_cmdline(p)) for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert sum("sglang::scheduler" in t for t in titles) == 1, titles
+    _same_sampling(served.engine, over_nodes.engine)
+
+
+def test_weights_broadcast_to_an_engine_over_two_nodes_reach_both_shards(served, over_nodes, restore):
+    from megagrpo.sync.broadcast import sync_remote, verify_remote
+
+    perturbed = _perturbed(served.original)
+    sync_remote(served.transport, bucketize(perturbed, SMALL_BUCKET))
+    stats = sync_remote(over_nodes.transport, bucketize(perturbed, SMALL_BUCKET))
+    assert over_nodes.transport.group_name == "megagrpo-weights-1" and stats.tensors == len(perturbed)
+    ids, logprobs = _greedy(over_nodes.engine)
+    assert ids != served.ids or _moved(logprobs, served.logprobs) > 100 * ROUND_OFF  # they did change
+    _same_sampling(served.engine, over_nodes.engine)  # and equally on both shards of TP 2
+    with pytest.raises(MegagrpoError, match="engine_tp=1 only"):
+        verify_remote(over_nodes.engine, [perturbed])
 
 
 def test_the_server_exits_0_when_the_store_says_stop(served):

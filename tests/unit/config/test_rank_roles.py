@@ -31,17 +31,18 @@ def test_disaggregated_engines_take_the_last_ranks():
     roles = rank_roles(24, 4, 2, disaggregated=True, on_gpu=True)
     assert roles == Roles(learners=16, engines=2, engine_ranks=8)
     assert [roles.engine_of(r, 4) for r in (0, 15, 16, 19, 20, 23)] == [None, None, 0, 0, 1, 1]
-    # the default is one engine; on the CPU one rank per engine (engine_tp 1)
+    # the default is one engine; on the CPU an engine of engine_tp ranks too
     assert rank_roles(24, 4, None, disaggregated=True, on_gpu=True) == Roles(20, 1, 4)
     cpu = rank_roles(3, 1, 1, disaggregated=True, on_gpu=False)
     assert cpu == Roles(2, 1, 1) and cpu.engine_of(2, 1) == 0 and cpu.engine_of(1, 1) is None
 
 
-def test_disaggregated_refuses_a_launch_with_no_learner_and_a_cpu_engine_tp():
+def test_disaggregated_refuses_a_launch_with_no_learner():
     with pytest.raises(MegagrpoError, match=r"take 8 of the 8 ranks.*at least 9"):
         rank_roles(8, 4, 2, disaggregated=True, on_gpu=True)
-    with pytest.raises(MegagrpoError, match="rollout.engine_tp=2: SGLang.s CPU engine runs on one rank only"):
-        rank_roles(4, 2, 1, disaggregated=True, on_gpu=False)
+    with pytest.raises(MegagrpoError, match=r"take 4 of the 4 ranks.*at least 5"):
+        rank_roles(4, 2, 2, disaggregated=True, on_gpu=False)
+    assert rank_roles(4, 2, 1, disaggregated=True, on_gpu=False) == Roles(2, 1, 2)  # TP 2 on the CPU
 
 
 def test_check_mesh_splits_the_learner_mesh_over_the_learner_ranks_only():

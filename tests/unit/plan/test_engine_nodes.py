@@ -8,6 +8,7 @@ rendezvous of the nodes' ranks), and refused on the CPU, where SGLang cannot run
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,9 @@ def test_submit_renders_the_engine_nodes_and_refuses_a_colocated_engine_over_nod
         check_mesh_fits(colocated, JobShape(4, 8, "gpu"))
 
 
-def test_cpu_refuses_an_engine_of_more_than_one_rank_with_sglang_s_reason():
+def test_cpu_accepts_an_engine_of_more_than_one_rank():
+    """SGLang's CPU engine of 2+ ranks starts once its TP groups ask no PyNccl (`compat.sglang_cpu`): a
+    disaggregated CPU launch of 4 ranks gives 2 to the learner and 2 to one engine of engine_tp 2."""
     cfg = load_config(
         DISAGG,
         [
@@ -142,14 +145,13 @@ def test_cpu_refuses_an_engine_of_more_than_one_rank_with_sglang_s_reason():
         ],
         check_paths=False,
     )
-    for call in (
-        lambda: rank_roles(4, 2, 1, disaggregated=True, on_gpu=False),
-        lambda: check_mesh(cfg, 4, on_gpu=False),
-        lambda: check_mesh_fits(cfg, JobShape(2, 2, "cpu")),
-    ):
-        with pytest.raises(MegagrpoError, match="rollout.engine_tp=2") as e:
-            call()
-        assert "Expected a cuda device, but got: cpu" in str(e.value) and "nnodes > 1" in str(e.value)
+    roles = rank_roles(4, 2, 1, disaggregated=True, on_gpu=False)
+    assert (roles.learners, roles.engines, roles.engine_ranks) == (2, 1, 2)
+    check_mesh(cfg, 4, on_gpu=False)
+    check_mesh_fits(cfg, JobShape(2, 2, "cpu"))
+    # an engine over both nodes of a 2-node CPU job leaves no rank to learn: refused by the GPU's rule
+    with pytest.raises(MegagrpoError, match="leaving none to learn"):
+        rank_roles(4, 4, 1, disaggregated=True, on_gpu=False)
 
 
 class _Store:
@@ -212,10 +214,44 @@ def test_the_ranks_of_an_engine_over_two_nodes_start_its_nodes(tmp_path, monkeyp
         server._node_config(served[24][0], _Store(), 0, "10.0.0.4", 1, 2, timeout_s=0.3)
 
 
-def test_the_cpu_engine_refuses_nnodes(tmp_path):
+def test_the_cpu_engine_starts_its_node_of_an_engine_over_nodes(tmp_path):
+    """On the CPU too, node 1 of an engine over 2 nodes meets node 0 at dist_init_addr; SGLang's custom
+    all-reduce (CUDA IPC) is switched off by its own server argument."""
     from megagrpo.rollout import RolloutConfig
     from megagrpo.rollout.engine import RolloutEngine
 
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(MegagrpoError, match="nnodes=2: the CPU engine runs with tp_size=1 on one node only"):
-        RolloutEngine(RolloutConfig(str(tmp_path), nnodes=2, node_rank=1, dist_init_addr="h:1"))
+    rc = RolloutConfig(str(tmp_path), tp_size=2, nnodes=2, node_rank=1, dist_init_addr="h:1")
+    kw = RolloutEngine(rc).engine_kwargs()
+    assert (kw["device"], kw["tp_size"], kw["nnodes"], kw["node_rank"], kw["dist_init_addr"]) == (
+        "cpu",
+        2,
+        2,
+        1,
+        "h:1",
+    )
+    assert kw["disable_custom_all_reduce"] is True
+    with pytest.raises(MegagrpoError, match="needs node_rank in"):
+        RolloutEngine(RolloutConfig(str(tmp_path), tp_size=2, nnodes=2, node_rank=1))
+
+
+def test_a_cpu_engine_of_two_ranks_gets_its_threads_bind(tmp_path, monkeypatch):
+    """Unset, SGLang asserts one NUMA node per CPU rank ("SGLANG_CPU_OMP_THREADS_BIND is not set ..."), so
+    a TP 2 engine on one socket failed as its schedulers started; the engine sets it from its cores."""
+    from megagrpo.rollout import RolloutConfig
+    from megagrpo.rollout.engine import THREADS_BIND_ENV, RolloutEngine, cpu_threads_bind
+
+    assert cpu_threads_bind(2, 1, [3, 0, 1, 2]) == "0,1|2,3"  # one node: a run for each rank
+    assert cpu_threads_bind(4, 2, range(8)) == "0,1,2,3|4,5,6,7"  # each node holds 2 of the 4 ranks
+    assert cpu_threads_bind(2, 2, [0, 1]) == "0,1"
+    assert cpu_threads_bind(4, 1, [0, 1]) == "0,1|0,1|0,1|0,1"  # fewer cores than ranks: all, each
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv(THREADS_BIND_ENV, "")  # unset (empty counts so), and restored after the test
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    RolloutEngine(RolloutConfig(str(tmp_path))).export_cpu_threads_bind()
+    assert os.environ[THREADS_BIND_ENV] == ""  # one rank: SGLang's default holds
+    RolloutEngine(RolloutConfig(str(tmp_path), tp_size=2)).export_cpu_threads_bind()
+    assert os.environ[THREADS_BIND_ENV] == "0|1"
+    monkeypatch.setenv(THREADS_BIND_ENV, "5|6")  # the user's own
+    RolloutEngine(RolloutConfig(str(tmp_path), tp_size=2)).export_cpu_threads_bind()
+    assert os.environ[THREADS_BIND_ENV] == "5|6"

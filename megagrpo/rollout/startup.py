@@ -16,6 +16,8 @@ import pkgutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from megagrpo.config.model import MODEL_TYPE_ALIASES
+
 DISABLED_ARCHS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 
 # Families whose SGLang module is not named after their model_type: DeepSeek-V3's classes live in
@@ -45,7 +47,8 @@ def skipped_model_modules(model_path: str | Path) -> list[str]:
         models = _models_dir()
     except (ImportError, AttributeError, ValueError):  # not SGLang's layout (a test stand-in): skip nothing
         return []
-    module = MODULE_OF_MODEL_TYPE.get(model_type, model_type)
+    family = MODEL_TYPE_ALIASES.get(model_type, model_type)  # kimi_k2 is served by DeepSeek-V3's module
+    module = MODULE_OF_MODEL_TYPE.get(family, family)
     source = models / f"{module}.py"
     if not model_type or len(archs) != 1 or not source.is_file() or archs[0] not in source.read_text():
         return []

@@ -272,10 +272,13 @@ class BroadcastTransport:
 
         from megagrpo.sync.weights import _flatten
 
+        # Each tensor in the dtype the engine holds it in (a correction bias stays fp32 in a bf16 engine:
+        # rounded, it would route differently from the learner), the widest first: SGLang's receiver lays
+        # the tensors out back to back in the announced order and refuses one its offset does not align.
+        bucket, dtypes = _in_engine_dtypes(bucket, cast)
         if fresh:
-            return _flatten(bucket if cast is None else [(n, t.to(cast)) for n, t in bucket])
+            return _flatten([(n, t.to(d)) for (n, t), d in zip(bucket, dtypes, strict=True)])
 
-        dtypes = [cast or t.dtype for _, t in bucket]
         total = sum(t.numel() * d.itemsize for (_, t), d in zip(bucket, dtypes, strict=True))
         device = bucket[0][1].device
         i = self._next_buf
@@ -357,6 +360,19 @@ def engine_call(remote: RemoteEngine, path: str) -> None:
 
 def engine_dtype(remote: RemoteEngine) -> torch.dtype:
     return getattr(torch, remote.cfg.dtype)
+
+
+def _in_engine_dtypes(
+    bucket: list[NamedTensor], cast: torch.dtype | None
+) -> tuple[list[NamedTensor], list[torch.dtype]]:
+    """The bucket ordered widest dtype first, and each tensor's dtype on the wire: `cast` (the engine's)
+    where SGLang holds the parameter in it, fp32 for the few it keeps in fp32 (`sglang_layout.FP32_PARAMS`),
+    the tensor's own without a cast. A stable sort: a single-dtype bucket keeps its order."""
+    from megagrpo.sync.sglang_layout import engine_dtype as held_dtype
+
+    dtypes = [t.dtype if cast is None else held_dtype(n, cast) for n, t in bucket]
+    order = sorted(range(len(bucket)), key=lambda i: -dtypes[i].itemsize)
+    return [bucket[i] for i in order], [dtypes[i] for i in order]
 
 
 def sync_remote(

@@ -878,7 +878,7 @@ def verify_checksum(engine: Any, buckets: list[list[NamedTensor]]) -> bool:
     if int(eng.server_args.tp_size) != 1:
         raise MegagrpoError("weight sync checksum supports engines with tp_size=1 only; set checksum=false")
     dtype = eng.tokenizer_manager.model_config.dtype
-    sent = {name: t.to(dtype) for b in buckets for name, t in b}
+    sent = {name: t.to(sglang_layout.engine_dtype(name, dtype)) for b in buckets for name, t in b}
     shapes = _per_engine(eng, "shapes", lambda: checkpoint_shapes(eng.server_args.model_path))
     expected = sglang_params(sent, engine_held_shapes(eng, shapes))
     held = engine_checksums(eng)

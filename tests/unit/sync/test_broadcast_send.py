@@ -75,3 +75,31 @@ def test_the_send_buffer_is_reused_and_cast_on_the_copy():
     t.flatten([("z", torch.zeros(3))], None)
     assert t._bufs[0] is first  # smaller: the same buffer, in turn
     t._pool.shutdown()
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_correction_bias_crosses_a_bf16_engines_broadcast_in_fp32_and_aligned(fresh):
+    """The bias decides routing, so a bf16 engine holds it in fp32 (`sglang_layout.FP32_PARAMS`): it must
+    arrive unrounded, and SGLang's receiver (which lays the announced tensors out back to back and refuses
+    a misaligned one) must rebuild the same tensors from the announced names, dtypes and shapes."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    g = torch.Generator().manual_seed(0)
+    bucket = [
+        ("model.layers.1.input_layernorm.weight", torch.randn(3, generator=g)),  # 6 bytes in bf16
+        (bias, torch.randn(5, generator=g) * 1e-3 + 1),  # not representable in bf16
+        ("model.layers.1.mlp.gate.weight", torch.randn(5, 3, generator=g)),
+    ]
+    t = transport({"success": True})
+    flat = t.flatten(bucket, torch.bfloat16, fresh=fresh)
+    meta = flat.get_metadata()
+    received = FlattenedTensorBucket.empty(
+        [m.name for m in meta], [m.dtype for m in meta], [m.shape for m in meta], "cpu"
+    )  # raises on a misaligned layout, as the engine would
+    received.get_flattened_tensor().copy_(flat.get_flattened_tensor())
+    got = dict(received.reconstruct_tensors())
+    assert got[bias].dtype == torch.float32 and torch.equal(got[bias], bucket[1][1])
+    for name, tensor in (bucket[0], bucket[2]):
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], tensor.to(torch.bfloat16))
+    t._pool.shutdown()

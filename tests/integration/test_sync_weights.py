@@ -4,10 +4,10 @@ holds, and a bad export is refused before anything is sent (the engine keeps the
 The HF-named tensors come from a perturbed transformers model saved in checkpoint layout (the names and
 shapes the bridge's streaming export yields).
 
-The engine of this module serves the tiny Qwen3-MoE with moe_intermediate_size 20, which SGLang's CPU
-engine pads to 32 (w13_weight (8, 64, 64) where the checkpoint gives (8, 40, 64)), so every transport here
-(packed, HF-named, partial) and the checksums run on padded parameters (issue 37); the unpadded packed
-sync is covered by every trainer test. Same engine start as before: only the model changes.
+The shared engine serves the tiny Qwen3-MoE with moe_intermediate_size 20 (`conftest.ENGINE_MODEL`), which
+SGLang's CPU engine pads to 32, so every transport here (packed, HF-named, partial) and the checksums run on
+padded parameters (issue 37). The engine is one per session, shared by every engine file in one pytest
+process (the Makefile), so its model is chosen in conftest, not overridden per module.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.sync import bucketize, sync_weights
 from tests.integration.conftest import ENGINE_MODEL
 
-MOE_INTERMEDIATE = 20  # no multiple of 32: SGLang's CPU engine pads it to 32
+MOE_INTERMEDIATE = ENGINE_MODEL["moe_intermediate"]  # no multiple of 32: SGLang's CPU engine pads it to 32
 
 LOGPROB_TOL_FP32 = 2e-4  # fp32 engine vs fp32 transformers; measured max |delta| 4.8e-7 here
 SEQS = [[5, 17, 33, 2, 90, 14, 200, 7, 61, 8], [1, 307, 260, 202, 90, 301, 314, 224]]
@@ -41,12 +41,6 @@ def _hf_logprobs(model, ids):
 
 def _max_diff(engine, model):
     return max(float((e - _hf_logprobs(model, s)).abs().max()) for e, s in zip(engine.score(SEQS), SEQS))
-
-
-@pytest.fixture(scope="session")
-def sglang_model_dir(tiny_model):
-    """This module's engine model (module doc): overrides the shared fixture of the same name."""
-    return tiny_model(**ENGINE_MODEL, moe_intermediate=MOE_INTERMEDIATE)
 
 
 def _hf_greedy(model, n: int = 6) -> list[list[int]]:

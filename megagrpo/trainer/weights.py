@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
+from megagrpo.bridge.export import ExportGroups, export_tensors, iter_hf_buckets
 from megagrpo.bridge.hf_config import hf_config_from_arch
 from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, copy_side_files, write_hf_checkpoint
 from megagrpo.bridge.load import iter_local_shards
@@ -67,7 +67,7 @@ def load_hf_into_learner(learner: Any, hf_dir: str | Path) -> ModelArch:
     padded = padded_vocab_size(arch, tp_size)
     for chunk in learner.chunks:
         chunk = _unwrap(chunk)
-        params = dict(chunk.named_parameters())
+        params = dict(export_tensors(chunk))  # the router's correction bias (a buffer) is loaded too
         offset = _layer_offset(chunk)
         n_layers = len(chunk.decoder.layers) if hasattr(chunk, "decoder") else 0
         shards = iter_local_shards(
@@ -124,7 +124,7 @@ def export_buckets(
         chunk = _unwrap(chunk)
         groups = ExportGroups.from_parallel_state(ps, layer_offset=_layer_offset(chunk))
         yield from iter_hf_buckets(
-            chunk.named_parameters(),
+            export_tensors(chunk),  # the parameters and the router's correction bias (a buffer)
             learner.arch,
             bucket_bytes=bucket_bytes,
             groups=groups,

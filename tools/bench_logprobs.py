@@ -28,7 +28,7 @@ logprob + entropy head), for Qwen3-MoE, DeepSeek-V3 (MLA) and GLM-4.5 at similar
 process on one CPU rank: `--rounds` rotated rounds of `--seqs` sequences of `--seq-len` tokens each, min over
 rounds, ratio of time per token to Qwen3-MoE's (goal: <= 1.5x). Figures: docs/scaling.md, "Model families".
 
-    python tools/bench_logprobs.py --families [--seqs 8] [--seq-len 256] [--rounds 5] [--threads 1]
+    python tools/bench_logprobs.py --families [--seqs 16] [--seq-len 256] [--rounds 6] [--threads 1]
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=0, help="0: the function's default")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     ap.add_argument("--families", action="store_true", help="the learner's logprob forward per family")
-    ap.add_argument("--seqs", type=int, default=8, help="--families: sequences per forward")
+    ap.add_argument("--seqs", type=int, default=16, help="--families: sequences per forward")
     ap.add_argument("--seq-len", type=int, default=256, help="--families: tokens per sequence")
     ap.add_argument("--json", help="--families: write the figures to this file")
     ap.add_argument("--memory-case", help=argparse.SUPPRESS)  # internal: one case's memory, as JSON

@@ -20,25 +20,54 @@ Comparisons (ratios of times from the same run; lower is better):
   * and against a fused baseline: one log_softmax, then gather and entropy from that same buffer;
   * fwd + bwd: ours / autograd through the fused baseline (both must return a [N, V] grad).
 Goal (issue 4): the logp + entropy ratio <= 1.2, and peak extra memory <= 25% of the logits size.
+
+`--families` (issue 37) measures instead the learner's whole logprob forward per token, as the trainer computes
+old and reference logprobs (`Learner.forward`: megatron's forward-only schedule, THD packing, the chunked
+logprob + entropy head), for Qwen3-MoE, DeepSeek-V3 (MLA) and GLM-4.5 at similar parameter counts
+(`tools/bench_families.py`), each a megatron GPTModel loaded from its tiny HF checkpoint, all three in one
+process on one CPU rank: `--rounds` rotated rounds of `--seqs` sequences of `--seq-len` tokens each, min over
+rounds, ratio of time per token to Qwen3-MoE's (goal: <= 1.5x). Figures: docs/scaling.md, "Model families".
+
+    python tools/bench_logprobs.py --families [--seqs 16] [--seq-len 256] [--rounds 6] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from megagrpo.learner.logprobs import token_logprobs_and_entropy
 
 try:
+    from tools.bench_families import (
+        BASELINE,
+        GOAL_RATIO,
+        build_family_models,
+        param_count,
+        per_token_rows,
+        render_rows,
+        rotated_rounds,
+    )
     from tools.machine import describe, headline
 except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    from bench_families import (
+        BASELINE,
+        GOAL_RATIO,
+        build_family_models,
+        param_count,
+        per_token_rows,
+        render_rows,
+        rotated_rounds,
+    )
     from machine import describe, headline
 
 SEQ_LEN = 1024  # the selective baseline loops over sequences of this many tokens, as TRL loops over rows
@@ -142,6 +171,80 @@ def time_cases(tokens: int, vocab: int, rounds: int, chunk: int | None) -> dict[
     return times
 
 
+def family_batch(seqs: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`seqs` full rows of `seq_len` random token ids below `vocab` (the same for every family)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (seqs, seq_len), generator=g)
+    return {"input_ids": ids, "seq_lens": torch.full((seqs,), seq_len)}
+
+
+def family_forwards(dirs: dict, batch: dict[str, torch.Tensor]) -> dict:
+    """{family: a callable running the learner's logprob forward of `batch` once}: one megatron model per
+    family on one single-rank mesh, built and loaded as `Learner` builds and `load_hf_into_learner` loads
+    the policy (a `Learner` each would re-initialise the mesh under the models already built)."""
+    from types import SimpleNamespace
+
+    from megagrpo.bridge.hf_config import arch_from_hf
+    from megagrpo.compat import apply_cpu_compat
+    from megagrpo.learner import forward as fwd
+    from megagrpo.learner.learner import LearnerConfig
+    from megagrpo.learner.mesh import DistEnv, init_mesh
+    from megagrpo.learner.model import build_gpt_model, wrap_ddp
+    from megagrpo.trainer.weights import load_hf_into_learner
+
+    apply_cpu_compat(megatron=True, sglang=False)
+    cfg = LearnerConfig()
+    init_mesh(cfg.mesh, DistEnv.from_environ({}), seed=cfg.seed)
+    runs = {}
+    for family, d in dirs.items():
+        arch = arch_from_hf(Path(d) / "config.json")
+        chunks = build_gpt_model(arch, cfg.mesh, dtype=cfg.dtype, layer_spec=cfg.layer_spec)
+        model = wrap_ddp(chunks, distributed_optimizer=cfg.distributed_optimizer)
+        load_hf_into_learner(SimpleNamespace(arch=arch, chunks=chunks), d)
+        opts = fwd.RunOptions(
+            vocab_size=arch.vocab_size,
+            num_micro_batches=cfg.num_micro_batches,
+            packed=cfg.packed,
+            balance=cfg.balance,
+            temperature=cfg.temperature,
+            chunk_tokens=cfg.chunk_tokens,
+        )
+        runs[family] = functools.partial(fwd.forward_logprobs, model, batch, opts)
+    return runs
+
+
+def run_families(args: argparse.Namespace) -> dict:
+    import tempfile
+
+    machine = describe()
+    with tempfile.TemporaryDirectory(prefix="bench_logprobs_families_") as tmp:
+        dirs = build_family_models(tmp)
+        params = {f: param_count(d) for f, d in dirs.items()}
+        batch = family_batch(args.seqs, args.seq_len, vocab=1000)
+        runs = family_forwards(dirs, batch)
+
+        def once(family: str) -> dict[str, float]:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                runs[family]()
+            return {"forward": time.perf_counter() - t0}
+
+        times = rotated_rounds(list(dirs), args.rounds, once)
+    tokens = args.seqs * args.seq_len
+    rows = per_token_rows({f: min(t["forward"]) for f, t in times.items()}, {f: tokens for f in times})
+    print(headline(describe(machine)))
+    print(
+        render_rows(
+            f"learner logprob forward (one CPU rank, fp32, {args.seqs} x {args.seq_len} tokens, torch threads "
+            f"{torch.get_num_threads()}; min of {args.rounds} rotated rounds; ratio = time per token / "
+            f"{BASELINE}'s, goal <= {GOAL_RATIO}x)",
+            rows,
+            params,
+        )
+    )
+    return {"machine": describe(machine), "params": params, "rows": rows, "times": times}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
@@ -149,11 +252,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk-tokens", type=int, default=0, help="0: the function's default")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    ap.add_argument("--families", action="store_true", help="the learner's logprob forward per family")
+    ap.add_argument("--seqs", type=int, default=16, help="--families: sequences per forward")
+    ap.add_argument("--seq-len", type=int, default=256, help="--families: tokens per sequence")
+    ap.add_argument("--json", help="--families: write the figures to this file")
     ap.add_argument("--memory-case", help=argparse.SUPPRESS)  # internal: one case's memory, as JSON
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     chunk = args.chunk_tokens or None
+    if args.families:
+        out = run_families(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        return
 
     if args.memory_case:
         print(json.dumps(memory_case(args.memory_case, args.tokens, args.vocab, chunk)))

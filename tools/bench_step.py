@@ -17,6 +17,18 @@ Framework overhead = step seconds - model compute seconds (issue 9's goal: at mo
 Metric logging (JSONL + TensorBoard) happens after `perf/step_seconds` is taken; it is reported separately.
 
     python tools/bench_step.py [--steps 4] [--warmup 1] [--prompts 16] [--group-size 8] [--out FILE]
+
+`--families` (issue 37) times the rollout's model compute alone, the SGLang CPU engine's generation, for
+Qwen3-MoE, DeepSeek-V3 (multi-latent attention, served through `megagrpo.compat.sglang_cpu`'s torch-native
+MLA path) and GLM-4.5 at similar parameter counts (`tools/bench_families.py`): one engine per family, all
+three started first and kept up, then `--rounds` rotated rounds; in each, every engine runs a prefill
+call (`--prompts` random prompts of `--prompt-len` tokens, one new token) and a generation call (the same
+prompts, `--new-tokens` tokens each, `ignore_eos`), each after a flush of its prefix cache. Prefill per
+token = the first call over the prompt tokens; decode per token = (second - first) over the tokens decoded
+after the first. Min over rounds; ratios of time per token to Qwen3-MoE's (goal: <= 1.5x). Figures:
+docs/scaling.md, "Model families".
+
+    python tools/bench_step.py --families [--rounds 3] [--prompts 16] [--prompt-len 128] [--new-tokens 32]
 """
 
 from __future__ import annotations
@@ -34,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 try:
+    from tools import bench_families as fam
     from tools.machine import describe, headline
 except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
+    import bench_families as fam
     from machine import describe, headline
 
 REPO = Path(__file__).resolve().parents[1]
@@ -358,6 +372,89 @@ def render(summary: Mapping[str, Any]) -> None:
     con.print(f"setup:              learner + engine start {summary['setup_seconds']:.1f} s (once)")
 
 
+# -- --families: the engine's generation per token ---------------------------------------------------
+
+
+def family_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` random token ids below `vocab` (the same for every family)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def generation_split(prefill_s: float, generate_s: float, prompts: int, prompt_len: int, new_tokens: int):
+    """(prefill seconds, prompt tokens, decode seconds, decoded tokens) from the two calls of a round: the
+    prefill call decodes one token per prompt, the generation call `new_tokens`, so the decode of the
+    other `new_tokens - 1` is the difference of the two."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens} must be >= 2 to leave a decode step to time")
+    return prefill_s, prompts * prompt_len, generate_s - prefill_s, prompts * (new_tokens - 1)
+
+
+def run_families(args: argparse.Namespace) -> dict[str, Any]:
+    import contextlib
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the engines' spawned processes at start
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from megagrpo.compat import apply_cpu_compat
+
+    apply_cpu_compat(megatron=False, sglang=True)
+    from megagrpo.rollout import RolloutConfig, RolloutEngine, SamplingConfig
+
+    try:
+        from tools.bench_agentic import flush_prefix_cache
+    except ModuleNotFoundError:
+        from bench_agentic import flush_prefix_cache
+
+    machine = describe()
+    prompts = family_prompts(args.prompts, args.prompt_len, vocab=1000)
+    first = SamplingConfig(temperature=1.0, max_new_tokens=1, seed=0, ignore_eos=True)
+    full = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True)
+    kv_tokens = max(4096, 2 * args.prompts * (args.prompt_len + args.new_tokens))
+    with tempfile.TemporaryDirectory(prefix="bench_step_families_") as tmp, contextlib.ExitStack() as stack:
+        dirs = fam.build_family_models(tmp)
+        params = {f: fam.param_count(d) for f, d in dirs.items()}
+        engines = {}
+        for f, d in dirs.items():
+            t0 = time.perf_counter()
+            cfg = RolloutConfig(str(d), dtype="float32", max_total_tokens=kv_tokens, seed=0)
+            engines[f] = stack.enter_context(RolloutEngine(cfg))
+            print(f"{f}: engine started in {time.perf_counter() - t0:.0f} s", flush=True)
+
+        def once(f: str) -> dict[str, float]:
+            out = {}
+            for kind, sampling in (("prefill", first), ("generate", full)):
+                flush_prefix_cache(engines[f])
+                t0 = time.perf_counter()
+                engines[f].generate(prompts, sampling)
+                out[kind] = time.perf_counter() - t0
+            return out
+
+        times = fam.rotated_rounds(list(dirs), args.rounds, once)
+    prefill, decode, p_tok, d_tok = {}, {}, {}, {}
+    for f, t in times.items():
+        prefill[f], p_tok[f], decode[f], d_tok[f] = generation_split(
+            min(t["prefill"]), min(t["generate"]), args.prompts, args.prompt_len, args.new_tokens
+        )
+    rows = {"prefill": fam.per_token_rows(prefill, p_tok), "decode": fam.per_token_rows(decode, d_tok)}
+    print(headline(describe(machine)))
+    for kind, r in rows.items():
+        print(
+            fam.render_rows(
+                f"SGLang CPU engine, {kind} ({args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new; "
+                f"fp32, {args.threads} thread(s); min of {args.rounds} rotated rounds; ratio = time per token / "
+                f"{fam.BASELINE}'s, goal <= {fam.GOAL_RATIO}x)",
+                r,
+                params,
+            )
+        )
+    return {"machine": describe(machine), "params": params, "rows": rows, "times": times}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/demo_qwen3_moe.yaml", help="relative to the repository")
@@ -369,7 +466,15 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default="outputs/bench_step.json", help="JSON figures (relative to the repository)"
     )
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides, e.g. replay=none")
+    p.add_argument("--families", action="store_true", help="the engine's generation per token per family")
+    p.add_argument("--rounds", type=int, default=3, help="--families: measured rotated rounds")
+    p.add_argument("--prompt-len", type=int, default=128, help="--families: tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=32, help="--families: tokens generated per prompt")
+    p.add_argument("--threads", type=int, default=1, help="--families: torch threads here and in the engines")
     args = p.parse_args(argv)
+    if args.families:
+        write_figures(args.out.replace("bench_step.json", "bench_step_families.json"), run_families(args))
+        return 0
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup} to leave a measured step")
 

@@ -137,6 +137,11 @@ def test_three_steps_log_every_metric_group(full_run):
     keys = set().union(*recs)
     for group in GROUPS:
         assert any(k.startswith(group) for k in keys), f"no {group} metric in {sorted(keys)}"
+    # R3 with the sampler in fp32 on Qwen3-MoE's softmax router: the learner's logprobs are the sampler's to
+    # fp32 round-off on every token of every step, the steps after a weight sync too
+    for r in recs[1:]:
+        print("qwen3_moe", r["step"], r["mismatch/abs_dp_max"])  # with -s
+        assert r["mismatch/abs_dp_max"] <= 1e-5, (r["step"], r["mismatch/abs_dp_max"])
     assert (tmp / "run" / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert list((tmp / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert (
@@ -322,12 +327,18 @@ def test_two_processes_pipeline_parallel(tmp_path, moe_model):
     check_two_process_run(tmp_path, is_async=False)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+# Each family on two processes (issue 37, part 4: DP2 and one model-parallel mesh), in the launch each
+# family already had: DeepSeek-V3 data-parallel, GLM-4.5 expert-parallel (each rank holds 4 of the 8 routed
+# experts; the shared expert and the dense first layer are replicated).
+FAMILY_MESHES = {"deepseek_v3": (), "glm4_moe": ("mesh.ep=2",)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_MESHES))
 def test_the_families_train_with_gspo_r3_and_tis(tmp_path, family):
-    """`megagrpo train` on DeepSeek-V3 (MLA with q_lora_rank null, as Moonlight ships it) and GLM-4.5, GSPO +
-    R3 + TIS with the sampler in fp32 (issue 37, part 4): every step's learner logprobs equal the sampler's
-    to fp32 round-off, also after a weight sync (MLA, shared experts, dense layer, correction bias), the
-    learner routes as the sampler did, nothing falls back."""
+    """`megagrpo train` on DeepSeek-V3 (MLA with q_lora_rank null, as Moonlight ships it) on DP2 and GLM-4.5
+    on EP2, GSPO + R3 + TIS with the sampler in fp32 (issue 37, part 4): every step's learner logprobs equal
+    the sampler's to fp32 round-off, also after a weight sync (MLA, shared experts, dense layer, correction
+    bias; under EP2 gathered from both ranks), the learner routes as the sampler did, nothing falls back."""
     from megagrpo.tiny_model import make_tiny_model
 
     model = make_tiny_model(
@@ -336,7 +347,7 @@ def test_the_families_train_with_gspo_r3_and_tis(tmp_path, family):
     cfg = write_config(
         tmp_path, model, **{**TWO_PROCESS_RUN, "schedule__save_every": 0, "schedule__eval_every": 0}
     )
-    res = cli("train", str(cfg))
+    res = cli("train", str(cfg), *FAMILY_MESHES[family], "--nproc", "2")
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     recs = [r for r in records(tmp_path / "run") if "mismatch/abs_dp_max" in r]
     assert [r["step"] for r in recs] == [1, 2]  # step 2 samples with the weights synced after step 1

@@ -285,8 +285,8 @@ class AgentConfig(Section):
         default="branch",
         description="A request whose history departs from the session's recording (the agent dropped, "
         "edited or summarised earlier messages): branch = record it as a new branch (its history rendered "
-        "as the branch's prompt, no loss on it; rollout/branches), and the session's row is the branch of "
-        "its last request; refuse = answer HTTP 409 naming the message that differs "
+        "as the branch's prompt, no loss on it; rollout/branches); every branch with a model turn trains as a "
+        "row of its own with the session's advantage; refuse = answer HTTP 409 naming the message that differs "
         "(rollout/branch_refusals). Never re-tokenised into the old branch either way.",
     )
     host: str = Field(

@@ -71,24 +71,33 @@ def _start_engine(model_dir):
 
 
 class FamilyEngine:
-    """A running engine of one family, its model directory and its transformers reference (fp32, eval)."""
+    """A running engine of one family, its model directory, its transformers reference (fp32, eval) and
+    where its subprocesses record the CPU-compat patches they hit."""
 
-    def __init__(self, family, model_dir, engine, reference):
+    def __init__(self, family, model_dir, engine, reference, hits_dir):
         self.family, self.model_dir, self.engine, self.reference = family, model_dir, engine, reference
+        self.hits_dir = hits_dir
 
 
 @pytest.fixture(scope="session", params=sorted(FAMILY_MODELS))
-def family_engine(request, tiny_model):
+def family_engine(request, tiny_model, tmp_path_factory):
     from transformers import AutoModelForCausalLM
+
+    from megagrpo.compat.sglang_cpu import HITS_DIR_ENV
 
     model_dir = tiny_model(**FAMILY_MODELS[request.param])
     # SIGQUIT has one handler per process and an engine's start takes it over (rollout.engine, "SIGQUIT");
     # the session engine's is put back, which tests of that engine check (one engine per trainer process).
     session_handler = signal.getsignal(signal.SIGQUIT)
-    engine = _start_engine(model_dir)
+    hits_dir = tmp_path_factory.mktemp(f"{request.param}_compat_hits")
+    os.environ[HITS_DIR_ENV] = str(hits_dir)
+    try:
+        engine = _start_engine(model_dir)
+    finally:
+        os.environ.pop(HITS_DIR_ENV, None)
     signal.signal(signal.SIGQUIT, session_handler)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    yield FamilyEngine(request.param, model_dir, engine, reference)
+    yield FamilyEngine(request.param, model_dir, engine, reference, hits_dir)
     pids = engine.pids
     engine.shutdown()
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

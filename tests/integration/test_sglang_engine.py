@@ -168,3 +168,10 @@ def test_the_families_generate_as_transformers_does(family_engine):
         moe = c.routes[:-1, hf.config.first_k_dense_replace :]  # the dense first layer routes nothing
         assert bool((moe >= 0).all()) and bool((moe < hf.config.n_routed_experts).all())
         assert bool((moe[..., 0] != moe[..., 1]).all())
+    # MLA's attention took the latent-as-value path (extend and decode); GLM-4.5's attention is upstream's
+    from megagrpo.compat.sglang_cpu import read_child_hits
+
+    hits = read_child_hits(family_engine.hits_dir)
+    sdpa = {f"TorchNativeAttnBackend._run_sdpa_forward_{m}" for m in ("extend", "decode")}
+    assert (sdpa <= hits.keys()) == (family_engine.family == "deepseek_v3"), (family_engine.family, hits)
+    assert not sdpa & hits.keys() or family_engine.family == "deepseek_v3"

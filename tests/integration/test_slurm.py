@@ -181,7 +181,7 @@ def test_dry_run_renders_a_script_sbatch_accepts(cluster, model_dir, tmp_path, l
         ),
         (
             "not dividing",
-            ["--nodes", "2", "--gpus-per-node", "2", "mesh.pp=3"],
+            ["--nodes", "2", "--gpus-per-node", "2", "mesh.tp=3"],
             "does not divide the world size 4",
         ),
         (

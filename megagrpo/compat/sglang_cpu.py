@@ -299,6 +299,7 @@ def _latent_as_value(upstream: Any, name: str) -> Any:
         output.copy_(wide[..., : v_cache.shape[-1]])
         return output
 
+    run_sdpa.__wrapped__ = upstream  # SGLang's own method, for tests in a process where apply() ran
     return run_sdpa
 
 

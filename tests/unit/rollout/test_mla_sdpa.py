@@ -34,6 +34,7 @@ def test_latent_as_value_equals_upstream_mla_attention(decode):
 
     method = "_run_sdpa_forward_decode" if decode else "_run_sdpa_forward_extend"
     upstream = TorchNativeAttnBackend.__dict__[method]
+    upstream = getattr(upstream, "__wrapped__", upstream)  # SGLang's own, also where apply() already ran
     backend = object.__new__(TorchNativeAttnBackend)  # the methods read nothing of the instance here
     query, k_cache, kw = _case(decode)
     v_cache = k_cache[..., :RANK]  # what MLATokenToKVPool.get_value_buffer returns

@@ -196,6 +196,21 @@ def run_once(
     return record, [t.ids.tolist() for t in trajs]
 
 
+def run_config(
+    trajectories: int, turns: int, tool_ms: float, max_new_tokens: int, group_size: int, reps: int, seed: int
+) -> dict[str, Any]:
+    """A comparison's settings, as its JSON result records them."""
+    return dict(
+        trajectories=trajectories,
+        turns=turns,
+        tool_ms=tool_ms,
+        max_new_tokens=max_new_tokens,
+        group_size=group_size,
+        reps=reps,
+        seed=seed,
+    )
+
+
 def compare(
     engine: Any,
     *,
@@ -240,15 +255,7 @@ def compare(
     wire = layers * topk * WIRE_ITEMSIZE
     received, resent = tool["route_rows_received"] * wire, tool["route_rows_if_resent"] * wire
     return {
-        "config": dict(
-            trajectories=trajectories,
-            turns=turns,
-            tool_ms=tool_ms,
-            max_new_tokens=max_new_tokens,
-            group_size=group_size,
-            reps=reps,
-            seed=seed,
-        ),  # fmt: skip
+        "config": run_config(trajectories, turns, tool_ms, max_new_tokens, group_size, reps, seed),
         "baseline": base,
         "tool": tool,
         "runs": runs,
@@ -373,15 +380,7 @@ def compare_endpoint(
             )
     driver, endpoint = min(runs["driver"]), min(runs["endpoint"])
     return {
-        "config": dict(
-            trajectories=trajectories,
-            turns=turns,
-            tool_ms=tool_ms,
-            max_new_tokens=max_new_tokens,
-            group_size=group_size,
-            reps=reps,
-            seed=seed,
-        ),  # fmt: skip
+        "config": run_config(trajectories, turns, tool_ms, max_new_tokens, group_size, reps, seed),
         "driver_s": driver,
         "endpoint_s": endpoint,
         "runs": runs,

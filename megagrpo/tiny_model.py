@@ -79,6 +79,7 @@ def make_config(
     *,
     hidden: int,
     q_lora_rank: int = 32,
+    mla_dims: tuple[int, int, int, int] = (16, 16, 8, 16),
     layers: int,
     experts: int,
     topk: int,
@@ -147,10 +148,10 @@ def make_config(
         common.update(
             num_key_value_heads=heads,
             q_lora_rank=q_lora_rank or None,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
+            kv_lora_rank=mla_dims[0],
+            qk_nope_head_dim=mla_dims[1],
+            qk_rope_head_dim=mla_dims[2],
+            v_head_dim=mla_dims[3],
             rope_scaling={
                 "type": "yarn",
                 "factor": 4.0,
@@ -186,6 +187,7 @@ def make_tiny_model(
     *,
     hidden: int = 64,
     q_lora_rank: int = 32,
+    mla_dims: tuple[int, int, int, int] = (16, 16, 8, 16),
     layers: int = 2,
     experts: int = 8,
     topk: int = 2,
@@ -198,7 +200,9 @@ def make_tiny_model(
 ) -> Path:
     """Create the model directory atomically (written beside it, then renamed) and return its path.
     `moe_intermediate`: the experts' intermediate size (default: `hidden`, or `hidden // 2` for the
-    DeepSeek-V3-shaped archs); one that is no multiple of 32 is padded by SGLang's CPU engine."""
+    DeepSeek-V3-shaped archs); one that is no multiple of 32 is padded by SGLang's CPU engine.
+    `mla_dims` (deepseek_v3): kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; DeepSeek-V3's
+    own are (512, 128, 64, 128), which SGLang's CUDA kernels need (a rope dim of 8 takes their fallback)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -214,6 +218,7 @@ def make_tiny_model(
         tok,
         hidden=hidden,
         q_lora_rank=q_lora_rank,
+        mla_dims=mla_dims,
         layers=layers,
         experts=experts,
         topk=topk,

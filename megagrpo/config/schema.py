@@ -109,8 +109,10 @@ class ModelConfig(Section):
     )
     layer_spec: Literal["auto", "local", "transformer_engine"] = Field(
         default="auto",
-        description="megatron-core layer implementation. auto = transformer_engine on GPU, local on CPU "
-        "(Transformer Engine has no CPU build).",
+        description="megatron-core layer implementation. auto = transformer_engine on a GPU where it is "
+        "installed, except for an fp32 learner without fp8 (TE computes fp32 GEMMs in TF32) and for "
+        "multi-latent attention (its TE names are not mapped yet): local there, and on CPU (Transformer "
+        "Engine has no CPU build). transformer_engine insists on TE.",
     )
     recompute_activations: bool = Field(
         default=False,

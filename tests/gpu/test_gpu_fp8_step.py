@@ -13,8 +13,9 @@ takes its scales from the previous passes' amax history (scale 1 on the very fir
 the small gradients to zero in E5M2), so each FP8 learner runs one forward and backward (no update) before
 anything is measured.
 
-Tolerances are first estimates, not yet measured on a GPU: e4m3 keeps 3 mantissa bits (a relative
-rounding of up to 6% on each GEMM input), on logits of a few tenths around log(1/1024) here.
+Tolerances: e4m3 keeps 3 mantissa bits (a relative rounding of up to 6% on each GEMM input), on logits of
+a few tenths around log(1/1024) here. Measured on an H200 (2026-11-28, docs/gpu.md): |dlogp| vs bf16 at most
+0.057 before and 0.126 after the step, loss within 0.002, grad norm within 1.1%: the bounds leave 2-5x.
 """
 
 from __future__ import annotations

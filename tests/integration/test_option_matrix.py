@@ -53,6 +53,9 @@ class Case:
     options: tuple[str, ...] = ()  # dotted overrides that select options (beyond the size overrides)
 
 
+# SGLang's FP8 kernels need CUDA: the engine refuses rollout.fp8 on the CPU (`RolloutEngine`).
+NO_FP8 = "rollout.fp8=false"
+
 # Every case samples in bf16 against the fp32 learner (`rollout.dtype: auto` on a GPU): a real mismatch,
 # so TIS/MIS masks and truncation have ratios to act on.
 CASES = (
@@ -74,15 +77,38 @@ CASES = (
         # a random model never calls a tool, so no trajectory is truncated for the shipped filter to drop
         ("rollout.multi_turn.reward=functions", "algo.overlong_filter=false", "algo.dynamic_sampling=false"),
     ),
-    # The calculator demo as a user runs it: its RL stage from its own SFT stage on tool traces. Two SFT
-    # steps teach no arithmetic, so the environment's reward would be 0 for every sample and no group kept:
-    # scored by the final message, like the python case.
+    # The calculator demo as a user runs it: its RL stage from its own SFT stage on tool traces, on
+    # DeepSeek-V3's family (multi-turn over MLA's latent KV cache, R3 per turn on a sigmoid, group-limited
+    # router; Qwen3-MoE keeps multi-turn R3 in the python case, SFT in the demo's). Two SFT steps teach no
+    # arithmetic, so the environment's reward would be 0 for every sample and no group kept: scored by the
+    # final message, like the python case.
     Case(
         "config_agentic_calculator",
         "agentic_calculator.yaml",
-        "qwen3_moe",
+        "deepseek_v3",
         ("rollout.multi_turn.reward=functions",),
     ),
+    # The families' configs (issue 37), GSPO + R3 + TIS(auto) as shipped, on one pooled engine per family.
+    # DeepSeek-V3's tiny model has the q latent DeepSeek-V3 and Kimi-K2 ship; Moonlight's q_lora_rank null
+    # (a full q projection) trains on the same loop in test_trainer_e2e's family run, and would cost an
+    # engine of its own here (other weight shapes).
+    Case("config_gspo_math_moonlight", "gspo_math_moonlight.yaml", "deepseek_v3"),
+    Case("config_gspo_math_deepseek_v3", "gspo_math_deepseek_v3.yaml", "deepseek_v3", (NO_FP8,)),
+    Case(
+        "config_gspo_math_kimi_k2",
+        "gspo_math_kimi_k2.yaml",
+        "deepseek_v3",
+        (
+            NO_FP8,
+            # engines on ranks of their own need a launch of several processes (test_disaggregated's)
+            "rollout.placement.kind=colocated",
+            "rollout.num_engines=null",
+            # the tiny model is transformers' own deepseek_v3, with no Python of its own to trust: the
+            # option would change nothing here but the pooled engine's key (an engine start of its own)
+            "model.trust_remote_code=false",
+        ),
+    ),
+    Case("config_gspo_math_glm45_air", "gspo_math_glm45_air.yaml", "glm4_moe"),
     # One case per remaining policy variant, each carrying other options.
     Case(
         "gspo_token",
@@ -160,8 +186,9 @@ CASES = (
         ),
     ),
 )
-# Shipped configs whose RL stage starts from the model of their own SFT stage (`megagrpo sft` on the file).
-SFT_CONFIGS = ("demo_qwen3_moe.yaml", "agentic_calculator.yaml")
+# Shipped configs whose RL stage starts from the model of their own SFT stage (`megagrpo sft` on the file,
+# from the tiny model of the case's family).
+SFT_CONFIGS = {c.config: c.family for c in CASES if c.config in ("demo_qwen3_moe.yaml", "agentic_calculator.yaml")}
 
 # (option path -> how its values are read). The allowed values come from the schema (`allowed_values`);
 # a value counts for a case only where the option is active (`ACTIVE_WHEN`).
@@ -282,6 +309,9 @@ def size_overrides(tmp: Path, model: Path) -> list[str]:
         f"model.hf_path={model}",
         "mesh={tp: 1, pp: 1, ep: 1, etp: 1, cp: 1, sequence_parallel: false}",
         "rollout.engine_tp=1",
+        # on the CPU a share of this machine's RAM, which a GPU config's share of a 141 GiB GPU does not fit;
+        # one value for every case, so that a family's configs share one pooled engine
+        "rollout.mem_fraction_static=0.5",
         "rollout.dtype=bfloat16",
         "rollout.group_size=4",
         "rollout.prompts_per_step=4",
@@ -513,14 +543,16 @@ def models(tiny_model, tmp_path_factory):
     context, which the first case's model sets."""
     moe = tiny_model("qwen3_moe", max_pos=1024)
     think = qwen3_model_dir(moe, tmp_path_factory.mktemp("qwen3_think") / "m")
-    return {"qwen3_moe": moe, "qwen3_moe_think": think, "qwen3": tiny_model("qwen3")}
+    families = {f: tiny_model(f) for f in ("deepseek_v3", "glm4_moe")}
+    return {"qwen3_moe": moe, "qwen3_moe_think": think, "qwen3": tiny_model("qwen3"), **families}
 
 
 @pytest.fixture(scope="module")
 def sft_stages(tmp_path_factory, models, pool):
     """sft_stages(config) -> (tmp, its HF model, rc): `megagrpo sft` on a shipped config (its cold-start
-    stage), from the tiny MoE model, run once per module and only for the cases that need it. The rollout
-    limits stay as shipped, since a multi-turn config's traces are checked against them."""
+    stage), from the tiny model of its case's family (`SFT_CONFIGS`), run once per module and only for the
+    cases that need it. The rollout limits stay as shipped, since a multi-turn config's traces are checked
+    against them."""
     done: dict[str, tuple[Path, Path, int]] = {}
 
     def stage(config: str) -> tuple[Path, Path, int]:
@@ -531,7 +563,7 @@ def sft_stages(tmp_path_factory, models, pool):
                 "sft",
                 str(CONFIGS / config),
                 f"model.hf_path={out}",
-                f"sft.base_path={models['qwen3_moe']}",
+                f"sft.base_path={models[SFT_CONFIGS[config]]}",
                 f"sft.output_dir={out}",
                 f"sft.steps={STEPS}",
                 "sft.batch_size=16",

@@ -2,7 +2,13 @@
 
 Each case goes through `megagrpo.cli.main` (argument parsing, config loading and validation, the trainer
 entry) in this process, one case after another, with a tiny model of the config's family in place of
-its model and small batch sizes. Options are combined into few runs (a covering design: each case
+its model and small batch sizes. Every shipped config is a case, the families' too: Moonlight, DeepSeek-V3
+and Kimi-K2 on the tiny deepseek_v3 (MLA with a q latent, sigmoid group-limited router with a correction
+bias, a shared expert, a dense first layer), GLM-4.5-Air on the tiny glm4_moe, and the calculator demo
+(its SFT stage, then multi-turn RL) on the tiny deepseek_v3. Their GPU-scale settings (meshes, node and
+engine counts, engine memory share) are replaced by the one-process sizes of every case (`size_overrides`),
+and what the CPU cannot run is overridden in the case with the reason (the FP8 sampler, engines on ranks
+of their own); the algorithm runs as shipped. Options are combined into few runs (a covering design: each case
 carries one policy variant plus a different advantage method, TIS/MIS level/mode/cap, KL estimator,
 replay mode, ...). `test_cases_cover_every_option_value` checks, from the validated config of every case,
 that the union of cases covers every allowed value of every option in `OPTIONS`, with the allowed
@@ -109,7 +115,9 @@ CASES = (
         ),
     ),
     Case("config_gspo_math_glm45_air", "gspo_math_glm45_air.yaml", "glm4_moe"),
-    # One case per remaining policy variant, each carrying other options.
+    # One case per remaining policy variant, each carrying other options. Two run on a family's pooled
+    # engine at no extra start: RSPO's router shift on GLM-4.5's sigmoid router (Qwen3-MoE's softmax one
+    # has it in the countdown config) and R2 on DeepSeek-V3's MLA model (Qwen3-MoE's in gspo_token).
     Case(
         "gspo_token",
         "reference.yaml",
@@ -129,7 +137,7 @@ CASES = (
     Case(
         "gmpo",
         "reference.yaml",
-        "qwen3_moe",
+        "glm4_moe",
         (
             "algo.variant=gmpo",
             "algo.advantages=rloo",
@@ -159,7 +167,7 @@ CASES = (
     Case(
         "sapo",
         "reference.yaml",
-        "qwen3_moe",
+        "deepseek_v3",
         (
             "algo.variant=sapo",
             "algo.advantages=rank",
@@ -188,7 +196,9 @@ CASES = (
 )
 # Shipped configs whose RL stage starts from the model of their own SFT stage (`megagrpo sft` on the file,
 # from the tiny model of the case's family).
-SFT_CONFIGS = {c.config: c.family for c in CASES if c.config in ("demo_qwen3_moe.yaml", "agentic_calculator.yaml")}
+SFT_CONFIGS = {
+    c.config: c.family for c in CASES if c.config in ("demo_qwen3_moe.yaml", "agentic_calculator.yaml")
+}
 
 # (option path -> how its values are read). The allowed values come from the schema (`allowed_values`);
 # a value counts for a case only where the option is active (`ACTIVE_WHEN`).

@@ -29,9 +29,15 @@ class EnginePool:
 
     @staticmethod
     def key(cfg) -> tuple:
+        from megagrpo.trainer.preflight import remote_code_needed
+
         hf = json.loads((Path(cfg.model_path) / "config.json").read_text())
         arch = tuple(hf.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"))
         settings = dataclasses.asdict(dataclasses.replace(cfg, model_path=""))
+        if not remote_code_needed(cfg.model_path):
+            # transformers' own classes serve the model either way: trusting its (absent) Python changes
+            # nothing the engine loads
+            settings["trust_remote_code"] = None
         return (arch, json.dumps(settings, sort_keys=True, default=str))
 
     def __call__(self, cfg):

@@ -19,8 +19,8 @@ that trained with a finite loss, and for each active option its signature in met
 fractions of its level and mode, the adaptive cap, the KL term, replay counters, RSPO gamma, ...).
 
 Engine start-up (SGLang's scheduler processes, ~20 s idle, minutes on a loaded machine) dominates a
-2-step run, so the SGLang engines are pooled per (architecture, engine settings): a case's engine is a
-previous case's, given back the case's initial weights from its HF directory with
+2-step run, so the SGLang engines are pooled per (architecture, engine settings), one per family
+(`test_each_family_started_one_engine`): a case's engine is a previous case's, given back the case's initial weights from its HF directory with
 `update_weights_from_disk` (what a fresh engine would load). Everything else, the learner, the
 trainer, rewards, sync, is built anew per case. A case that fails drops its engine.
 """
@@ -109,9 +109,6 @@ CASES = (
             # engines on ranks of their own need a launch of several processes (test_disaggregated's)
             "rollout.placement.kind=colocated",
             "rollout.num_engines=null",
-            # the tiny model is transformers' own deepseek_v3, with no Python of its own to trust: the
-            # option would change nothing here but the pooled engine's key (an engine start of its own)
-            "model.trust_remote_code=false",
         ),
     ),
     Case("config_gspo_math_glm45_air", "gspo_math_glm45_air.yaml", "glm4_moe"),
@@ -641,3 +638,10 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
     assert not problems, "\n".join(problems)
     # schedule.save_every=0 means "end only": the finished run is checkpointed.
     assert (tmp_path / "ckpt" / f"step_{STEPS:08d}" / "meta.json").is_file()
+
+
+def test_each_family_started_one_engine(pool):
+    """The CI budget (runs last): every case of a family shared one pooled engine, whatever its config's
+    engine settings were before the size overrides (Kimi-K2's trust_remote_code included)."""
+    engines = {"qwen3_moe_think": "qwen3_moe"}  # the same architecture, another tokenizer
+    assert pool.starts <= len({engines.get(c.family, c.family) for c in CASES})

@@ -18,14 +18,19 @@ class EnginePool:
     Stands in for `megagrpo.rollout.engine.RolloutEngine` while the cases run: the trainer's
     `RolloutEngine(cfg).start()` gets a started engine, whose weights (and tokenizer, with its chat
     template) are reloaded from the case's model directory when it served an earlier case, and its
-    `shutdown()` leaves the engine running for the next case. `close()` shuts every engine down for real."""
+    `shutdown()` leaves the engine running for the next case. `close()` shuts every engine down for real.
 
-    def __init__(self) -> None:
+    `one_live`: starting an engine shuts the others down. An idle SGLang scheduler polls without sleeping
+    (SGLang's `sleep_on_idle` is off), a core each on this 2-core machine, taken from the running case; a
+    caller whose runs come grouped by engine loses no start by it."""
+
+    def __init__(self, one_live: bool = False) -> None:
         from megagrpo.rollout.engine import RolloutEngine
 
         self.cls = RolloutEngine
         self.engines: dict[tuple, RolloutEngine] = {}
         self.starts = 0
+        self.one_live = one_live
 
     @staticmethod
     def key(cfg) -> tuple:
@@ -44,6 +49,8 @@ class EnginePool:
         key = self.key(cfg)
         eng = self.engines.get(key)
         if eng is None:
+            if self.one_live:
+                self.drop_all()
             eng = self.cls(cfg)  # started by the trainer's own start() call
             eng.shutdown = lambda: None
             self.engines[key] = eng

@@ -191,6 +191,17 @@ CASES = (
         ),
     ),
 )
+
+
+def engine_of(case: Case) -> str:
+    """The pooled engine a case runs on: one per architecture (Qwen3's chat template is only a tokenizer)."""
+    return {"qwen3_moe_think": "qwen3_moe"}.get(case.family, case.family)
+
+
+# The cases grouped by engine, otherwise in CASES' order: the pool keeps one engine alive (`pool`).
+_ENGINES = list(dict.fromkeys(engine_of(c) for c in CASES))
+RUN_ORDER = sorted(CASES, key=lambda c: _ENGINES.index(engine_of(c)))
+
 # Shipped configs whose RL stage starts from the model of their own SFT stage (`megagrpo sft` on the file,
 # from the tiny model of the case's family).
 SFT_CONFIGS = {
@@ -523,7 +534,7 @@ def pool():
     from megagrpo.compat import apply_cpu_compat
 
     apply_cpu_compat(megatron=True, sglang=True)
-    p = EnginePool()
+    p = EnginePool(one_live=True)  # CASES come grouped by family
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_module, "RolloutEngine", p)
         yield p
@@ -623,7 +634,7 @@ def test_sft_stage_of_a_shipped_config(config, sft_stages):
     assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", RUN_ORDER, ids=[c.name for c in RUN_ORDER])
 def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sft_stages):
     model = models[case.family]
     if case.config in SFT_CONFIGS:  # the RL stage starts from its SFT stage's model
@@ -643,5 +654,4 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
 def test_each_family_started_one_engine(pool):
     """The CI budget (runs last): every case of a family shared one pooled engine, whatever its config's
     engine settings were before the size overrides (Kimi-K2's trust_remote_code included)."""
-    engines = {"qwen3_moe_think": "qwen3_moe"}  # the same architecture, another tokenizer
-    assert pool.starts <= len({engines.get(c.family, c.family) for c in CASES})
+    assert pool.starts <= len(_ENGINES)

@@ -18,26 +18,39 @@ class EnginePool:
     Stands in for `megagrpo.rollout.engine.RolloutEngine` while the cases run: the trainer's
     `RolloutEngine(cfg).start()` gets a started engine, whose weights (and tokenizer, with its chat
     template) are reloaded from the case's model directory when it served an earlier case, and its
-    `shutdown()` leaves the engine running for the next case. `close()` shuts every engine down for real."""
+    `shutdown()` leaves the engine running for the next case. `close()` shuts every engine down for real.
 
-    def __init__(self) -> None:
+    `one_live`: starting an engine shuts the others down. An idle SGLang scheduler polls without sleeping
+    (SGLang's `sleep_on_idle` is off), a core each on this 2-core machine, taken from the running case; a
+    caller whose runs come grouped by engine loses no start by it."""
+
+    def __init__(self, one_live: bool = False) -> None:
         from megagrpo.rollout.engine import RolloutEngine
 
         self.cls = RolloutEngine
         self.engines: dict[tuple, RolloutEngine] = {}
         self.starts = 0
+        self.one_live = one_live
 
     @staticmethod
     def key(cfg) -> tuple:
+        from megagrpo.trainer.preflight import remote_code_needed
+
         hf = json.loads((Path(cfg.model_path) / "config.json").read_text())
         arch = tuple(hf.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"))
         settings = dataclasses.asdict(dataclasses.replace(cfg, model_path=""))
+        if not remote_code_needed(cfg.model_path):
+            # transformers' own classes serve the model either way: trusting its (absent) Python changes
+            # nothing the engine loads
+            settings["trust_remote_code"] = None
         return (arch, json.dumps(settings, sort_keys=True, default=str))
 
     def __call__(self, cfg):
         key = self.key(cfg)
         eng = self.engines.get(key)
         if eng is None:
+            if self.one_live:
+                self.drop_all()
             eng = self.cls(cfg)  # started by the trainer's own start() call
             eng.shutdown = lambda: None
             self.engines[key] = eng

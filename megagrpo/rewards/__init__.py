@@ -7,7 +7,6 @@
 from megagrpo.rewards.executor import DeadlinePool, Outcome, RewardDeadline
 from megagrpo.rewards.extract import answer_tag, boxed, extract, last_number, strict_answer
 from megagrpo.rewards.registry import build_reward, import_object
-from megagrpo.rewards.runner import RewardBatch, RewardRunner
 from megagrpo.rewards.verifiers import (
     BUILTIN_REWARDS,
     RewardFn,
@@ -18,6 +17,18 @@ from megagrpo.rewards.verifiers import (
     format_reward,
     math_answer,
 )
+
+
+def __getattr__(name: str):
+    # The runner is the only torch user here: imported on first use, so that what imports only the
+    # verifiers or the executor (an agent command through megagrpo.envs, a sandbox tool) does not pay
+    # torch's import (about 7 s of CPU per process on the CI machine).
+    if name in ("RewardBatch", "RewardRunner"):
+        from megagrpo.rewards import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BUILTIN_REWARDS",

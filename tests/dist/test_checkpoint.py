@@ -15,20 +15,17 @@ Every rank writes rank<r>_<phase>.json; the tests below assert the tolerances.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.dist._harness import REPO, free_port
+from tests.dist._harness import run
 
 B, T = 4, 12
 OPT = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.05)
@@ -449,28 +446,13 @@ def one_process_load(rank: int, world: int, outdir: Path, l2: str) -> None:
 
 
 def _launch(target: str, nprocs: int, outdir: Path, timeout: float = 400, **kwargs: Any) -> tuple[int, str]:
-    """Like tests.dist._harness.launch, but returns the exit code, and always kills the whole process
-    group afterwards: a SIGKILLed rank leaves megatron's checkpoint-writer manager process behind
-    (which is also why the output goes to a file: that orphan would hold a pipe open)."""
-    outdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tests.dist._harness", target, str(nprocs), str(free_port()), str(outdir)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    """Like tests.dist._harness.launch, but returns the exit code (-999 on timeout): L1 is meant to die. A
+    SIGKILLed rank leaves megatron's checkpoint-writer manager process behind; `run` kills it with the
+    launch's process group."""
     log = outdir / f"launch_{target.rsplit(':', 1)[-1]}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [*cmd, json.dumps(kwargs)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    rc = run(target, nprocs, outdir, log, timeout=timeout, **kwargs)
     out = log.read_text()
-    return (proc.returncode if rc is not None else -999), out + ("" if rc is not None else "\nTIMEOUT")
+    return (rc if rc is not None else -999), out + ("" if rc is not None else "\nTIMEOUT")
 
 
 def _read(outdir: Path, phase: str, n: int) -> list[dict[str, Any]]:

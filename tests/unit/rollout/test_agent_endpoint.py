@@ -368,15 +368,21 @@ def test_an_agent_that_sends_no_token_gets_404_and_its_empty_session_is_dropped(
 def test_a_command_agent_gets_its_url_and_row_and_its_stdout_is_the_reward(tok, tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(
-        "import json, os\n"
+        "import json, os, sys\n"
         "from megagrpo.envs.calculator_agent import run\n"
         "assert os.environ['OPENAI_BASE_URL'] == os.environ['MEGAGRPO_BASE_URL']\n"
         "print('log line')\n"
-        "print(json.dumps({'reward': run(os.environ['MEGAGRPO_BASE_URL'], json.loads(os.environ['MEGAGRPO_ROW'])), 'x': 1}))\n"
-    )
+        "print(json.dumps({'reward': run(os.environ['MEGAGRPO_BASE_URL'], json.loads(os.environ['MEGAGRPO_ROW'])), 'x': 1,\n"
+        "                  'torch': 'torch' in sys.modules}))\n"
+    )  # an agent process that imports megagrpo.envs does not pay torch's import (megagrpo/rewards/__init__.py)
     runner = AgentRunner(command=f"{sys.executable} {script}")
     _, [[ep]], _ = _sessions(tok, {Q1: SCRIPT1}, [ROW], runner)
-    assert (ep.agent_failure, ep.reward, ep.info, ep.trajectory.turns) == (None, 1.0, {"x": 1}, 3)
+    assert (ep.agent_failure, ep.reward, ep.info, ep.trajectory.turns) == (
+        None,
+        1.0,
+        {"x": 1, "torch": False},
+        3,
+    )
     crash = AgentRunner(command=f"{sys.executable} -c 'import sys; sys.exit(3)'")
     _, [[bad]], _ = _sessions(tok, {Q1: SCRIPT1}, [ROW], crash)
     assert (bad.agent_failure, bad.dropped) == ("error", True)  # a crash, whatever it sent

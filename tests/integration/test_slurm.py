@@ -331,7 +331,7 @@ def preempt_after_first_step(cluster, job: int, log: Path, metrics: Path) -> Non
 
 @pytest.fixture(scope="module")
 def slurm_jobs(cluster, model_dir, tmp_path_factory):
-    """The two layouts of `local_runs` that a cluster changes, as 2-node Slurm jobs, each preempted with
+    """The two layouts of `local_runs` that a cluster changes, as Slurm jobs (2 and 4 nodes), each preempted with
     `scancel --batch --signal=USR1` after its first step: it checkpoints, requeues itself and resumes.
 
     * "two": 2 nodes x 1 task, one colocated engine per node (owned by ranks 0 and 1);

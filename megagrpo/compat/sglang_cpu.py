@@ -31,7 +31,10 @@ What is patched, and why (each through `megagrpo.compat.patching.replace`, which
   op, absent here; `murmur_hash32_torch` computes the same MurmurHash3 (x86, 32-bit, seed 0) of the
   16-byte key in int64 torch arithmetic. `multinomial_with_seed` is swapped for its undecorated original,
   because its `torch.compile` would build C++ with inductor in every scheduler process for a few
-  elementwise ops.
+  elementwise ops. So is `vocab_parallel_embedding.get_masked_input_and_mask`, which only an engine of TP 2
+  or more calls (each rank's share of the vocabulary): integer masks, exact either way; compiled, the
+  schedulers of a TP 2 engine waited minutes on g++ before their first batch (seen in test_slurm.py's
+  local TP 2 run on a loaded host).
 * `parallel_state.init_model_parallel_group`: for every model-parallel group whose caller does not choose,
   SGLang 0.5.23 turns PyNccl on for all devices but NPU/XPU (and out-of-tree platforms without it), the CPU
   platform included, so an engine of 2 ranks or more (`tp_size > 1`, or `nnodes > 1`) fails as its TP group
@@ -412,6 +415,20 @@ def apply() -> None:
         getattr(sampler.multinomial_with_seed, "_torchdynamo_orig_callable", sampler.multinomial_with_seed),
         reason="sampler.multinomial_with_seed: its torch.compile would build C++ with inductor in every "
         "scheduler process; the undecorated function",
+        count_hits=False,
+    )
+    from sglang.srt.layers import vocab_parallel_embedding
+
+    replace(
+        vocab_parallel_embedding,
+        "get_masked_input_and_mask",
+        getattr(
+            vocab_parallel_embedding.get_masked_input_and_mask,
+            "_torchdynamo_orig_callable",
+            vocab_parallel_embedding.get_masked_input_and_mask,
+        ),
+        reason="vocab_parallel_embedding.get_masked_input_and_mask (TP >= 2): its torch.compile would build "
+        "C++ with inductor in every scheduler process; the undecorated function",
         count_hits=False,
     )
 

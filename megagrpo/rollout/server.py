@@ -136,6 +136,15 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
     RolloutEngine(rc).export_cpu_threads_bind()  # inherited by the schedulers
     sa = server_args(rc, host=host, port=port, key=key)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    if rc.nnodes > 1:
+        # the job's log says which process started which SGLang node (a node >= 1 serves no URL to print)
+        per = rc.tp_size // rc.nnodes
+        lo = rc.node_rank * per
+        print(
+            f"engine {engine}: SGLang node {rc.node_rank} of {rc.nnodes}, TP ranks {lo}-{lo + per - 1} of "
+            f"{rc.tp_size}, meeting at {rc.dist_init_addr} ({where})",
+            flush=True,
+        )
 
     def ready() -> None:
         if rc.node_rank:  # a further node of a multi-node engine: node 0's server is the engine's URL

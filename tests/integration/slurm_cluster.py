@@ -1,8 +1,11 @@
-"""A real two-node Slurm cluster on this one machine, for the integration tests (issue 10).
+"""A real four-node Slurm cluster on this one machine, for the integration tests (issue 10).
 
 `SlurmCluster.start(root)` writes a slurm.conf under `root` (auth/none, linuxproc, cons_tres, no
-accounting), starts `slurmctld` and two `slurmd` ("n1", "n2", both 127.0.0.1 on distinct ports) as child
-processes, and waits for both nodes to be idle. `stop()` cancels any job left, waits for the job steps to
+accounting), starts `slurmctld` and four `slurmd` ("n1" to "n4", all 127.0.0.1 on distinct ports) as child
+processes, and waits for every node to be idle. Each node declares 2 CPUs, and every slurmd runs on this
+one host, so every job's processes share its cores: the CPU counts are what Slurm allocates, not what runs.
+Four nodes, because an engine over several nodes takes whole nodes and the learner needs others: one
+engine over two nodes beside a learner on two (issue 37); most jobs use two. `stop()` cancels any job left, waits for the job steps to
 go, then sends SIGTERM to each daemon's PID (SIGKILL after a grace period); it never signals by name.
 
 `ensure_packages()` installs Debian's slurm-wlm 22.05 and Open MPI when a command is missing (CI runs as
@@ -28,7 +31,7 @@ from pathlib import Path
 SLURM_COMMANDS = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 MPI_COMMANDS = ("mpirun",)
 APT_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "libopenmpi-dev", "openmpi-bin")
-NODES = ("n1", "n2")
+NODES = ("n1", "n2", "n3", "n4")
 PARTITION = "debug"
 CPUS_PER_NODE = 2
 

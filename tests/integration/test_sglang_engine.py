@@ -74,6 +74,14 @@ def test_compat_patches_in_process(sglang_engine):
     assert HITS["sgl_kernel.assign_req_to_token_pool_cpu"] == before + 1
     assert req_to_token[2, 1:3].tolist() == [10, 11] and req_to_token[0, 0:3].tolist() == [12, 13, 14]
     assert sgl_kernel.assign_req_to_token_pool_cpu.__wrapped__ is assign_req_to_token_pool_cpu
+    # the vocabulary-shard mask of a TP 2+ engine runs eagerly (no inductor C++ build in its schedulers), and
+    # maps rank 1's ids of a 10-token vocabulary (5-9, none added) into its shard, others to 0 and masked
+    from sglang.srt.layers import vocab_parallel_embedding
+
+    masked_input = vocab_parallel_embedding.get_masked_input_and_mask
+    assert not hasattr(masked_input, "_torchdynamo_orig_callable")
+    ids, mask = masked_input(torch.tensor([0, 4, 5, 9]), 5, 10, 0, 10, 10)
+    assert ids.tolist() == [0, 0, 0, 4] and mask.tolist() == [True, True, False, False]
     with pytest.raises(RuntimeError, match="copy_all_layer_kv_cache_cpu is not available"):
         sgl_kernel.copy_all_layer_kv_cache_cpu()
     before = HITS["torch.get_device_module"]

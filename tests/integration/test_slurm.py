@@ -1,5 +1,5 @@
-"""Issue 10 against a real Slurm (slurm-wlm 22.05): slurmctld and two slurmd ("n1", "n2") on this machine,
-started and stopped (by PID) by the module fixture; see tests/integration/slurm_cluster.py.
+"""Issue 10 against a real Slurm (slurm-wlm 22.05): slurmctld and four slurmd ("n1" to "n4", 2 CPUs each)
+on this machine, started and stopped (by PID) by the module fixture; see tests/integration/slurm_cluster.py.
 
 * `megagrpo submit --dry-run` renders scripts that `sbatch --test-only` accepts (every layout);
 * bad input (too many or too few processes for the mesh, a missing partition, GPUs on a CPU partition,
@@ -7,17 +7,20 @@ started and stopped (by PID) by the module fixture; see tests/integration/slurm_
 * a real 2-node job of each multi-node layout (srun-only and per-node torchrun) runs the learner's TP2
   logprob check across the two nodes (launch/mesh_check.py via `--stage check`);
 * every train run below is the seeded run of test_trainer_e2e on one learner mesh (DP2), run locally three
-  ways (one colocated engine, two colocated engines, two disaggregated engine ranks) and as two preempted
-  2-node Slurm jobs;
+  ways (one colocated engine, two colocated engines, one disaggregated engine of TP 2 on two engine ranks)
+  and as two preempted Slurm jobs (2 and 4 nodes);
 * a real `megagrpo train` job on 2 nodes x 1 task (one SGLang engine per node, issue 14), preempted with
   `scancel --batch --signal=USR1` (what `#SBATCH --signal=B:USR1@120` does), checkpoints, requeues itself,
   resumes, and ends with the metrics and samples of the uninterrupted local two-engine run, bit for bit;
 * the number of engines changes no completion (issue 14; formerly tests/integration/test_engine_count.py):
   the local one-engine run samples the same completions as the local two-engine run and logs the same
   metrics to 1e-6; the preempted job above is its two-engine resume check;
-* disaggregated placement (issue 27): a 2-node job whose n1 learns and n2 runs the two SGLang engines,
+* disaggregated placement (issue 27) with an engine over two nodes (issue 37): a 4-node job whose n1 and n2
+  learn (DP2) and whose one SGLang engine of TP 2 spans n3 and n4 (SGLang's nnodes 2: n3 serves HTTP and
+  runs TP rank 0, n4 runs the scheduler of TP rank 1, its weights reach both over one group of 3 ranks),
   preempted and resumed, ends with the metrics and samples of the uninterrupted local run of the same
-  layout; and that local run (max_staleness 0) samples and logs what the one-engine colocated run does;
+  layout (2 learner ranks + one TP 2 engine on 2 ranks of this host); and that local run (max_staleness 0)
+  samples what the one-engine colocated run does and logs it to the engine-count tolerances;
 * the mesh check under `srun --mpi=pmix -n 2` with mpi4py bootstrap.
 
 Only the requeue hold is shortened: Slurm keeps a requeued job pending for ~120 s (Reason=BeginTime);
@@ -191,8 +194,8 @@ def test_dry_run_renders_a_script_sbatch_accepts(cluster, model_dir, tmp_path, l
         ),
         (
             "too many nodes",
-            ["--nodes", "3", "--gpus-per-node", "1", "rollout.prompts_per_step=12"],
-            "only 2 node",
+            ["--nodes", "5", "--gpus-per-node", "1", "rollout.prompts_per_step=20"],
+            "only 4 node",
         ),
         ("too many cpus", ["--nodes", "1", "--gpus-per-node", "1", "--cpus-per-proc", "8"], "have 2"),
         ("gpus on cpus", ["--nodes", "1", "--gpus-per-node", "1", "--device", "gpu"], "has no GPUs"),
@@ -243,7 +246,8 @@ def test_two_node_jobs_agree_with_the_single_process_reference(cluster, model_di
         assert res["ok"], res
         assert res["launcher"] == ("srun" if layout == "srun" else "torchrun")
         assert res["world"] == 2 and res["tp"] == 2
-        assert {r["host"] for r in res["ranks"]} == set(NODES), res["ranks"]  # one rank on each node
+        hosts = [r["host"] for r in res["ranks"]]
+        assert len(set(hosts)) == 2 and set(hosts) <= set(NODES), res["ranks"]  # one rank on each of 2 nodes
         assert sorted(r["node_rank"] for r in res["ranks"]) == [0, 1]
         assert res["logprob_max_abs_diff"] <= 1e-4 and res["logprob_tokens"] > 50
         assert "MASTER_ADDR=127.0.0.1" in log.read_text()  # n1's NodeAddr, from scontrol
@@ -260,10 +264,13 @@ TRAIN_RUN = {
     "rewards__functions": [{"name": "tests.integration.trainer_rewards:recorded_parity", "weight": 1.0}],
 }
 TWO_ENGINES = ("rollout.num_engines=2",)  # colocated: one engine per rank (ranks 0 and 1)
-# Disaggregated placement (issue 27): 2 learner ranks + 2 engine ranks, asynchronous with max_staleness 0.
+# Disaggregated placement (issue 27): 2 learner ranks + one engine of TP 2 on 2 engine ranks, asynchronous
+# with max_staleness 0. As a 4-node job of one rank per node the engine spans the last two nodes (issue 37:
+# `config.mesh_rules.engine_nodes`); locally (one node) its first rank starts both TP schedulers.
 DISAGG = (
     "rollout.placement.kind=disaggregated",
-    "rollout.num_engines=2",
+    "rollout.num_engines=1",
+    "rollout.engine_tp=2",
     "rollout.mode=async",
     "rollout.max_staleness=0",
 )
@@ -291,7 +298,7 @@ def local_runs(model_dir, tmp_path_factory):
     * "colocated": one engine beside the learner (rank 0), `megagrpo train --nproc 2`;
     * "two": two colocated engines (`rollout.num_engines=2`: one per rank, each sampling and scoring half of
       every round and of the held-out set), `--nproc 2`;
-    * "disagg": 2 learner ranks (DP2) + 2 engine ranks (DISAGG), `--nproc 4`.
+    * "disagg": 2 learner ranks (DP2) + one TP 2 engine on 2 engine ranks (DISAGG), `--nproc 4`.
 
     Returns {name: run directory}."""
     tmp = tmp_path_factory.mktemp("local")
@@ -324,26 +331,28 @@ def preempt_after_first_step(cluster, job: int, log: Path, metrics: Path) -> Non
 
 @pytest.fixture(scope="module")
 def slurm_jobs(cluster, model_dir, tmp_path_factory):
-    """The two layouts of `local_runs` that a cluster changes, as 2-node Slurm jobs, each preempted with
+    """The two layouts of `local_runs` that a cluster changes, as Slurm jobs (2 and 4 nodes), each preempted with
     `scancel --batch --signal=USR1` after its first step: it checkpoints, requeues itself and resumes.
 
     * "two": 2 nodes x 1 task, one colocated engine per node (owned by ranks 0 and 1);
-    * "disagg": 2 nodes x 2 tasks, n1 learning and n2 running the two engines (new engine processes after
-      the requeue).
+    * "disagg": 4 nodes x 1 task, n1 and n2 learning, the one engine of TP 2 over n3 and n4 (new engine
+      processes after the requeue).
 
-    Both are submitted together; Slurm runs one at a time ("disagg" takes every CPU of both nodes), so the
-    requeued "two" may resume before "disagg" starts or after it ends.
+    Both are submitted together; Slurm runs one at a time ("disagg" asks for 2 CPUs per process, every CPU
+    of all four nodes, so that no job shares this host's 2 cores with it and its time is what it costs),
+    and the requeued "two" may resume before "disagg" starts or after it ends.
     Returns {name: (run directory, log)}."""
     tmp = tmp_path_factory.mktemp("jobs")
-    shape = {"two": (TWO_ENGINES, 1), "disagg": (DISAGG, 2)}
+    shape = {"two": (TWO_ENGINES, 2, 1), "disagg": (DISAGG, 4, 2)}  # (overrides, nodes, CPUs per process)
     dirs = {name: tmp / name for name in shape}
     jobs = {}
-    for name, (extra, per_node) in shape.items():
+    for name, (extra, nodes, cpus) in shape.items():
         cfg = write_config(dirs[name], model_dir, **TRAIN_RUN)
         (dirs[name] / "sampled").mkdir()
         jobs[name] = submitted(
             cfg, *extra,
-            "--nodes", 2, "--gpus-per-node", per_node, "--layout", "torchrun", "--job-name", f"mg-{name}",
+            "--nodes", nodes, "--gpus-per-node", 1, "--cpus-per-proc", cpus, "--layout", "torchrun",
+            "--job-name", f"mg-{name}",
             "--env", f"MEGAGRPO_TEST_RECORD_DIR={dirs[name] / 'sampled'}",
             *(a for k, v in SHARED_HOST.items() for a in ("--env", f"{k}={v}")),
         )  # fmt: skip
@@ -357,6 +366,14 @@ def slurm_jobs(cluster, model_dir, tmp_path_factory):
         )
         assert info.restarts == 1, name
     return {name: (dirs[name], jobs[name][1]) for name in jobs}
+
+
+def instances(text: str) -> tuple[str, str]:
+    """A requeued job's log (appended to by both instances), split into the first instance's and the
+    second's at the batch script's "restart 1:" line."""
+    first, sep, second = text.partition(" restart 1:")
+    assert sep, "no second instance in the log"
+    return first, second
 
 
 def assert_resumed_once(text: str, log: Path) -> None:
@@ -379,9 +396,11 @@ def test_train_job_and_preemption_resume_equal_an_uninterrupted_run(local_runs, 
     two-engine run after its step-1 checkpoint and resumed it)."""
     job_dir, log = slurm_jobs["two"]
     text = log.read_text()
-    # one engine per node: owners are ranks 0 and 1, the task of n1 and of n2
-    engines = sorted(set(re.findall(r"engine (\d) of 2: rank (\d) on (\S+),", text)))
-    assert engines == [("0", "0", NODES[0]), ("1", "1", NODES[1])], tail(log)
+    # one engine per node in each instance: owners are ranks 0 and 1, the tasks of the job's two nodes
+    for part in instances(text):
+        engines = sorted(set(re.findall(r"engine (\d) of 2: rank (\d) on (\S+),", part)))
+        assert [e[:2] for e in engines] == [("0", "0"), ("1", "1")], tail(log)
+        assert engines[0][2] != engines[1][2] and {e[2] for e in engines} <= set(NODES), tail(log)
     assert_resumed_once(text, log)
 
     # the uninterrupted run wrote metrics for every step, in every group a GRPO step logs
@@ -425,16 +444,28 @@ def test_two_engines_log_the_same_metrics_as_one(local_runs):
 
 @pytest.mark.slow
 def test_disaggregated_job_on_a_rollout_node_resumes_from_preemption_exactly(local_runs, slurm_jobs):
-    """Issue 27: one learner node and one rollout node; the preempted, requeued and resumed job ends with
-    the metrics and samples of the uninterrupted local run of the same layout, bit for bit."""
+    """Issues 27 and 37: two learner nodes and one engine over two rollout nodes; the preempted, requeued
+    and resumed job ends with the metrics and samples of the uninterrupted local run of the same layout
+    (one TP 2 engine on two ranks of one host), bit for bit: TP 2 reduces in the same order whether its two
+    ranks are on one node or two."""
     job_dir, log = slurm_jobs["disagg"]
     text = log.read_text()
-    # the engines run on n2 (ranks 2 and 3), owned by the learner ranks 0 and 1 on n1
-    engines = sorted(
-        set(re.findall(r"engine (\d) of 2: rank (\d) on (\S+), owned by rank (\d) on (\S+)", text))
-    )
-    assert engines == [("0", "2", NODES[1], "0", NODES[0]), ("1", "3", NODES[1], "1", NODES[0])], tail(log)
-    assert "over gloo, 2 ranks" in text
+    for part in instances(text):  # the first instance and the resumed one, each with new engine processes
+        # the engine's server is on n3 (rank 2), owned by learner rank 0 on n1
+        owner = set(re.findall(r"engine (\d) of 1: (rank \d on \S+), owned by (rank \d on \S+)", part))
+        assert owner == {("0", f"rank 2 on {NODES[2]}", f"rank 0 on {NODES[0]}")}, tail(log)
+        # SGLang node 0 (TP rank 0) started on n3 and node 1 (TP rank 1) on n4, meeting at one address
+        nodes = re.findall(
+            r"engine 0: SGLang node (\d) of 2, TP ranks (\d)-\d of 2, meeting at (\S+) \((.+?)\)", part
+        )
+        assert sorted((n, tp, where) for n, tp, _, where in nodes) == [
+            ("0", "0", f"rank 2 on {NODES[2]}"),
+            ("1", "1", f"rank 3 on {NODES[3]}"),
+        ], tail(log)
+        assert nodes[0][2] == nodes[1][2], nodes
+        # the weights group formed with both TP ranks (1 + 2): n4's scheduler, TP rank 1, joined and took
+        # every sync (the samples below equal the local TP 2 run's only if both shards loaded the weights)
+        assert "weights group megagrpo-weights-0 over gloo, 3 ranks" in part, tail(log)
     assert_resumed_once(text, log)
     local, slurm = last_record_per_step(local_runs["disagg"] / "run"), last_record_per_step(job_dir / "run")
     assert sorted(local) == sorted(slurm) == [0, 1, 2, 3]
@@ -444,9 +475,13 @@ def test_disaggregated_job_on_a_rollout_node_resumes_from_preemption_exactly(loc
 
 
 @pytest.mark.slow
-def test_two_engine_ranks_at_staleness_0_repeat_one_colocated_engine(local_runs):
-    """Issue 27's equivalence: max_staleness 0 on 2 engine ranks samples the same completions as colocated
-    mode with one engine on the same learner mesh, and logs the same non-timing metrics to fp32 round-off."""
+def test_a_tp2_engine_at_staleness_0_repeats_one_colocated_engine(local_runs):
+    """Issue 27's equivalence: max_staleness 0 with one disaggregated engine of TP 2 samples the same
+    completions as colocated mode with one TP 1 engine on the same learner mesh, and logs the same
+    non-timing metrics to the engine-count tolerances: TP 2 sums each row-parallel matmul's halves in
+    another order, so the sampler's fp32 logprobs differ from the TP 1 engine's in their last bits, which
+    is what `engine_count_differences` allows (absolute 1e-6 on what measures sampler logprobs, relative
+    1e-6 elsewhere)."""
     colo, local = sampled(local_runs["colocated"] / "sampled"), sampled(local_runs["disagg"] / "sampled")
     assert len(colo) > 50 and colo == local
     a, b = (

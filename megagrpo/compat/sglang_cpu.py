@@ -409,28 +409,23 @@ def apply() -> None:
             reason="murmur_hash32: on CPU tensors it calls torch.ops.sgl_kernel.murmur_hash32_cpu, which the "
             "PyPI sgl-kernel lacks; the same hash in torch",
         )
-    replace(
-        sampler,
-        "multinomial_with_seed",
-        getattr(sampler.multinomial_with_seed, "_torchdynamo_orig_callable", sampler.multinomial_with_seed),
-        reason="sampler.multinomial_with_seed: its torch.compile would build C++ with inductor in every "
-        "scheduler process; the undecorated function",
-        count_hits=False,
-    )
     from sglang.srt.layers import vocab_parallel_embedding
 
-    replace(
-        vocab_parallel_embedding,
-        "get_masked_input_and_mask",
-        getattr(
-            vocab_parallel_embedding.get_masked_input_and_mask,
-            "_torchdynamo_orig_callable",
-            vocab_parallel_embedding.get_masked_input_and_mask,
-        ),
-        reason="vocab_parallel_embedding.get_masked_input_and_mask (TP >= 2): its torch.compile would build "
-        "C++ with inductor in every scheduler process; the undecorated function",
-        count_hits=False,
-    )
+    # Their torch.compile would build C++ with inductor in every scheduler process for a few elementwise or
+    # integer ops; the undecorated functions compute the same. The mask is called by engines of TP >= 2 only.
+    for owner, name in (
+        (sampler, "multinomial_with_seed"),
+        (vocab_parallel_embedding, "get_masked_input_and_mask"),
+    ):
+        compiled = getattr(owner, name)
+        replace(
+            owner,
+            name,
+            getattr(compiled, "_torchdynamo_orig_callable", compiled),
+            reason=f"{owner.__name__.rsplit('.', 1)[-1]}.{name}: torch.compile would build C++ with inductor in "
+            "every scheduler process; the undecorated function",
+            count_hits=False,
+        )
 
     from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
 

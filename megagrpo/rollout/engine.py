@@ -460,15 +460,13 @@ class RolloutEngine(EngineRequests):
             log_level=cfg.log_level,
             enable_return_routed_experts=cfg.return_routes and self.is_moe_config(),
             trust_remote_code=cfg.trust_remote_code,
-            # SGLang's idle scheduler otherwise spins its event loop: a whole core per engine (0.59 core
-            # measured on the CPU), taken from the colocated learner while it trains. Asleep, the TP-rank-0
-            # scheduler blocks in a zmq poll on its tokenizer and RPC sockets, which returns as soon as a
-            # request (generate, flush, release/resume, weight update) arrives; the cost is the OS waking the
-            # process, paid once per idle-to-busy turn, not per token (docs/gpu.md has the figures). It
-            # sleeps only when fully idle (never with queued, paused or in-flight work); other ranks, on this
-            # node or others, already block in rank 0's broadcast. On GPUs too: the same saved core, and a
-            # wake-up of microseconds on an unloaded host against milliseconds of forward pass.
-            sleep_on_idle=True,
+            # On the CPU, SGLang's idle scheduler otherwise spins its event loop: 0.59 of a core per engine,
+            # taken from the colocated learner while it trains. Asleep, the TP-rank-0 scheduler blocks in a
+            # zmq poll on its tokenizer and RPC sockets, which returns as soon as a request (generate, flush,
+            # release/resume, weight update) arrives; the cost is the OS waking the process, once per
+            # idle-to-busy turn (docs/gpu.md has the figures). Not on GPUs: unmeasured there, and a GPU node
+            # has cores to spare.
+            sleep_on_idle=self.on_cpu,
         )
         if cfg.max_context_len is not None:
             kw["context_length"] = cfg.max_context_len

@@ -108,15 +108,15 @@ def test_small_head_dim_is_refused_on_a_gpu_before_sglang_starts(tmp_path, monke
 
 
 @pytest.mark.parametrize("on_cpu", [True, False])
-def test_idle_scheduler_sleeps_unless_the_user_says_otherwise(model_dir, on_cpu):
+def test_idle_cpu_scheduler_sleeps_unless_the_user_says_otherwise(model_dir, on_cpu):
     """An idle SGLang scheduler spins by default (0.59 of a core measured on the CPU), a core taken from the
-    colocated learner; asleep it blocks in a zmq poll that a request ends at once. The user's
-    `extra_engine_args` still wins."""
+    colocated learner; asleep it blocks in a zmq poll that a request ends at once. GPU engines keep SGLang's
+    default (unmeasured there). The user's `extra_engine_args` still wins."""
     import dataclasses
 
     cfg = rollout_config(config_from_dict({"model": {"hf_path": model_dir}}), model_dir)
     engine = RolloutEngine(cfg)
     engine.on_cpu = on_cpu
-    assert engine.engine_kwargs()["sleep_on_idle"] is True
-    engine.cfg = dataclasses.replace(cfg, extra_engine_args={"sleep_on_idle": False})
-    assert engine.engine_kwargs()["sleep_on_idle"] is False
+    assert engine.engine_kwargs()["sleep_on_idle"] is on_cpu
+    engine.cfg = dataclasses.replace(cfg, extra_engine_args={"sleep_on_idle": not on_cpu})
+    assert engine.engine_kwargs()["sleep_on_idle"] is (not on_cpu)

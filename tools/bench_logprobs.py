@@ -48,26 +48,10 @@ import torch
 from megagrpo.learner.logprobs import token_logprobs_and_entropy
 
 try:
-    from tools.bench_families import (
-        BASELINE,
-        GOAL_RATIO,
-        build_family_models,
-        param_count,
-        per_token_rows,
-        render_rows,
-        rotated_rounds,
-    )
+    from tools import bench_families as fam
     from tools.machine import describe, headline
 except ModuleNotFoundError:  # run as `python tools/bench_x.py`: tools/ itself is on sys.path
-    from bench_families import (
-        BASELINE,
-        GOAL_RATIO,
-        build_family_models,
-        param_count,
-        per_token_rows,
-        render_rows,
-        rotated_rounds,
-    )
+    import bench_families as fam
     from machine import describe, headline
 
 SEQ_LEN = 1024  # the selective baseline loops over sequences of this many tokens, as TRL loops over rows
@@ -218,8 +202,8 @@ def run_families(args: argparse.Namespace) -> dict:
 
     machine = describe()
     with tempfile.TemporaryDirectory(prefix="bench_logprobs_families_") as tmp:
-        dirs = build_family_models(tmp)
-        params = {f: param_count(d) for f, d in dirs.items()}
+        dirs = fam.build_family_models(tmp)
+        params = {f: fam.param_count(d) for f, d in dirs.items()}
         batch = family_batch(args.seqs, args.seq_len, vocab=1000)
         runs = family_forwards(dirs, batch)
 
@@ -229,15 +213,15 @@ def run_families(args: argparse.Namespace) -> dict:
                 runs[family]()
             return {"forward": time.perf_counter() - t0}
 
-        times = rotated_rounds(list(dirs), args.rounds, once)
+        times = fam.rotated_rounds(list(dirs), args.rounds, once)
     tokens = args.seqs * args.seq_len
-    rows = per_token_rows({f: min(t["forward"]) for f, t in times.items()}, {f: tokens for f in times})
+    rows = fam.per_token_rows({f: min(t["forward"]) for f, t in times.items()}, {f: tokens for f in times})
     print(headline(describe(machine)))
     print(
-        render_rows(
+        fam.render_rows(
             f"learner logprob forward (one CPU rank, fp32, {args.seqs} x {args.seq_len} tokens, torch threads "
             f"{torch.get_num_threads()}; min of {args.rounds} rotated rounds; ratio = time per token / "
-            f"{BASELINE}'s, goal <= {GOAL_RATIO}x)",
+            f"{fam.BASELINE}'s, goal <= {fam.GOAL_RATIO}x)",
             rows,
             params,
         )

@@ -20,9 +20,9 @@ class EnginePool:
     template) are reloaded from the case's model directory when it served an earlier case, and its
     `shutdown()` leaves the engine running for the next case. `close()` shuts every engine down for real.
 
-    `one_live`: starting an engine shuts the others down. An idle SGLang scheduler polls without sleeping
-    (SGLang's `sleep_on_idle` is off), a core each on this 2-core machine, taken from the running case; a
-    caller whose runs come grouped by engine loses no start by it."""
+    `one_live`: starting an engine shuts the others down, so that engines sized for one case each (a share
+    of this machine's RAM) never stand side by side; a caller whose runs come grouped by engine loses no
+    start by it."""
 
     def __init__(self, one_live: bool = False) -> None:
         from megagrpo.rollout.engine import RolloutEngine

@@ -22,8 +22,8 @@ Engine start-up (SGLang's scheduler processes, ~20 s idle, minutes on a loaded m
 2-step run, so the SGLang engines are pooled per (architecture, engine settings), one per family
 (`test_each_family_started_one_engine`): a case's engine is a previous case's, given back the case's
 initial weights from its HF directory with `update_weights_from_disk` (what a fresh engine would load).
-The cases run grouped by engine (`RUN_ORDER`) and only the current one is kept alive, since an idle
-SGLang scheduler spins a core. Everything else, the learner, the trainer, rewards, sync, is built anew
+The cases run grouped by engine (`RUN_ORDER`) and only the current one is kept alive: each is sized as
+a share of this machine's RAM (`rollout.mem_fraction_static`). Everything else, the learner, the trainer, rewards, sync, is built anew
 per case. A case that fails drops its engine.
 """
 

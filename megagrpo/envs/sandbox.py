@@ -81,17 +81,17 @@ try:
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
-    got.update(netns=not spec["network"], pidns=True)
+    got.update(netns=not spec["network"], pidns=True, ipcns=True)
 except OSError as e:
     reason = f"unshare: {e.strerror}"
-if got["pidns"]:  # the IPC namespace's own limits; before the root (and /proc with it) turns read-only
+ipc_limits = None  # why the IPC namespace's limits could not be set (a read-only /proc/sys, an old kernel)
+if got["ipcns"]:  # before the root (and /proc with it) turns read-only
     try:
         for name, value in spec["ipc_sysctls"]:
             with open(f"/proc/sys/kernel/{name}", "w") as f:
                 f.write(value)
-        got["ipcns"] = True
     except OSError as e:
-        reason = f"kernel.{name}: {e.strerror}"
+        ipc_limits = f"kernel.{name}: {e.strerror}"
 if got["pidns"]:  # a read-only root; a private /tmp (tmpfs, size-bounded) holding the work directory
     with open("main.py", "rb") as f:
         source_bytes = f.read()
@@ -108,7 +108,9 @@ if got["pidns"]:  # a read-only root; a private /tmp (tmpfs, size-bounded) holdi
             try:  # MS_BIND | MS_REMOUNT | MS_RDONLY, keeping the flags a user namespace may not clear
                 mount("none", point, None, 0x1000 | 0x20 | 0x1 | locked, None)
             except OSError as e:
-                if e.errno != 2:  # ENOENT: a mount point deleted on the host, which no path reaches
+                # ENOENT, ENOTDIR, EACCES, EINVAL: no path of ours reaches this mount (its point deleted,
+                # behind a directory B may not enter, or under a later mount), so the code reaches it neither
+                if e.errno not in (2, 20, 13, 22):
                     raise
         mount("tmpfs", "/tmp", "tmpfs", 0x2 | 0x4, f"size={spec['scratch_bytes']},nr_inodes={spec['scratch_inodes']},mode=1777")
         for target in spec["private_dirs"]:
@@ -129,7 +131,7 @@ if got["pidns"]:  # a read-only root; a private /tmp (tmpfs, size-bounded) holdi
     except OSError as e:
         reason = str(e)
 if spec["require"] and not ((spec["network"] or got["netns"]) and got["pidns"] and got["ipcns"] and got["mntns"]):
-    report(**got, reason=reason, child=None, refused=True)  # the code is never run
+    report(**got, reason=reason, ipc_limits=ipc_limits, child=None, refused=True)  # the code is never run
     os._exit(0)
 for m in spec["preload"]:
     try:
@@ -140,7 +142,7 @@ import builtins, resource, traceback
 sys.stdout.flush(); sys.stderr.flush()
 child = os.fork()
 if child:  # B: report, wait for C, exit
-    report(**got, reason=reason, child=child, refused=False)
+    report(**got, reason=reason, ipc_limits=ipc_limits, child=child, refused=False)
     os.waitpid(child, 0)
     os._exit(0)
 libc.prctl(1, signal.SIGKILL)  # C dies with B
@@ -161,6 +163,12 @@ if spec["run_uid"] is not None:
     os.setgroups([])
     os.setgid(spec["run_uid"])
     os.setuid(spec["run_uid"])
+# As non-root, D still owns its user namespace with every capability in it, enough to remount the root
+# read-write or unmount the private /tmp: drop them all (capset, _LINUX_CAPABILITY_VERSION_3); as root the
+# uid change has dropped them already.
+if libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()):
+    os.write(2, b"sandbox: could not drop capabilities; the code was not run\n")
+    os._exit(125)
 libc.prctl(1, signal.SIGKILL)  # after the uid change, which clears it: D dies with C
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the default ends the run at the limit
 sys.argv = ["main.py"]
@@ -356,6 +364,11 @@ def run(code: str, cfg: SandboxConfig | None = None, *, best_effort: bool | None
     interrupted = stop is None and (boot_rc != 0 or (bool(setup) and status is None and not refused))
     missing = missing_isolation(setup, cfg)
     notes += [f"{m} unavailable ({setup.get('reason') or 'not reported'})" for m in missing]
+    if setup.get("ipc_limits"):
+        notes.append(
+            f"IPC namespace limits not set ({setup['ipc_limits']}): its System V shared memory is "
+            "bounded by the kernel's defaults, not by memory_mb"
+        )
     if not root:
         notes.append("non-root: RLIMIT_NPROC is shared with this uid's other processes (approximate)")
     return SandboxResult(

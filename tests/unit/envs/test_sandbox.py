@@ -278,7 +278,12 @@ def test_the_hosts_root_is_read_only_and_no_world_writable_directory_keeps_a_wri
         # every mount a path reaches (one hidden under another is not), and whether it is read-only
         "points = {line.split()[4] for line in open('/proc/self/mountinfo')}\n"
         "writable = sorted(p for p in points if not os.statvfs(p).f_flag & os.ST_RDONLY)\n"
-        "print(json.dumps({'writes': writes, 'writable': writable}))\n"
+        # and the code cannot undo it: it has no capability left, in any user namespace
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.mount(b'none', b'/', None, 0x1000 | 0x20, None)\n"  # MS_BIND | MS_REMOUNT, read-write
+        "remount = errno.errorcode[ctypes.get_errno()]\n"
+        "caps = [ln.split()[1] for ln in open('/proc/self/status') if ln.startswith(('CapPrm', 'CapEff'))]\n"
+        "print(json.dumps({'writes': writes, 'writable': writable, 'remount': remount, 'caps': caps}))\n"
     )
     try:
         r = _run(code, dataclasses.replace(CFG, scratch_mb=16))
@@ -286,6 +291,7 @@ def test_the_hosts_root_is_read_only_and_no_world_writable_directory_keeps_a_wri
         got = json.loads(r.stdout)
         private = {"/tmp"} | {d for d in sandbox.PRIVATE_DIRS if os.path.isdir(d)}
         assert set(got["writable"]) == private, "every other mount is read-only inside the run"
+        assert got["remount"] == "EPERM" and got["caps"] == ["0000000000000000"] * 2
         for d in private:
             assert got["writes"][d] == "written", f"{d} is the run's own, writable"
         if os.path.isdir("/run/lock"):
@@ -347,6 +353,18 @@ def test_system_v_ipc_of_the_code_dies_with_the_run_and_is_bounded():
         for kind, flag in (("shm", "-m"), ("msg", "-q")):
             for ipc_id in left[kind]:
                 subprocess.run(["ipcrm", flag, ipc_id], check=False)
+
+
+def test_ipc_limits_the_kernel_refuses_are_noted_and_do_not_refuse_the_call(monkeypatch):
+    """A read-only /proc/sys (Docker's default) or a kernel older than 5.19 in a user namespace refuses the
+    IPC namespace's sysctls: the namespace still isolates, and the result says what is not bounded."""
+    monkeypatch.setattr(sandbox, "IPC_SYSCTLS", (("shm_rmid_forced", "2"),))  # 0 or 1 only: EINVAL
+    r = _run("print(1)", best_effort=False)
+    assert r.ok and r.missing == () and not r.refused and r.stdout == "1\n"
+    assert any(
+        n.startswith("IPC namespace limits not set (kernel.shm_rmid_forced: Invalid argument)")
+        for n in r.notes
+    )
 
 
 # ------------------------------------------ isolation set up per call: under require, a failure is never run

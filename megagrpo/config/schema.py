@@ -384,9 +384,11 @@ class MultiTurnConfig(Section):
         default="require",
         description="require: probe the code sandbox once at start (the CLI and each engine owner) and "
         "refuse to run, in one line naming what it cannot enforce (network isolation, PID namespace, "
-        "private mounts), where the kernel denies namespaces (a container without CAP_SYS_ADMIN). "
-        "best_effort: run the code anyway, with that line printed at start and every such call counted "
-        "(rollout/sandbox_unisolated_calls). Only environments with a sandbox (python) read it.",
+        "private mounts, IPC namespace), where the kernel denies namespaces (a container without "
+        "CAP_SYS_ADMIN); later, a call whose isolation fails is refused, its code never run, and counted "
+        "(rollout/sandbox_refused_calls; its trajectory is dropped). best_effort: run the code anyway, "
+        "with that line printed at start and every such call counted (rollout/sandbox_unisolated_calls). "
+        "Only environments with a sandbox (python) read it.",
     )
 
     @model_validator(mode="after")

@@ -4,7 +4,9 @@ Each call is a fresh process with an empty scratch directory (no state carries o
 standard library only, and no network. `run_python` never raises for anything the code does: a crash, a
 limit or a sandbox that could not start comes back as text the model can read. A run that something outside
 it ended (a SIGKILL to the sandbox's own processes; the job's stop signals are ignored by the sandbox) is
-not the code's doing: it raises `ToolInterrupted`, and the trajectory is dropped, counted.
+not the code's doing: it raises `ToolInterrupted`, and the trajectory is dropped, counted. So is a call the
+sandbox refused to run because it could not isolate it (rollout.multi_turn.sandbox_isolation: require):
+`ToolRefused`, counted besides as refused.
 
 Host cost per call: one sandbox (docs/sandbox.md): 3 processes (boot, init, the code) plus what the code
 forks, up to `max_processes`; up to `max_processes` x `memory_mb` of address space and `scratch_mb` of
@@ -20,7 +22,7 @@ from typing import Any
 from megagrpo.envs import sandbox
 from megagrpo.envs.answer import AnswerToolEnv
 from megagrpo.envs.sandbox import SandboxConfig, SandboxResult
-from megagrpo.envs.tools import Tool, ToolExecutor, ToolInterrupted, ToolOutput
+from megagrpo.envs.tools import Tool, ToolExecutor, ToolInterrupted, ToolOutput, ToolRefused
 
 NAME = "python"
 DESCRIPTION = (
@@ -49,13 +51,18 @@ def run_python(code: str, cfg: SandboxConfig | None = None) -> str:
 
 def python_call(code: str, cfg: SandboxConfig) -> ToolOutput:
     """`run_python`'s text, marked `unisolated` when the sandbox ran without some isolation (best-effort
-    mode, docs/sandbox.md) so that the executor counts the call."""
+    mode, docs/sandbox.md) so that the executor counts the call. Raises `ToolRefused` when, under require,
+    the sandbox could not isolate this call and did not run it."""
     if not isinstance(code, str):
         return ToolOutput(f"Error: `code` must be a string, got {type(code).__name__}.")
     try:
         result = sandbox.run(code, cfg)
     except OSError as e:  # no scratch space, no interpreter: not the code's fault
         return ToolOutput(f"Error: the sandbox could not start: {e}")
+    if result.refused:
+        raise ToolRefused(
+            f"the sandbox could not isolate it, so its code was not run: {'; '.join(result.notes)}"
+        )
     if result.interrupted:
         raise ToolInterrupted(
             f"the sandbox's processes were killed from outside after {result.wall_seconds:.1f} s"

@@ -2,9 +2,10 @@
 
 `run(code, cfg)` starts `sys.executable -I -S -c _BOOT` (no `preexec_fn`, so it is safe from the threads
 that run tools) with the job's stop signals blocked. The boot process B ignores them (`JOB_SIGNALS`), joins
-a fresh `pids` cgroup, enters new network, PID and mount namespaces, mounts a private size-bounded tmpfs on
-/tmp (its work directory inside, /dev/shm and /var/tmp bound to it), preloads a set of stdlib modules, and
-forks C, the init of the new PID namespace. C forks D, which sets
+a fresh `pids` cgroup, enters new network, PID, mount and IPC namespaces, bounds the IPC namespace
+(`IPC_SYSCTLS`), makes every mount of the host read-only in its mount namespace, mounts a private
+size-bounded tmpfs on /tmp (its work directory inside, /dev/shm and /var/tmp bound to it), preloads a set
+of stdlib modules, and forks C, the init of the new PID namespace. C forks D, which sets
 the resource limits, drops root to a fresh unprivileged uid and runs the code in-process; C reaps orphans
 and reports D's wait status on a private pipe. The trainer reads stdout and stderr with a byte cap,
 enforces the wall time, and on any exit kills everything that is left (C, the cgroup, the process group),
@@ -12,9 +13,12 @@ then removes the scratch directory. When C exits the kernel kills every process 
 a forked child that called setsid() cannot outlive the run. D is not the init because an init ignores
 SIGXCPU and SIGXFSZ, the signals of the CPU and file-size limits.
 
+Every run sets up its isolation anew, and B checks it: under require (this process's policy, from
+`require_isolation`), a run that did not get all of it (`ISOLATIONS`) never forks C, and its result is
+`refused`; under best effort the code runs without what is missing, and the result names it (`missing`).
 `probe` says once per process what the host's kernel refuses (a container without CAP_SYS_ADMIN refuses
-every namespace) and `require_isolation` turns that into a one-line refusal unless the config accepts it.
-A run killed from outside (B or C by SIGKILL) is `interrupted`: its outcome is not the code's.
+every namespace) and `require_isolation` turns that into a one-line refusal at start unless the config
+accepts it. A run killed from outside (B or C by SIGKILL) is `interrupted`: its outcome is not the code's.
 
 Host cost per run: 3 processes (B, C, D) plus what D forks, up to `max_processes`; up to `max_processes` x
 `memory_mb` of address space and `scratch_mb` of RAM (the tmpfs); one host scratch directory with main.py.
@@ -65,23 +69,30 @@ if spec["cgroup_procs"]:
     with open(spec["cgroup_procs"], "w") as f:
         f.write(str(os.getpid()))
 flags = 0 if spec["network"] else os.CLONE_NEWNET
-flags |= os.CLONE_NEWPID | os.CLONE_NEWNS
+flags |= os.CLONE_NEWPID | os.CLONE_NEWNS | os.CLONE_NEWIPC
 uid, gid = os.getuid(), os.getgid()
 if uid != 0:
     flags |= os.CLONE_NEWUSER
-refused = None
+got = {"netns": False, "pidns": False, "ipcns": False, "mntns": False}
+reason = None
 try:
     os.unshare(flags)
     if uid != 0:
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
-    netns, pidns = not spec["network"], True
+    got.update(netns=not spec["network"], pidns=True, ipcns=True)
 except OSError as e:
-    netns = pidns = False
-    refused = f"unshare: {e.strerror}"
-mntns = False
-if pidns:  # a private /tmp (tmpfs, size-bounded) holding the work directory; /dev/shm, /var/tmp inside it
+    reason = f"unshare: {e.strerror}"
+ipc_limits = None  # why the IPC namespace's limits could not be set (a read-only /proc/sys, an old kernel)
+if got["ipcns"]:  # before the root (and /proc with it) turns read-only
+    try:
+        for name, value in spec["ipc_sysctls"]:
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(value)
+    except OSError as e:
+        ipc_limits = f"kernel.{name}: {e.strerror}"
+if got["pidns"]:  # a read-only root; a private /tmp (tmpfs, size-bounded) holding the work directory
     with open("main.py", "rb") as f:
         source_bytes = f.read()
     def mount(src, target, fstype, mflags, data):
@@ -89,6 +100,18 @@ if pidns:  # a private /tmp (tmpfs, size-bounded) holding the work directory; /d
             raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
     try:
         mount("none", "/", None, 0x4000 | 0x40000, None)  # MS_REC | MS_PRIVATE: nothing leaks to the host
+        with open("/proc/self/mountinfo") as f:
+            mountinfo = [line.split() for line in f]
+        for fs in mountinfo:  # id parent dev root MOUNT_POINT OPTIONS ...; the point's octal escapes decoded
+            point = fs[4].encode().decode("unicode_escape").encode("latin-1").decode()
+            locked = sum(bit for opt, bit in (("nosuid", 0x2), ("nodev", 0x4), ("noexec", 0x8)) if opt in fs[5].split(","))
+            try:  # MS_BIND | MS_REMOUNT | MS_RDONLY, keeping the flags a user namespace may not clear
+                mount("none", point, None, 0x1000 | 0x20 | 0x1 | locked, None)
+            except OSError as e:
+                # ENOENT, ENOTDIR, EACCES, EINVAL: no path of ours reaches this mount (its point deleted,
+                # behind a directory B may not enter, or under a later mount), so the code reaches it neither
+                if e.errno not in (2, 20, 13, 22):
+                    raise
         mount("tmpfs", "/tmp", "tmpfs", 0x2 | 0x4, f"size={spec['scratch_bytes']},nr_inodes={spec['scratch_inodes']},mode=1777")
         for target in spec["private_dirs"]:
             if os.path.isdir(target):
@@ -104,9 +127,12 @@ if pidns:  # a private /tmp (tmpfs, size-bounded) holding the work directory; /d
             os.chown(work, spec["run_uid"], spec["run_uid"])
         os.chdir(work)
         os.environ["HOME"] = os.environ["TMPDIR"] = work
-        mntns = True
+        got["mntns"] = True
     except OSError as e:
-        refused = str(e)
+        reason = str(e)
+if spec["require"] and not ((spec["network"] or got["netns"]) and got["pidns"] and got["ipcns"] and got["mntns"]):
+    report(**got, reason=reason, ipc_limits=ipc_limits, child=None, refused=True)  # the code is never run
+    os._exit(0)
 for m in spec["preload"]:
     try:
         __import__(m)
@@ -116,7 +142,7 @@ import builtins, resource, traceback
 sys.stdout.flush(); sys.stderr.flush()
 child = os.fork()
 if child:  # B: report, wait for C, exit
-    report(netns=netns, pidns=pidns, mntns=mntns, refused=refused, child=child)
+    report(**got, reason=reason, ipc_limits=ipc_limits, child=child, refused=False)
     os.waitpid(child, 0)
     os._exit(0)
 libc.prctl(1, signal.SIGKILL)  # C dies with B
@@ -137,6 +163,12 @@ if spec["run_uid"] is not None:
     os.setgroups([])
     os.setgid(spec["run_uid"])
     os.setuid(spec["run_uid"])
+# As non-root, D still owns its user namespace with every capability in it, enough to remount the root
+# read-write or unmount the private /tmp: drop them all (capset, _LINUX_CAPABILITY_VERSION_3); as root the
+# uid change has dropped them already.
+if libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()):
+    os.write(2, b"sandbox: could not drop capabilities; the code was not run\n")
+    os._exit(125)
 libc.prctl(1, signal.SIGKILL)  # after the uid change, which clears it: D dies with C
 signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the default ends the run at the limit
 sys.argv = ["main.py"]
@@ -179,10 +211,22 @@ JOB_SIGNALS = (
 )
 # Where the code may write on a stock Linux host, made private: /tmp is a tmpfs of the run's own (its work
 # directory inside), and these are bound to directories of that tmpfs, so one `scratch_mb` bounds them all.
+# Every other mount of the host is read-only inside the run, so nothing else it writes outlives it.
 PRIVATE_DIRS = ("/dev/shm", "/var/tmp")
 SCRATCH_INODES = 4096  # files and directories on the run's tmpfs: bounds their number, not only their bytes
+# Limits of the run's own IPC namespace: sysctls that B writes (the kernel's admin-guide/sysctl/kernel.rst).
+# shm_rmid_forced: a System V shared memory segment dies when its last process detaches (or when its creator
+# exits without attaching it), so its pages are always mapped by a process of the run, which `memory_mb`
+# (RLIMIT_AS) bounds. msgmni: 16 message queues of 16 KiB (msgmnb) hold 256 KiB of kernel memory, not the
+# default 32000 (512 MiB). sem: 32 semaphores a set, 512 in all, 32 per semop call, 16 sets (default 32000).
+IPC_SYSCTLS = (("shm_rmid_forced", "1"), ("msgmni", "16"), ("sem", "32 512 32 16"))
 # What `missing_isolation` names, in the order of the one-line refusal.
-ISOLATIONS = ("network isolation", "PID namespace", "private mounts (/tmp, /dev/shm, scratch size)")
+ISOLATIONS = (
+    "network isolation",
+    "PID namespace",
+    "private mounts (read-only root, private /tmp, /dev/shm, scratch size)",
+    "IPC namespace",
+)
 
 
 @dataclass(frozen=True)
@@ -228,14 +272,19 @@ class SandboxResult:
     notes: list[str] = field(default_factory=list)  # isolation that was asked for and not in effect
     missing: tuple[str, ...] = ()  # the `ISOLATIONS` that were not in effect (empty: fully isolated)
     interrupted: bool = False  # something outside the run killed it: its outcome is not the code's
+    refused: bool = False  # under require, `missing` was not empty: the code was never run (module doc)
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and self.limit is None
 
 
-def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
+def run(code: str, cfg: SandboxConfig | None = None, *, best_effort: bool | None = None) -> SandboxResult:
     """Run `code` as `__main__` in a sandboxed child and return what it printed and how it ended.
+
+    Each run sets up its own isolation. Under require (`best_effort` False), a run that could not have all
+    of it (`missing`) never runs the code: `refused` is set. Under best effort the code runs without what is
+    missing. `best_effort` None: this process's policy, set by `require_isolation` (require until then).
 
     Blocks for at most about `cfg.wall_seconds` plus the cleanup (a fraction of a second), and holds at
     most 2 × `max_output_bytes` + 128 KiB of the child's output in the trainer, whatever it writes. Raises
@@ -270,6 +319,8 @@ def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
             "scratch_bytes": cfg.scratch_mb << 20,
             "scratch_inodes": SCRATCH_INODES,
             "private_dirs": PRIVATE_DIRS,
+            "ipc_sysctls": IPC_SYSCTLS,
+            "require": not (_best_effort if best_effort is None else best_effort),
         }
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
         start = time.monotonic()
@@ -302,16 +353,22 @@ def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
     setup = reports[0] if reports else {}
     status = reports[1]["status"] if len(reports) > 1 else None
     exit_code = os.waitstatus_to_exitcode(status) if status is not None else None
+    refused = bool(setup.get("refused"))  # nothing ran: no status, and no signal either
     sig = None
-    if exit_code is None or exit_code < 0:
+    if not refused and (exit_code is None or exit_code < 0):
         sig, exit_code = (-exit_code if exit_code is not None else signal.SIGKILL), None
     stdout, stderr = (b.decode("utf-8", errors="replace") for b in (out, err))
     limit = stop or _limit_from_status(sig, exit_code, stderr, events)
     # Something outside the run killed its boot process or its init (B exits 0 after C's report, and C
     # reports unless killed): the code's status, if any, is not the code's doing.
-    interrupted = stop is None and (boot_rc != 0 or (bool(setup) and status is None))
+    interrupted = stop is None and (boot_rc != 0 or (bool(setup) and status is None and not refused))
     missing = missing_isolation(setup, cfg)
-    notes += [f"{m} unavailable ({setup.get('refused') or 'not reported'})" for m in missing]
+    notes += [f"{m} unavailable ({setup.get('reason') or 'not reported'})" for m in missing]
+    if setup.get("ipc_limits"):
+        notes.append(
+            f"IPC namespace limits not set ({setup['ipc_limits']}): its System V shared memory is "
+            "bounded by the kernel's defaults, not by memory_mb"
+        )
     if not root:
         notes.append("non-root: RLIMIT_NPROC is shared with this uid's other processes (approximate)")
     return SandboxResult(
@@ -329,6 +386,7 @@ def run(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
         notes=notes,
         missing=missing,
         interrupted=interrupted,
+        refused=refused,
     )
 
 
@@ -338,6 +396,7 @@ def missing_isolation(setup: dict, cfg: SandboxConfig) -> tuple[str, ...]:
         cfg.network or bool(setup.get("netns")),
         bool(setup.get("pidns")),
         bool(setup.get("mntns")),
+        bool(setup.get("ipcns")),
     )
     return tuple(name for name, ok in zip(ISOLATIONS, got, strict=True) if not ok)
 
@@ -355,6 +414,7 @@ class Isolation:
 
 
 _PROBES: dict[bool, Isolation] = {}
+_best_effort = False  # this process's policy for a run that cannot be isolated (`require_isolation`)
 
 
 def probe(network: bool = False) -> Isolation:
@@ -362,7 +422,7 @@ def probe(network: bool = False) -> Isolation:
     `network`), about 0.2 s. A container without CAP_SYS_ADMIN (Docker's default) refuses every namespace:
     `missing` then names them all."""
     if network not in _PROBES:
-        r = run("", SandboxConfig(wall_seconds=30.0, network=network))
+        r = run("", SandboxConfig(wall_seconds=30.0, network=network), best_effort=True)
         reason = next((n.split(" unavailable (", 1)[1][:-1] for n in r.notes if " unavailable (" in n), "")
         if r.interrupted or r.exit_code != 0:
             raise OSError(
@@ -375,7 +435,9 @@ def probe(network: bool = False) -> Isolation:
 def require_isolation(cfg: SandboxConfig, accept: bool, where: str) -> Isolation:
     """`probe` this host for `cfg`; raise a one-line `MegagrpoError` naming what cannot be enforced unless
     `accept` (then every such run is counted: `SandboxResult.missing`, rollout/sandbox_unisolated_calls).
-    `where` is the config field that accepts it. Run once at start, before any rollout."""
+    `where` is the config field that accepts it. Run once at start, before any rollout: `accept` becomes
+    this process's policy for every later run (`run`), whose isolation is set up, and checked, per run."""
+    global _best_effort
     try:
         iso = probe(cfg.network)
     except OSError as e:  # no scratch space, no interpreter, or a boot that failed: say so, not a traceback
@@ -386,6 +448,7 @@ def require_isolation(cfg: SandboxConfig, accept: bool, where: str) -> Isolation
             f"run --cap-add SYS_ADMIN), or set {where}: best_effort to run the code without them, each such "
             "call counted (docs/sandbox.md)"
         )
+    _best_effort = accept
     return iso
 
 

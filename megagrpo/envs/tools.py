@@ -10,7 +10,8 @@ that raises, a tool past its deadline and a result over the size limit are each 
 a `role: tool` message that says what went wrong, and counted in `ToolCounters`; the trajectory goes on.
 `ToolExecutor.call` never raises for any of them. A tool that raises `ToolInterrupted` (something outside
 the call ended it) is answered "interrupted" and counted: its answer is not the model's doing, and the
-environment ends that trajectory, which the trainer drops.
+environment ends that trajectory, which the trainer drops. `ToolRefused` (a call the tool refused to run,
+e.g. a sandbox that could not isolate it) is one such interruption, counted besides as `refused_calls`.
 
 Threads and deadlines. Each call runs on a daemon thread of its own, off the event loop, so that one
 trajectory waiting on a tool never stalls the others' decoding, and a hung tool never holds a pool slot
@@ -57,6 +58,12 @@ class ToolInterrupted(Exception):  # noqa: N818 - an outcome, like ToolDeadline,
     its answer would not be the model's doing, so the call is answered as "interrupted", counted
     (`ToolCounters.interrupted_calls`), and the environment ends its trajectory, which takes no loss
     (`AnswerToolEnv`, `trainer.episodes.episode_completion`)."""
+
+
+class ToolRefused(ToolInterrupted):
+    """Raised by a tool that did not run a call because it could not run it safely (the python tool under
+    rollout.multi_turn.sandbox_isolation: require, when the sandbox could not isolate that call): an
+    interruption, since the model did nothing wrong, counted besides as `ToolCounters.refused_calls`."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,9 @@ class ToolCounters:
     oversize_results: int = 0  # answered, truncated with a note
     interrupted_calls: int = 0  # ended from outside (`ToolInterrupted`): the trajectory is dropped
     unisolated_calls: int = 0  # ran without isolation the sandbox could not enforce (`ToolOutput`)
+    refused_calls: int = (
+        0  # never run (`ToolRefused`), among the interrupted calls: the trajectory is dropped
+    )
 
     def add(self, other: ToolCounters) -> None:
         for k, v in asdict(other).items():
@@ -233,8 +243,10 @@ class ToolExecutor:
         value, exc = outcome
         if isinstance(exc, ToolInterrupted):
             counters.interrupted_calls += 1
+            counters.refused_calls += isinstance(exc, ToolRefused)
+            how = "was not run" if isinstance(exc, ToolRefused) else "was interrupted"
             return ToolResult(
-                p.call_id, p.name, f"Error: tool {p.name!r} was interrupted: {exc}", "interrupted", seconds
+                p.call_id, p.name, f"Error: tool {p.name!r} {how}: {exc}", "interrupted", seconds
             )
         if exc is not None:
             counters.tool_errors += 1

@@ -240,6 +240,7 @@ class MultiTurnStats:
             "rollout/oversize_results": float(tc.oversize_results),
             "rollout/tool_interrupted": float(tc.interrupted_calls),
             "rollout/sandbox_unisolated_calls": float(tc.unisolated_calls),
+            "rollout/sandbox_refused_calls": float(tc.refused_calls),
             "rollout/truncated_max_turns_frac": self.truncated_max_turns / n,
             "rollout/truncated_max_tokens_frac": self.truncated_max_tokens / n,
             "rollout/template_breaks": float(self.truncated_template),

@@ -102,6 +102,7 @@ def test_each_bad_call_is_answered_counted_and_never_raises(release):
         "oversize_results": 1,
         "interrupted_calls": 0,
         "unisolated_calls": 0,
+        "refused_calls": 0,
     }
     msg = by_id["raises"].message()
     assert msg == {

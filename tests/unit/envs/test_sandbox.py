@@ -42,11 +42,11 @@ def _sandbox_processes(uid: int) -> list[psutil.Process]:
     return out
 
 
-def _run(code: str, cfg: SandboxConfig = CFG) -> sandbox.SandboxResult:
+def _run(code: str, cfg: SandboxConfig = CFG, best_effort: bool | None = None) -> sandbox.SandboxResult:
     """Run and check what every run must leave behind: nothing (no process, no scratch, no cgroup)."""
     rlimits = {r: resource.getrlimit(r) for r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC)}
     cwd, env = os.getcwd(), dict(os.environ)
-    r = sandbox.run(code, cfg)
+    r = sandbox.run(code, cfg, best_effort=best_effort)
     assert not os.path.exists(r.scratch_dir)
     assert not glob.glob(f"/sys/fs/cgroup/pids/**/megagrpo-sandbox-{os.getpid()}-*", recursive=True)
     if ROOT:
@@ -252,6 +252,227 @@ def test_the_private_scratch_is_bounded_in_bytes_and_files():
     assert err == "ENOSPC" and 2 <= int(written) < 4, r.stdout
     r = _run("import os\nfor i in range(10000):\n    open(f'/tmp/e{i}', 'w').close()\n", cfg)
     assert r.exit_code == 1 and "No space left on device" in r.stderr, "the number of files is bounded too"
+
+
+def test_the_hosts_root_is_read_only_and_no_world_writable_directory_keeps_a_write():
+    """Issue 43: /run/lock (Debian, Ubuntu) and any other directory the world may write, outside the run's
+    private /tmp, /dev/shm and /var/tmp, kept what the code wrote there (1 MiB in the trial)."""
+    found = subprocess.run(
+        ["find", "/", "(", "-path", "/proc", "-o", "-path", "/sys", ")", "-prune", "-o"]
+        + ["-perm", "-0002", "-type", "d", "-print"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout.split()
+    dirs = sorted(set(found) | {d for d in ("/tmp", "/dev/shm", "/var/tmp", "/run/lock") if os.path.isdir(d)})
+    tag = f"megagrpo-test-{os.getpid()}-{time.time_ns()}"
+    code = (
+        "import errno, json, os\nwrites = {}\n"
+        f"for d in {dirs!r}:\n"
+        "    try:\n"
+        f"        with open(os.path.join(d, {tag!r}), 'wb') as f:\n"
+        "            f.write(b'x' * 2**20)\n"
+        "        writes[d] = 'written'\n"
+        "    except OSError as e:\n"
+        "        writes[d] = errno.errorcode[e.errno]\n"
+        # every mount a path reaches (one hidden under another is not), and whether it is read-only
+        "points = {line.split()[4] for line in open('/proc/self/mountinfo')}\n"
+        "writable = sorted(p for p in points if not os.statvfs(p).f_flag & os.ST_RDONLY)\n"
+        # and the code cannot undo it: it has no capability left, in any user namespace
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.mount(b'none', b'/', None, 0x1000 | 0x20, None)\n"  # MS_BIND | MS_REMOUNT, read-write
+        "remount = errno.errorcode[ctypes.get_errno()]\n"
+        "caps = [ln.split()[1] for ln in open('/proc/self/status') if ln.startswith(('CapPrm', 'CapEff'))]\n"
+        "print(json.dumps({'writes': writes, 'writable': writable, 'remount': remount, 'caps': caps}))\n"
+    )
+    try:
+        r = _run(code, dataclasses.replace(CFG, scratch_mb=16))
+        assert r.ok and r.missing == (), r
+        got = json.loads(r.stdout)
+        private = {"/tmp"} | {d for d in sandbox.PRIVATE_DIRS if os.path.isdir(d)}
+        assert set(got["writable"]) == private, "every other mount is read-only inside the run"
+        assert got["remount"] == "EPERM" and got["caps"] == ["0000000000000000"] * 2
+        for d in private:
+            assert got["writes"][d] == "written", f"{d} is the run's own, writable"
+        if os.path.isdir("/run/lock"):
+            assert got["writes"]["/run/lock"] == "EROFS"
+        for d in dirs:
+            assert not os.path.exists(os.path.join(d, tag)), f"{d}: the run's write outlived it"
+    finally:
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(d, tag))
+
+
+# ------------------------------------------------------------------------------- System V IPC: its own namespace
+
+_SYSV_IPC_CODE = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.shmat.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+libc.shmdt.argtypes = (ctypes.c_void_p,)
+for _ in range(3):  # the trial: 3 x 8 MiB, written, detached, left behind
+    shmid = libc.shmget(0, 8 << 20, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT
+    addr = libc.shmat(shmid, None, 0)
+    ctypes.memset(addr, 1, 8 << 20)
+    libc.shmdt(addr)
+kept = len(open("/proc/sysvipc/shm").read().splitlines()) - 1
+queues = 0
+while queues < 100 and libc.msgget(0, 0o1000 | 0o600) >= 0:
+    queues += 1
+print(kept, queues)
+"""
+
+
+def _sysv_ipc_of(uid: int) -> dict[str, list[str]]:
+    """The host's System V shared memory segments and message queues created by `uid`."""
+    out = {}
+    for kind in ("shm", "msg"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            header, *rows = (line.split() for line in f)
+        col = header.index("cuid")
+        out[kind] = [row[1] for row in rows if int(row[col]) == uid]
+    return out
+
+
+@pytest.mark.skipif(
+    not ROOT, reason="as non-root the code's uid is the trainer's: its IPC objects are not told apart"
+)
+def test_system_v_ipc_of_the_code_dies_with_the_run_and_is_bounded():
+    """Issue 43: 3 x 8 MiB of System V shared memory outlived the run, outside `scratch_mb` and RLIMIT_AS."""
+    r = _run(_SYSV_IPC_CODE)
+    left = _sysv_ipc_of(r.uid)
+    try:
+        assert r.ok and r.missing == (), r
+        assert left == {"shm": [], "msg": []}, "the run's System V objects outlived it on the host"
+        kept, queues = map(int, r.stdout.split())
+        assert kept == 0, "a detached segment is destroyed at once: its memory was always in RLIMIT_AS"
+        assert queues == 16, "message queues are bounded by the run's own msgmni"
+    finally:  # what the old code left on the host
+        for kind, flag in (("shm", "-m"), ("msg", "-q")):
+            for ipc_id in left[kind]:
+                subprocess.run(["ipcrm", flag, ipc_id], check=False)
+
+
+def test_ipc_limits_the_kernel_refuses_are_noted_and_do_not_refuse_the_call(monkeypatch):
+    """A read-only /proc/sys (Docker's default) or a kernel older than 5.19 in a user namespace refuses the
+    IPC namespace's sysctls: the namespace still isolates, and the result says what is not bounded."""
+    monkeypatch.setattr(sandbox, "IPC_SYSCTLS", (("shm_rmid_forced", "2"),))  # 0 or 1 only: EINVAL
+    r = _run("print(1)", best_effort=False)
+    assert r.ok and r.missing == () and not r.refused and r.stdout == "1\n"
+    assert any(
+        n.startswith("IPC namespace limits not set (kernel.shm_rmid_forced: Invalid argument)")
+        for n in r.notes
+    )
+
+
+# ------------------------------------------ isolation set up per call: under require, a failure is never run
+
+
+def _python_episode(env: PythonEnv, code: str):
+    """One assistant turn that calls the python tool with `code`, stepped through `env` (the trainer's path)."""
+    msg = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+        ],
+    }
+
+    async def episode():
+        await env.reset({"prompt": "q", "answer": "1"})
+        return await env.step(msg)
+
+    return asyncio.run(episode())
+
+
+@pytest.mark.skipif(not ROOT, reason="the probe finds every namespace only as root (CI runs as root)")
+def test_under_require_a_call_whose_mount_fails_is_refused_counted_and_never_run(monkeypatch):
+    env = PythonEnv(wall_seconds=20.0, cpu_seconds=5)
+    monkeypatch.setattr(sandbox, "_best_effort", sandbox._best_effort)  # restored after the test
+    # at start, as the trainer does: every isolation is there, and the policy is require
+    assert (
+        sandbox.require_isolation(env.sandbox_config, False, "rollout.multi_turn.sandbox_isolation").missing
+        == ()
+    )
+    # later, for these calls only, the kernel refuses the run's tmpfs (a bad nr_inodes: EINVAL)
+    monkeypatch.setattr(sandbox, "SCRATCH_INODES", "x")
+    code = "print('the code ran')"
+    step = _python_episode(env, code)
+    assert (step.done, step.reward, step.info["finish"]) == (True, None, "interrupted"), "the row is dropped"
+    [res] = env.results
+    assert res.status == "interrupted" and "the code ran" not in res.content
+    assert res.content.startswith("Error: tool 'python' was not run: the sandbox could not isolate it")
+    assert "mount /tmp: Invalid argument" in res.content
+    counts = env.counters.as_dict()
+    assert (counts["refused_calls"], counts["interrupted_calls"], counts["unisolated_calls"]) == (1, 1, 0)
+    metrics = MultiTurnStats(trajectories=1, tools=env.counters).metrics()
+    assert (metrics["rollout/sandbox_refused_calls"], metrics["rollout/tool_interrupted"]) == (1.0, 1.0)
+
+    r = _run(code, best_effort=False)
+    assert r.refused and not r.interrupted and (r.stdout, r.exit_code, r.signal) == ("", None, None)
+    assert r.missing == (sandbox.ISOLATIONS[2],)
+    control = _run(code, best_effort=True)  # the same failure under best effort: the code does run
+    assert control.stdout == "the code ran\n" and control.missing == r.missing and not control.refused
+
+
+_LATER_DENIAL_CHILD = r"""
+import asyncio, ctypes, json, sys
+from megagrpo.envs import sandbox
+from megagrpo.envs.python_tool import PythonEnv
+marker, port = sys.argv[1], int(sys.argv[2])
+env = PythonEnv(wall_seconds=20.0, cpu_seconds=5)
+start = sandbox.require_isolation(env.sandbox_config, False, "rollout.multi_turn.sandbox_isolation")
+# later: CAP_SYS_ADMIN leaves this process's bounding set, so the kernel refuses unshare to every sandbox
+assert ctypes.CDLL(None, use_errno=True).prctl(24, 21) == 0  # PR_CAPBSET_DROP, CAP_SYS_ADMIN
+def code(path):  # what the trial did: write to the host's /tmp, reach the host's network
+    return (f"import socket\nopen({path!r}, 'w').write('ran')\n"
+            f"socket.create_connection(('127.0.0.1', {port}), timeout=5).close()\nprint('ran')")
+call = {"id": "c", "type": "function", "function": {"name": "python", "arguments": {"code": code(marker + "-require")}}}
+async def episode():
+    await env.reset({"prompt": "q", "answer": "1"})
+    return await env.step({"role": "assistant", "content": "", "tool_calls": [call]})
+step = asyncio.run(episode())
+control = sandbox.run(code(marker + "-best-effort"), env.sandbox_config, best_effort=True)
+print(json.dumps({"start": list(start.missing), "finish": step.info["finish"], "content": env.results[0].content,
+                  "counts": env.counters.as_dict(), "control": [control.stdout, list(control.missing)]}))
+"""
+
+
+@pytest.mark.skipif(
+    not ROOT, reason="dropping a capability from the bounding set needs root (CI runs as root)"
+)
+def test_under_require_a_call_whose_unshare_fails_later_is_refused_counted_and_never_run():
+    """Issue 43: isolation was probed once at start; a later unshare failure ran the call on the host (it
+    read a host /tmp file and reached the host network). Each call now sets up, and checks, its own."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(20)
+    port = server.getsockname()[1]
+    marker = f"/tmp/megagrpo-test-{os.getpid()}-{time.time_ns()}"
+    cmd = [sys.executable, "-c", _LATER_DENIAL_CHILD, marker, str(port)]
+    try:
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conn, _ = server.accept()  # the best-effort control reaches the host's network; nothing else does
+        conn.close()
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err[-3000:]
+        server.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            server.accept()
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["start"] == [], "the probe at start found every isolation"
+        assert not os.path.exists(marker + "-require"), "the refused call's code ran on the host"
+        assert os.path.exists(marker + "-best-effort"), "the control: the same denial, best effort, runs it"
+        assert got["finish"] == "interrupted" and "Operation not permitted" in got["content"]
+        assert got["content"].startswith("Error: tool 'python' was not run")
+        assert got["counts"]["refused_calls"] == 1 and got["counts"]["interrupted_calls"] == 1
+        assert got["control"] == ["ran\n", list(sandbox.ISOLATIONS)]
+    finally:
+        server.close()
+        for suffix in ("-require", "-best-effort"):
+            with contextlib.suppress(OSError):
+                os.unlink(marker + suffix)
 
 
 # --------------------------------------- a container without CAP_SYS_ADMIN: refused, or accepted and counted

@@ -127,7 +127,7 @@ def test_three_turn_calculator_episode(tok):
     assert (ep.done, ep.reward, ep.truncation, t.turns) == (True, 1.0, None, 3)
     assert ep.tools.as_dict() == dict(tool_calls=2, tool_errors=0, tool_timeouts=0, malformed_calls=0,
                                       unknown_tools=0, oversize_results=0, interrupted_calls=0,
-                                      unisolated_calls=0)  # fmt: skip
+                                      unisolated_calls=0, refused_calls=0)  # fmt: skip
     # segments: model, env (the tool's result in the template), model, env, model
     kinds = [type(s) for s in t.segments]
     assert kinds == [ModelSegment, EnvSegment, ModelSegment, EnvSegment, ModelSegment]

@@ -109,6 +109,7 @@ def test_parsed_turn_feeds_the_executor_which_answers_and_counts_each_call(qwen)
         "oversize_results": 0,
         "interrupted_calls": 0,
         "unisolated_calls": 0,
+        "refused_calls": 0,
     }
 
 

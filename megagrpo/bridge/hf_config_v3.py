@@ -105,11 +105,13 @@ def _moe(cfg: dict[str, Any], where: str, layers: int, hidden: int) -> dict[str,
         )
     if not 1 <= group_topk <= groups:
         raise unsupported(where, "topk_group", group_topk, f"must be in [1, n_group={groups}]")
-    if groups > 1 and topk // group_topk != 2:
-        # HF scores a group by its top-2 experts; megatron by its top (topk // topk_group)
-        raise unsupported(where, "topk_group", group_topk,
-                    f"a group is scored by its top-2 experts, reproduced only when num_experts_per_tok / topk_group = 2 "
-                    f"(num_experts_per_tok={topk})")  # fmt: skip
+    per_group = experts // groups
+    if groups > 1 and per_group < 2:
+        # the model scores a group by its top-2 experts (moe.group_topk); transformers fails on fewer
+        raise unsupported(where, "n_group", groups, f"a group needs 2 experts of n_routed_experts={experts}")
+    if groups > 1 and topk > group_topk * per_group:
+        raise unsupported(where, "num_experts_per_tok", topk,
+                    f"more than the {group_topk * per_group} experts of the topk_group={group_topk} kept groups")  # fmt: skip
     scoring = cfg.get("scoring_func", "sigmoid")
     if scoring not in (None, "sigmoid"):
         raise unsupported(where, "scoring_func", scoring, "these families' router scores with a sigmoid")

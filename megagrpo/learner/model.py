@@ -125,6 +125,16 @@ def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
             raise MegagrpoError(
                 f"num_experts={arch.num_experts} does not split into moe_router_num_groups={arch.moe_router_num_groups}"
             )
+        per_group = arch.num_experts // arch.moe_router_num_groups
+        if arch.moe_router_num_groups > 1 and (
+            per_group < 2 or arch.moe_topk > arch.moe_router_group_topk * per_group
+        ):
+            # a group is scored by its top-2 experts (moe.group_topk), and the top-k come from the kept groups
+            raise MegagrpoError(
+                f"moe_router_num_groups={arch.moe_router_num_groups}, moe_router_group_topk="
+                f"{arch.moe_router_group_topk}, moe_topk={arch.moe_topk}: each group needs 2 experts and the "
+                "kept groups at least moe_topk"
+            )
     elif mesh.ep > 1 or mesh.etp > 1:
         raise MegagrpoError(f"mesh.ep={mesh.ep}/etp={mesh.etp} > 1 needs a MoE model; {arch.family} is dense")
 
@@ -400,6 +410,10 @@ def build_gpt_model(
             )
         else:
             spec = _local_block_spec(config, vp_stage, pp_rank)
+        if arch.is_moe and arch.moe_router_num_groups > 1:
+            from megagrpo.moe.group_topk import with_model_group_rule
+
+            with_model_group_rule(spec)  # the group score the model computes, not megatron's
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,

@@ -130,7 +130,8 @@ def test_multi_token_prediction_layers_said_at_load(caplog):
         (DEEPSEEK_V3, {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
         (DEEPSEEK_V3, {"rope_interleave": False}, "rope_interleave"),
         (DEEPSEEK_V3, {"norm_topk_prob": False}, "norm_topk_prob"),
-        (DEEPSEEK_V3, {"topk_group": 2}, "topk_group"),  # 8 / 2 != 2: HF's top-2 group score
+        (DEEPSEEK_V3, {"n_group": 256, "topk_group": 8}, "n_group"),  # groups of 1: no top-2 group score
+        (DEEPSEEK_V3, {"topk_group": 1, "num_experts_per_tok": 33}, "num_experts_per_tok"),  # > 32 kept
         (DEEPSEEK_V3, {"n_group": 7}, "n_group"),
         (DEEPSEEK_V3, {"scoring_func": "softmax"}, "scoring_func"),
         (DEEPSEEK_V3, {"topk_method": "greedy"}, "topk_method"),

@@ -29,8 +29,8 @@ def group_limited_topk(scores: Tensor, topk: int, num_groups: int, group_topk: i
     the best `group_topk` groups by the sum of their top-2 scores, then the top-k within them.
 
     Source: transformers `DeepseekV3TopkRouter.get_topk_indices` (= SGLang `biased_grouped_topk_impl`).
-    Experts outside the kept groups are masked with -inf as SGLang (the sampler) and megatron do;
-    transformers fills 0.0, which differs only when fewer than `topk` kept experts score above 0.
+    Experts outside the kept groups are masked with -inf, as transformers 5.x, SGLang and megatron do
+    (transformers 4.x and DeepSeek's own code fill 0.0: the same unless a kept expert scores below 0).
     """
     n, experts = scores.shape
     grouped = scores.view(n, num_groups, experts // num_groups)

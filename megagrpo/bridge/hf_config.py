@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_v3_family
+from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_v3_family, rope_fields
 from megagrpo.bridge.hf_fields import require, unsupported
 from megagrpo.config.model import FAMILIES, MODEL_TYPE_ALIASES, ModelArch
 from megagrpo.errors import MegagrpoError
@@ -208,7 +208,7 @@ def hf_config_from_arch(
         )
     if f == "mixtral":
         kw.update(num_local_experts=arch.num_experts, num_experts_per_tok=arch.moe_topk)
-    kw["rope_parameters"] = {"rope_theta": arch.rope_theta, "rope_type": "default"}
+    kw.update(rope_fields({"rope_theta": arch.rope_theta, "rope_type": "default"}))
     return _finish(arch, kw, base, dtype)
 
 

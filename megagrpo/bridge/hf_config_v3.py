@@ -20,6 +20,25 @@ from megagrpo.errors import MegagrpoError
 log = logging.getLogger(__name__)
 
 V3_FAMILIES = ("deepseek_v3", "glm4_moe")
+# What a field absent from config.json means: transformers 5.x's config class defaults (DeepseekV3Config,
+# Glm4MoeConfig), because SGLang (the sampler) reads the same transformers config object, so those are the
+# values both the reference and the sampler compute with. The one model-code default that departs from its
+# config class, SGLang glm4_moe's getattr(config, "partial_rotary_factor", 0.5), equals the 0.5 that
+# Glm4MoeConfig.__post_init__ sets. Kimi-K2 (deepseek_v3 under its own name) ships every field.
+TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(
+        n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+        n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3, norm_topk_prob=True,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        rope_interleave=True, attention_bias=False, rms_norm_eps=1e-6,
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1, norm_topk_prob=True,
+        num_key_value_heads=8, partial_rotary_factor=0.5, use_qk_norm=False, attention_bias=False,
+        rms_norm_eps=1e-5,
+    ),
+}  # fmt: skip
 _YARN_KEYS = {
     "factor": "rope_scaling_factor",
     "original_max_position_embeddings": "rope_original_max_position_embeddings",
@@ -76,9 +95,15 @@ def _rope(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) -> dict
             # divides the mscale term by the mscale_all_dim term
             raise unsupported(where, "rope_scaling.mscale", (mscale, all_dim),
                         "mscale and mscale_all_dim must both be set, or mscale 1 and no mscale_all_dim")  # fmt: skip
+        # transformers' _compute_yarn_parameters: `get("beta_fast") or 32`, `get("beta_slow") or 1`, so a
+        # null (or 0) beta is the default; a missing mscale is 1 and a missing mscale_all_dim 0
         defaults = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
         for key, field in _YARN_KEYS.items():
-            value = params.pop(key, defaults.get(key))
+            value = params.pop(key, None)
+            if key.startswith("beta_") and not value:
+                value = defaults[key]
+            elif value is None:
+                value = defaults.get(key)
             out[field] = int(value) if key == "original_max_position_embeddings" else float(value or 0.0)
     elif rope_type != "default":
         raise unsupported(where, "rope_scaling.type", rope_type, "only default rope and YaRN are implemented")
@@ -105,11 +130,13 @@ def _moe(cfg: dict[str, Any], where: str, layers: int, hidden: int) -> dict[str,
         )
     if not 1 <= group_topk <= groups:
         raise unsupported(where, "topk_group", group_topk, f"must be in [1, n_group={groups}]")
-    if groups > 1 and topk // group_topk != 2:
-        # HF scores a group by its top-2 experts; megatron by its top (topk // topk_group)
-        raise unsupported(where, "topk_group", group_topk,
-                    f"a group is scored by its top-2 experts, reproduced only when num_experts_per_tok / topk_group = 2 "
-                    f"(num_experts_per_tok={topk})")  # fmt: skip
+    per_group = experts // groups
+    if groups > 1 and per_group < 2:
+        # the model scores a group by its top-2 experts (moe.group_topk); transformers fails on fewer
+        raise unsupported(where, "n_group", groups, f"a group needs 2 experts of n_routed_experts={experts}")
+    if groups > 1 and topk > group_topk * per_group:
+        raise unsupported(where, "num_experts_per_tok", topk,
+                    f"more than the {group_topk * per_group} experts of the topk_group={group_topk} kept groups")  # fmt: skip
     scoring = cfg.get("scoring_func", "sigmoid")
     if scoring not in (None, "sigmoid"):
         raise unsupported(where, "scoring_func", scoring, "these families' router scores with a sigmoid")
@@ -126,6 +153,10 @@ def _moe(cfg: dict[str, Any], where: str, layers: int, hidden: int) -> dict[str,
         raise unsupported(
             where, "norm_topk_prob", norm, "megatron renormalises sigmoid scores over the chosen experts"
         )
+    if norm and topk == 1:
+        raise unsupported(where, "norm_topk_prob", norm,
+                    "with num_experts_per_tok=1 the model combines its expert with weight 1, megatron-core "
+                    "with the sigmoid score and has no setting for 1")  # fmt: skip
     dense = int(cfg.get("first_k_dense_replace") or 0)
     if dense >= layers:
         raise MegagrpoError(f"{where}: first_k_dense_replace={dense} leaves no MoE layer of {layers}")
@@ -157,7 +188,11 @@ def _moe(cfg: dict[str, Any], where: str, layers: int, hidden: int) -> dict[str,
 
 
 def parse_v3_family(cfg: dict[str, Any], where: str, family: str) -> dict[str, Any]:
-    """The `ModelArch` fields of a `deepseek_v3` or `glm4_moe` config."""
+    """The `ModelArch` fields of a `deepseek_v3` or `glm4_moe` config (absent fields: TRANSFORMERS_DEFAULTS)."""
+    defaults = dict(TRANSFORMERS_DEFAULTS[family])
+    if "num_local_experts" in cfg:  # transformers' attribute_map alias of n_routed_experts
+        defaults.pop("n_routed_experts")
+    cfg = {**defaults, **cfg}
     if cfg.get("quantization_config") is not None:
         method = (cfg["quantization_config"] or {}).get("quant_method", "?")
         raise unsupported(where, "quantization_config", method,
@@ -201,6 +236,13 @@ def parse_v3_family(cfg: dict[str, Any], where: str, family: str) -> dict[str, A
             int(require(cfg, "qk_nope_head_dim", where)),
             int(require(cfg, "qk_rope_head_dim", where)),
         )
+        v_dim = int(require(cfg, "v_head_dim", where))
+        if v_dim > nope + rope:
+            # megatron's MLA pads the values of packed (THD) sequences to the query head dim, which cuts
+            # wider ones (F.pad by a negative width); the learner packs every batch
+            raise unsupported(where, "v_head_dim", v_dim,
+                        f"wider than the query head (qk_nope_head_dim + qk_rope_head_dim = {nope + rope}), "
+                        "which megatron-core's multi-latent attention cuts to that width")  # fmt: skip
         fields.update(
             num_kv_heads=heads,
             head_dim=nope + rope,
@@ -208,7 +250,7 @@ def parse_v3_family(cfg: dict[str, Any], where: str, family: str) -> dict[str, A
             kv_lora_rank=int(require(cfg, "kv_lora_rank", where)),
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope,
-            v_head_dim=int(require(cfg, "v_head_dim", where)),
+            v_head_dim=v_dim,
             **_rope(cfg, where, yarn=True, partial=False),
         )
     else:
@@ -273,5 +315,16 @@ def hf_fields_v3(arch: Any) -> dict[str, Any]:
             use_qk_norm=arch.qk_norm,
             partial_rotary_factor=arch.rotary_percent,
         )
-    kw["rope_parameters"] = rope
+    kw.update(rope_fields(rope))
     return kw
+
+
+def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
+    """config.json rope fields for `rope_parameters` `rope`: that (transformers >= 5) and the legacy
+    `rope_theta` / `rope_scaling` (transformers 4.x, and models with their own code, such as DeepSeek's
+    `configuration_deepseek.py`, which read `rope_scaling["type"]`), so that every loader keeps YaRN."""
+    out: dict[str, Any] = {"rope_parameters": dict(rope), "rope_theta": rope["rope_theta"]}
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling.get("rope_type", "default") != "default":
+        out["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}
+    return out

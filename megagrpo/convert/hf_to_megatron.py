@@ -10,6 +10,8 @@ and `megagrpo_checkpoint.json` (architecture, padded vocab, dtype) that marks it
 files: megatron's keys and shapes come from its own `sharded_state_dict()` of the model built on the meta
 device, so no weight is allocated up front and peak memory stays near the largest parameter group.
 Everything is written in a temporary directory renamed into place at the end; a failure leaves nothing.
+The checkpoint's dtype is its weights' own (`--dtype` converts them); the routers' correction bias, which
+released checkpoints ship in fp32 beside bf16 weights, stays fp32 either way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from megagrpo.bridge.dist_ckpt import chunks_from_sharded_state_dict, write_dist_checkpoint
+from megagrpo.bridge.export import BUFFER_SUFFIXES
 from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, copy_side_files
 from megagrpo.bridge.maps import param_maps
 from megagrpo.config.model import ModelArch
@@ -172,11 +175,22 @@ def convert(
     t0 = time.perf_counter()
     ckpt = HFCheckpoint(hf_dir)  # validates files, keys and shapes before anything is written
     arch = ckpt.arch
-    src_dtypes = {ckpt.dtype(n) for m in ckpt.maps for n in m.hf}
+    # Released checkpoints (DeepSeek-V3, Kimi-K2, GLM-4.5) ship the router's correction bias in fp32 beside
+    # a bf16 body. megatron holds it as an fp32 buffer whatever the parameters' dtype, so it neither decides
+    # the checkpoint's dtype nor is cast to it (issue 43: rounded to bf16, 8 distinct biases became 3 and
+    # 3% of the top-2 choices changed).
+    body: dict[torch.dtype, str] = {}
+    for m in ckpt.maps:
+        if not m.mcore.endswith(BUFFER_SUFFIXES):
+            for n in m.hf:
+                body.setdefault(ckpt.dtype(n), n)
     if dtype is None:
-        if len(src_dtypes) != 1:
-            raise MegagrpoError(f"{hf_dir}: tensors have mixed dtypes {src_dtypes}; pass --dtype")
-        tdtype = src_dtypes.pop()
+        if len(body) != 1:
+            seen = ", ".join(f"{str(d).removeprefix('torch.')} ({n})" for d, n in body.items())
+            raise MegagrpoError(
+                f"{hf_dir}: the weights have mixed dtypes: {seen}; pass --dtype with the one to convert to"
+            )
+        (tdtype,) = body
     else:
         if dtype not in DTYPES:
             raise MegagrpoError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -194,7 +208,9 @@ def convert(
     del model
 
     def produce(name: str) -> torch.Tensor:
-        return ckpt.megatron_tensor(by_name[name], padded, tdtype)
+        # in the source's dtype: the writer casts it once to the dtype the model holds it in (the chunk's:
+        # tdtype for the parameters, fp32 for the bias buffer), so nothing is rounded through tdtype first
+        return ckpt.megatron_tensor(by_name[name], padded)
 
     total = sum(c.nbytes for c in chunks)
     with atomic_output_dir(out_dir) as tmp:

@@ -83,6 +83,12 @@ def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
         raise MegagrpoError(f"model family {arch.family!r} is not supported; use one of {FAMILIES}")
     if arch.is_mla and arch.num_kv_heads != arch.num_attention_heads:
         raise MegagrpoError("multi-latent attention needs num_kv_heads == num_attention_heads")
+    if arch.is_mla and arch.v_head_dim > arch.qk_nope_head_dim + arch.qk_rope_head_dim:
+        # megatron's MLA pads packed (THD) values to the query head dim: F.pad by a negative width cuts them
+        raise MegagrpoError(
+            f"v_head_dim={arch.v_head_dim} is wider than the query head (qk_nope_head_dim + qk_rope_head_dim = "
+            f"{arch.qk_nope_head_dim + arch.qk_rope_head_dim}), which megatron-core's multi-latent attention cuts"
+        )
     if arch.rope_type not in ("default", "yarn") or (arch.rope_type == "yarn" and not arch.is_mla):
         raise MegagrpoError(
             f"rope_type={arch.rope_type!r}: YaRN is implemented with multi-latent attention only"
@@ -121,9 +127,24 @@ def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
             and arch.moe_topk > 1
         ):
             raise MegagrpoError("a sigmoid router with moe_topk > 1 is always renormalised by megatron-core")
+        if arch.moe_router_score_function == "sigmoid" and arch.moe_renormalize_topk and arch.moe_topk == 1:
+            raise MegagrpoError(
+                "a renormalised sigmoid router with moe_topk=1 combines its expert with weight 1 (transformers), "
+                "megatron-core with the sigmoid score and has no setting for 1"
+            )
         if arch.num_experts % arch.moe_router_num_groups:
             raise MegagrpoError(
                 f"num_experts={arch.num_experts} does not split into moe_router_num_groups={arch.moe_router_num_groups}"
+            )
+        per_group = arch.num_experts // arch.moe_router_num_groups
+        if arch.moe_router_num_groups > 1 and (
+            per_group < 2 or arch.moe_topk > arch.moe_router_group_topk * per_group
+        ):
+            # a group is scored by its top-2 experts (moe.group_topk), and the top-k come from the kept groups
+            raise MegagrpoError(
+                f"moe_router_num_groups={arch.moe_router_num_groups}, moe_router_group_topk="
+                f"{arch.moe_router_group_topk}, moe_topk={arch.moe_topk}: each group needs 2 experts and the "
+                "kept groups at least moe_topk"
             )
     elif mesh.ep > 1 or mesh.etp > 1:
         raise MegagrpoError(f"mesh.ep={mesh.ep}/etp={mesh.etp} > 1 needs a MoE model; {arch.family} is dense")
@@ -400,6 +421,10 @@ def build_gpt_model(
             )
         else:
             spec = _local_block_spec(config, vp_stage, pp_rank)
+        if arch.is_moe and arch.moe_router_num_groups > 1:
+            from megagrpo.moe.group_topk import with_model_group_rule
+
+            with_model_group_rule(spec)  # the group score the model computes, not megatron's
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,

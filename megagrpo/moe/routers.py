@@ -56,8 +56,10 @@ class RouterSlot:
 
     def own_topk(self, logits: Tensor) -> Tensor:
         """int64 `[n, K]`: the experts this router chooses by itself for these logits (megatron's own
-        top-k function, with the model's score function and expert bias)."""
+        top-k function, with the model's score function, expert bias and group score)."""
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        from megagrpo.moe.group_topk import ModelGroupRule
 
         c = self.module.config
         with torch.no_grad():
@@ -70,6 +72,7 @@ class RouterSlot:
                 scaling_factor=c.moe_router_topk_scaling_factor,
                 score_function=c.moe_router_score_function,
                 expert_bias=getattr(self.module, "expert_bias", None),
+                router_replay=ModelGroupRule(),  # the model's group score, as GroupScoredRouter
                 dense_output=True,
             )
         return idx.to(torch.int64)

@@ -85,6 +85,29 @@ def without_q_latent(src: Path, dst: Path) -> Path:
     return dst
 
 
+def regrouped(src: Path, dst: Path, *, experts: int, n_group: int, topk_group: int, topk: int) -> Path:
+    """A copy of tiny deepseek_v3 model `src` routed over `experts` experts in `n_group` groups, `topk_group`
+    kept, top-`topk`, its weights drawn afresh (e.g. 4 groups, 2 kept, top-6: a group score that megatron's
+    own rule, the sum of its top topk / topk_group, computes differently from the model's top-2 sum)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # pytest side only (before CPU patches)
+
+    from megagrpo.tiny_model import _randomise_v3_extras
+
+    shutil.copytree(src, dst)
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok = (
+        experts,
+        n_group,
+        topk_group,
+        topk,
+    )
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomise_v3_extras(model, 2)
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
 def randomise_expert_bias(chunks: list[Any], seed: int = 0) -> None:
     """Random correction biases (megatron initialises them to zero), so that the selection depends on them."""
     g = torch.Generator().manual_seed(seed)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.compat import APPLIED
-from tests.dist._common import without_q_latent
+from tests.dist._common import regrouped, without_q_latent
 from tests.dist._harness import launch
 
 if not APPLIED:
@@ -29,6 +29,10 @@ if not APPLIED:
 
 NO_Q_LATENT = "deepseek_v3_no_q_latent"
 NO_Q_LATENT_MESHES = ("tp2_sp", "tp2_ep2")  # one process: tests/integration/test_convert.py
+# 16 experts in 4 groups, 2 kept, top-6 (`_common.regrouped`): megatron alone would score a group by its
+# top 3, the model by its top 2 (moe.group_topk.GroupScoredRouter)
+REGROUPED = "deepseek_v3_g4_k2_top6"
+REGROUPED_MESHES = ("single", "tp2_ep2")
 
 MODELS = {
     # tied embeddings are not here: megatron's LanguageModule.setup_embeddings_and_output_layer calls
@@ -47,6 +51,7 @@ MODELS = {
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2, layers=4),  # partial rotary, qkv bias, qk norm
     # 5 layers divide by no PP size (issue 37 section 4): uneven PP2, 2 layers (dense + MoE) then 3 MoE
     "deepseek_v3_5l": dict(arch="deepseek_v3", experts=8, topk=2, layers=5),
+    REGROUPED: dict(arch="deepseek_v3", experts=8, topk=2, layers=4),
 }
 UNEVEN = {"deepseek_v3_5l": ("pp2_first2",)}  # models checked on uneven pipeline stages only
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
@@ -89,7 +94,8 @@ def cases() -> list[tuple[str, str]]:
         else:
             meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES
         out += [(model, mesh) for mesh in meshes]
-    return [(m, mesh) for m, mesh in out if m != NO_Q_LATENT or mesh in NO_Q_LATENT_MESHES]
+    only = {NO_Q_LATENT: NO_Q_LATENT_MESHES, REGROUPED: REGROUPED_MESHES}
+    return [(m, mesh) for m, mesh in out if mesh in only.get(m, (mesh,))]
 
 
 def fixed_batch(vocab: int = 1024) -> torch.Tensor:
@@ -266,6 +272,11 @@ def results(tiny_model, tmp_path_factory):
 
     dirs = {name: str(tiny_model(**spec)) for name, spec in MODELS.items()}
     dirs[NO_Q_LATENT] = str(without_q_latent(Path(dirs[NO_Q_LATENT]), out / f"src_{NO_Q_LATENT}"))
+    dirs[REGROUPED] = str(
+        regrouped(
+            Path(dirs[REGROUPED]), out / f"src_{REGROUPED}", experts=16, n_group=4, topk_group=2, topk=6
+        )
+    )
     ids = fixed_batch()
     refs: dict[str, torch.Tensor] = {"ids": ids}
     for name, d in dirs.items():

@@ -38,6 +38,9 @@ MODELS = {
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2),
 }
 WITH_MTP = "deepseek_v3"
+# as DeepSeek-V3, Kimi-K2 and GLM-4.5 ship: a bf16 body and the routers' correction bias in fp32
+# (`_with_released_dtypes`), converted without --dtype and with --dtype bfloat16
+MIXED = "deepseek_v3_mixed_dtypes"
 SHARD_BYTES = 200_000  # small, so the exported model is sharded with an index
 
 
@@ -52,6 +55,8 @@ def worker(rank: int, world: int, outdir: Path, *, models: dict, refs: str) -> N
     reference = torch.load(refs)
     results = {}
     for name, hf_dir in models.items():
+        if name == MIXED:
+            continue
         summary = convert(hf_dir, outdir / f"ckpt_{name}", progress=False)
         arch = ModelArch.from_dict(summary["arch"])
         (model,) = load_model(outdir / f"ckpt_{name}", arch, MeshConfig(), torch.float32)
@@ -77,6 +82,12 @@ def worker(rank: int, world: int, outdir: Path, *, models: dict, refs: str) -> N
     shutil.copytree(outdir / f"ckpt_{WITH_MTP}", bare, ignore=shutil.ignore_patterns("mtp-*"))
     export(bare, outdir / "hf_mtp_bare")
     export(bare, outdir / "hf_mtp_from", mtp_from=models[WITH_MTP], max_shard_bytes=SHARD_BYTES)
+    # mixed dtypes: the body's dtype by default, the fp32 bias kept fp32 with or without --dtype bfloat16
+    for tag, dt in (("default", None), ("bf16", "bfloat16")):
+        results[f"mixed_{tag}"] = convert(
+            models[MIXED], outdir / f"ckpt_mixed_{tag}", dtype=dt, progress=False
+        )["dtype"]
+        export(outdir / f"ckpt_mixed_{tag}", outdir / f"hf_mixed_{tag}")
     # --dtype: a bf16 checkpoint, exported back as bf16
     convert(models["qwen3_moe"], outdir / "ckpt_bf16", dtype="bfloat16", progress=False)
     export(outdir / "ckpt_bf16", outdir / "hf_bf16")
@@ -95,11 +106,12 @@ def converted(tiny_model, tmp_path_factory):
     name = "deepseek_v3_no_q_latent"
     dirs[name] = str(without_q_latent(Path(dirs[name]), out / f"src_{name}"))
     refs: dict[str, torch.Tensor] = {"ids": fixed_batch()}
-    for name, d in dirs.items():
+    for name, d in dirs.items():  # the mixed-dtype model (no reference logits) is added after
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
             refs[name] = hf(refs["ids"]).logits
     torch.save(refs, out / "refs.pt")
+    dirs[MIXED] = str(_with_released_dtypes(Path(tiny_model(**MODELS["deepseek_v3"])), out / f"src_{MIXED}"))
     launch(
         "tests.integration.test_convert:worker", 1, out, timeout=900, models=dirs, refs=str(out / "refs.pt")
     )
@@ -125,6 +137,24 @@ def _with_mtp_layer(src: Path, dst: Path) -> Path:
         t.copy_(torch.randn(t.shape, generator=g))
     save_file({**sd, **{k: v.contiguous() for k, v in mtp.items()}}, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=2))
+    return dst
+
+
+def _with_released_dtypes(src: Path, dst: Path) -> Path:
+    """A copy of tiny model `src` in a released checkpoint's dtypes: every tensor bf16 but the routers'
+    `e_score_correction_bias`, fp32 with 8 distinct values per layer that bf16 rounds to 3 (1 + 0.002 k:
+    bf16's step above 1 is 2^-7)."""
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(43)
+    for k, t in sd.items():
+        if k.endswith("e_score_correction_bias"):
+            sd[k] = 1.0 + 0.002 * torch.randperm(t.numel(), generator=g).float()
+        else:
+            sd[k] = t.to(torch.bfloat16)
+    save_file(sd, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}, indent=2))
     return dst
 
 
@@ -203,6 +233,46 @@ def test_dtype_option(converted):
     for k, t in ref.items():
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], t.to(torch.bfloat16)), k
     assert json.loads((out / "hf_bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("tag", ["default", "bf16"])
+def test_released_mixed_dtypes_keep_the_fp32_bias(converted, tag):
+    """A bf16 body with an fp32 correction bias converts (the body's dtype unless --dtype says otherwise),
+    the bias stays fp32 in the megatron checkpoint and in the export, all 8 distinct values, so every
+    expert choice is the source's (bf16 rounding would leave 3 values and change choices)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megagrpo.moe.group_topk import group_limited_topk
+
+    out, dirs, _, results = converted
+    assert results[f"mixed_{tag}"] == "bfloat16"
+    md = FileSystemReader(str(out / f"ckpt_mixed_{tag}")).read_metadata().state_dict_metadata
+    stored = {k: str(v.properties.dtype) for k, v in md.items() if k.endswith("router.expert_bias")}
+    assert stored and set(stored.values()) == {"torch.float32"}, stored
+    src, got = load_file(str(Path(dirs[MIXED]) / "model.safetensors")), _load_dir(out / f"hf_mixed_{tag}")
+    assert set(got) == set(src)
+    biases = [k for k in src if k.endswith("e_score_correction_bias")]
+    assert biases
+    for k, t in src.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    cfg = json.loads((Path(dirs[MIXED]) / "config.json").read_text())
+    scores = (
+        torch.rand(4096, cfg["n_routed_experts"], generator=torch.Generator().manual_seed(0)) * 0.02 + 0.5
+    )
+
+    def choices(bias: torch.Tensor) -> torch.Tensor:
+        idx = group_limited_topk(
+            scores + bias, cfg["num_experts_per_tok"], cfg["n_group"], cfg["topk_group"]
+        )[1]
+        return idx.sort(-1).values
+
+    for k in biases:
+        assert got[k].unique().numel() == 8 and torch.equal(choices(got[k]), choices(src[k]))
+        rounded = src[k].to(torch.bfloat16).float()
+        assert (
+            rounded.unique().numel() <= 3
+        )  # what the old --dtype bfloat16 wrote, which the test tells apart
+        assert (choices(rounded) != choices(src[k])).any(-1).float().mean() > 0.01
 
 
 # -- bad input: each fails naming the file/key and leaves no output directory --------------------------

@@ -130,7 +130,10 @@ def test_multi_token_prediction_layers_said_at_load(caplog):
         (DEEPSEEK_V3, {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
         (DEEPSEEK_V3, {"rope_interleave": False}, "rope_interleave"),
         (DEEPSEEK_V3, {"norm_topk_prob": False}, "norm_topk_prob"),
-        (DEEPSEEK_V3, {"topk_group": 2}, "topk_group"),  # 8 / 2 != 2: HF's top-2 group score
+        (DEEPSEEK_V3, {"n_group": 256, "topk_group": 8}, "n_group"),  # groups of 1: no top-2 group score
+        (DEEPSEEK_V3, {"topk_group": 1, "num_experts_per_tok": 33}, "num_experts_per_tok"),  # > 32 kept
+        (DEEPSEEK_V3, {"num_experts_per_tok": 1}, "norm_topk_prob"),  # HF's weight 1, megatron's score
+        (DEEPSEEK_V3, {"v_head_dim": 256}, "v_head_dim"),  # wider than the 192-wide query head
         (DEEPSEEK_V3, {"n_group": 7}, "n_group"),
         (DEEPSEEK_V3, {"scoring_func": "softmax"}, "scoring_func"),
         (DEEPSEEK_V3, {"topk_method": "greedy"}, "topk_method"),
@@ -188,3 +191,107 @@ def test_the_shipped_kimi_k2_config_is_the_published_one():
     cfg = json.loads(path.read_text())
     assert cfg["model_type"] == "kimi_k2" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     assert arch_from_hf(path) == arch_from_hf(KIMI_K2)
+
+
+def _released_v3_configs() -> dict[str, dict]:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3] / "configs" / "models"
+    out = {}
+    for path in sorted(root.glob("*/config.json")):
+        cfg = json.loads(path.read_text())
+        if cfg["model_type"] in ("deepseek_v3", "kimi_k2", "glm4_moe"):
+            out[path.parent.name] = cfg
+    return out
+
+
+RELEASED_V3 = _released_v3_configs()
+# every field whose absence the parser fills (the issue's list and the rest the two config classes default)
+ABSENT = (
+    "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob",
+    "n_shared_experts", "rms_norm_eps", "attention_bias", "moe_intermediate_size", "n_routed_experts",
+)  # fmt: skip
+# per family: DeepseekV3Config's num_key_value_heads default (128) is read by no MLA code (SGLang's MLA and
+# transformers' keep one key per query head), so an absent one stays num_attention_heads
+ABSENT_FAMILY = {
+    "glm4_moe": ("partial_rotary_factor", "num_key_value_heads", "use_qk_norm"),
+    "deepseek_v3": ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+}
+ABSENT_CASES = [
+    (name, field)
+    for name, cfg in sorted(RELEASED_V3.items())
+    for field in ABSENT + ABSENT_FAMILY["glm4_moe" if cfg["model_type"] == "glm4_moe" else "deepseek_v3"]
+]
+
+
+def _transformers_config(cfg: dict):
+    """transformers' own config object for `cfg` (Kimi-K2 is its DeepseekV3Config under another name)."""
+    from transformers import DeepseekV3Config, Glm4MoeConfig
+
+    cls = Glm4MoeConfig if cfg["model_type"] == "glm4_moe" else DeepseekV3Config
+    return cls(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "auto_map")})
+
+
+@pytest.mark.parametrize("name,field", ABSENT_CASES)
+def test_an_absent_field_means_what_transformers_reads(name, field):
+    """A released config without `field` parses as transformers completes it (its config class's default,
+    which SGLang reads too): the arch of the config with the field left out equals the arch of the config
+    transformers fills in, and the router fields equal the attributes transformers' model code reads."""
+    cfg = {k: v for k, v in RELEASED_V3[name].items() if k != field}
+    ref = _transformers_config(cfg)
+    full = {**cfg, field: getattr(ref, field) if field != "partial_rotary_factor" else None}
+    full["partial_rotary_factor"] = ref.rope_parameters.get("partial_rotary_factor", 1.0)
+    try:
+        want = arch_from_hf(full)
+    except MegagrpoError as e:  # the completed config is one megatron cannot compute: so is the absent one
+        with pytest.raises(MegagrpoError, match=str(e).split("(")[0].split(": ", 1)[1]):
+            arch_from_hf(cfg)
+        return
+    got = arch_from_hf(cfg)
+    assert got == want
+    assert (got.moe_router_num_groups, got.moe_router_group_topk) == (ref.n_group, ref.topk_group)
+    assert got.moe_router_topk_scaling_factor == ref.routed_scaling_factor
+    assert got.moe_layer_pattern.index(1) == ref.first_k_dense_replace
+    assert got.norm_eps == ref.rms_norm_eps
+    assert got.rotary_percent == ref.rope_parameters.get("partial_rotary_factor", 1.0)
+
+
+def test_the_defaults_the_issue_names_are_transformers():
+    """The fields the issue found parsed unlike transformers, checked by value (the test above would pass
+    on a table that agreed with itself; this one says what transformers' classes default to)."""
+    glm = {k: v for k, v in GLM45_AIR.items() if k not in ("partial_rotary_factor", "first_k_dense_replace")}
+    a = arch_from_hf(glm)
+    assert (a.rotary_percent, a.moe_layer_pattern[:2]) == (0.5, (0, 1))
+    drop = ("n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace")
+    v3 = arch_from_hf({k: v for k, v in DEEPSEEK_V3.items() if k not in drop})
+    assert (v3.moe_router_num_groups, v3.moe_router_group_topk, v3.moe_router_topk_scaling_factor) == (
+        8,
+        4,
+        2.5,
+    )
+    assert v3.moe_layer_pattern[:4] == (0, 0, 0, 1)
+
+
+@pytest.mark.parametrize("beta", [None, 0])
+def test_a_null_yarn_beta_is_transformers_default(beta):
+    """transformers' YaRN reads `beta_fast or 32`, `beta_slow or 1`: null is the default, not 0."""
+    for key, default in (("beta_fast", 32), ("beta_slow", 1)):
+        a = arch_from_hf({**DEEPSEEK_V3, "rope_scaling": {**_YARN, key: beta}})
+        assert a == arch_from_hf({**DEEPSEEK_V3, "rope_scaling": {**_YARN, key: default}})
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2", "glm45"])
+def test_the_export_writes_legacy_rope_fields_too(name):
+    """Every loader keeps the rope: transformers >= 5 reads rope_parameters, 4.x and DeepSeek's own code
+    rope_theta / rope_scaling["type"]; both say the same, and YaRN survives a legacy-only reader."""
+    a = arch_from_hf(PUBLIC[name])
+    out = hf_config_from_arch(a, base=PUBLIC[name])
+    assert out["rope_theta"] == out["rope_parameters"]["rope_theta"] == a.rope_theta
+    legacy = {k: v for k, v in out.items() if k != "rope_parameters"}
+    assert arch_from_hf(legacy) == a
+    if a.rope_type == "yarn":
+        assert (
+            out["rope_scaling"]["type"] == "yarn" and out["rope_scaling"]["factor"] == a.rope_scaling_factor
+        )
+    else:
+        assert out.get("rope_scaling") is None

@@ -53,6 +53,9 @@ def test_uneven_pipeline_stages_reach_megatron():
         (dict(moe_renormalize_topk=False), "always renormalised"),
         (dict(moe_router_num_groups=3), "moe_router_num_groups=3"),
         (dict(num_kv_heads=2), "num_kv_heads == num_attention_heads"),
+        # issue 43: these passed every check, then combined unlike transformers / crashed the first forward
+        (dict(moe_topk=1), "moe_topk=1 combines its expert with weight 1"),
+        (dict(v_head_dim=32), "v_head_dim=32 is wider than the query head"),  # 16 + 8 = 24
     ],
 )
 def test_unreproducible_descriptions_are_refused(change, words):

@@ -25,7 +25,29 @@ WIDE_V3 = dataclasses.replace(
     TINY_DEEPSEEK_V3, num_experts=16, moe_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
     moe_router_topk_scaling_factor=1.8,
 )  # fmt: skip
-ARCHS = {"deepseek_v3": TINY_DEEPSEEK_V3, "glm4_moe": TINY_GLM4_MOE, "deepseek_v3_wide": WIDE_V3}
+
+
+def _grouped(experts: int, groups: int, group_topk: int, topk: int):
+    return dataclasses.replace(
+        WIDE_V3,
+        num_experts=experts,
+        moe_topk=topk,
+        moe_router_num_groups=groups,
+        moe_router_group_topk=group_topk,
+    )
+
+
+# (n_group, topk_group, top_k) whose top_k / topk_group is not 2: megatron's own group score (the sum of a
+# group's top top_k / topk_group experts) is not the model's (the sum of its top 2)
+GROUP_SHAPES = {
+    "g4_k2_top6": _grouped(16, 4, 2, 6),  # the issue's shape: groups scored by their top 3 in megatron
+    "g8_k3_top4": _grouped(32, 8, 3, 4),  # top 1
+    "g4_k1_top3": _grouped(16, 4, 1, 3),  # top 3
+    "g2_k1_top8": _grouped(16, 2, 1, 8),  # top 8 = every expert of a group
+}
+ARCHS = {
+    "deepseek_v3": TINY_DEEPSEEK_V3, "glm4_moe": TINY_GLM4_MOE, "deepseek_v3_wide": WIDE_V3, **GROUP_SHAPES,
+}  # fmt: skip
 N = 256  # tokens
 
 
@@ -55,8 +77,11 @@ def _megatron_router(arch, bias: torch.Tensor, replay=None):
     """An object on which megatron's `TopKRouter.routing` runs unchanged, configured as the learner is."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from megagrpo.moe.group_topk import GroupScoredRouter
+
     cfg = transformer_config_from_arch(arch, MeshConfig(), routing_replay=True)
-    r = TopKRouter.__new__(TopKRouter)
+    cls = GroupScoredRouter if arch.moe_router_num_groups > 1 else TopKRouter  # as learner.model builds it
+    r = cls.__new__(cls)
     torch.nn.Module.__init__(r)
     r.config, r.topk, r.score_function = cfg, cfg.moe_router_topk, cfg.moe_router_score_function
     r.routing_type, r.router_replay = cfg.moe_router_load_balancing_type, replay
@@ -104,6 +129,34 @@ def test_own_selection_and_weights_equal_transformers_gate(name):
     if arch.moe_router_num_groups > 1:
         ungrouped = (logits.sigmoid() + bias).topk(arch.moe_topk, -1).indices
         assert _sets(ungrouped) != _sets(hf_idx)
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_SHAPES))
+def test_megatrons_own_group_score_is_not_the_models(name):
+    """What GroupScoredRouter corrects: megatron's `group_limited_topk` (a group scored by its top
+    top_k / topk_group experts) chooses other experts than transformers' gate on these shapes, and the
+    R2 recording (RouterReplay RECORD) through GroupScoredRouter records transformers' choice."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    arch = GROUP_SHAPES[name]
+    gate = _hf_gate(arch, seed=1)
+    with torch.no_grad():
+        logits, _, hf_idx = gate(_hidden(arch, seed=2))
+    bias = gate.e_score_correction_bias.detach().clone()
+    _, megatron_idx = topk_routing_with_score_function(
+        logits, arch.moe_topk, num_groups=arch.moe_router_num_groups, group_topk=arch.moe_router_group_topk,
+        score_function="sigmoid", expert_bias=bias, dense_output=True,
+    )  # fmt: skip
+    differ = sum(a != b for a, b in zip(_sets(megatron_idx), _sets(hf_idx)))
+    assert differ > N // 50, f"{differ} of {N} tokens"
+    replay = RouterReplay()
+    try:
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+        _megatron_router(arch, bias, replay).routing(logits.view(N, 1, -1))
+        assert _sets(replay.get_recorded_indices()) == _sets(hf_idx)
+    finally:
+        RouterReplay.global_router_replay_instances.remove(replay)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))

@@ -42,6 +42,7 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.net import advertised_host, free_port
 from megagrpo.rollout.remote import RemoteEngine
 from megagrpo.sync.buckets import NamedTensor
+from megagrpo.sync.sglang_layout import load_groups
 from megagrpo.sync.weights import (
     SyncStats,
     _Checker,
@@ -85,6 +86,7 @@ class BroadcastTransport:
         self._in_flight: _InFlight | None = None  # the bucket `send` started and nobody waited for yet
         self._sent = 0  # buckets started in this sync, to name the one that fails
         self.shapes: dict[str, tuple[int, ...]] | None = None  # the engine checkpoint's names and shapes
+        self.groups: dict[str, tuple[str, ...]] | None = None  # what it fuses at load (`load_groups`)
 
     def open(self) -> None:
         """Create the group: this rank hosts its store on a free port, the engine's TP workers join. The
@@ -393,12 +395,14 @@ def sync_remote(
         remote = transport.remote
         if transport.shapes is None:  # the engine's checkpoint: read once, every sync announces the same
             transport.shapes = checkpoint_shapes(remote.cfg.model_path)
+        if transport.groups is None:
+            transport.groups = load_groups(transport.shapes)
         shapes = transport.shapes
         if announced is not None:
             check_announced(shapes, announced)
         kept: list[Any] | None = [] if checksum else None
         stats = stream_buckets(
-            it, _Checker(shapes), transport, None, t0, cast=engine_dtype(remote), keep=kept
+            it, _Checker(shapes, transport.groups), transport, None, t0, cast=engine_dtype(remote), keep=kept
         )
     except Exception:
         for _ in it:

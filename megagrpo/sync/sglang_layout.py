@@ -159,6 +159,31 @@ def sglang_plan(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam]:
     return plan
 
 
+def load_groups(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, ...]]:
+    """{HF name: the HF tensors that SGLang's `load_weights` fuses with it at load, itself included, in fill
+    order} for every tensor in such a group of two or more (`sglang_plan`'s fusions, read from its plan
+    rather than listed again): q/k/v, a dense or shared MLP's gate/up, MLA's q_a/kv_a pair, and each
+    routed expert's gate/up (its slot of `w13_weight`; the experts of one layer are not one group).
+
+    Why a group must reach one `load_weights` call whole: SGLang's DeepSeek-V3 loader caches q_a_proj
+    until kv_a_proj_with_mqa arrives in the same call, and a cache that ends with the call drops a lone
+    half without a word (the engine keeps serving the old fused weight). The other fusions load each part
+    into its slot and survive a split today; they are kept whole too, so that no transport depends on
+    which loader caches.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for fp in sglang_plan(shapes).values():
+        if len(fp.parts) < 2:
+            continue
+        lead = len(fp.shape) - len(shapes[fp.parts[0]])  # 1 for an expert-stacked parameter [E, ...]
+        per = len(fp.parts) // fp.shape[0] if lead else len(fp.parts)  # parts per expert, or all of them
+        for i in range(0, len(fp.parts), per):
+            group = fp.parts[i : i + per]
+            if len(group) > 1:
+                out.update(dict.fromkeys(group, group))
+    return out
+
+
 def laid_out(
     fp: FusedParam, held: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]
 ) -> FusedParam | None:

@@ -42,6 +42,7 @@ from megagrpo.dist.wire import wire_device
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync.broadcast import engine_call, engine_dtype, verify_remote
 from megagrpo.sync.buckets import NamedTensor
+from megagrpo.sync.sglang_layout import load_groups
 from megagrpo.sync.weights import SyncStats, _Checker, check_announced, checkpoint_shapes, stream_buckets
 
 
@@ -132,11 +133,12 @@ def sync_stages(
                 for t in transports:
                     t.shapes = shapes
             shapes = transports[0].shapes
+            if transports[0].groups is None:
+                transports[0].groups = load_groups(shapes)
             check_announced(shapes, announced)
             cast = engine_dtype(transports[0].remote)
-            stats = stream_buckets(
-                it, _StageChecker(shapes), FanOut(transports), None, t0, cast=cast, keep=kept
-            )
+            checker = _StageChecker(shapes, transports[0].groups)
+            stats = stream_buckets(it, checker, FanOut(transports), None, t0, cast=cast, keep=kept)
         else:
             for _ in it:
                 pass

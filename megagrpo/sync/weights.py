@@ -53,7 +53,14 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.engine import EngineFailed
 from megagrpo.sync import sglang_layout
 from megagrpo.sync.buckets import NamedTensor, tensor_bytes
-from megagrpo.sync.sglang_layout import FusedParam, fuse_into, laid_out, sglang_params, sglang_plan
+from megagrpo.sync.sglang_layout import (
+    FusedParam,
+    fuse_into,
+    laid_out,
+    load_groups,
+    sglang_params,
+    sglang_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +124,19 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 class _Checker:
     """Checks buckets one at a time against the engine's checkpoint: MegagrpoError naming the first unknown,
-    duplicated, misshapen or (with check_finite) non-finite tensor; `finish` names missing ones."""
+    duplicated, misshapen or (with check_finite) non-finite tensor, or the first group that the engine
+    fuses at load (`groups`, default `load_groups(expected)`) arriving split over buckets; `finish` names
+    missing ones."""
 
-    def __init__(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(
+        self, expected: Mapping[str, tuple[int, ...]], groups: Mapping[str, tuple[str, ...]] | None = None
+    ) -> None:
         self.expected = expected
+        self.groups = load_groups(expected) if groups is None else groups
         self.seen: set[str] = set()
 
     def check(self, bucket: list[NamedTensor], *, check_finite: bool) -> None:
+        names = {name for name, _ in bucket}
         for name, t in bucket:
             if not torch.is_tensor(t):
                 raise MegagrpoError(f"weight sync: {name!r} is a {type(t).__name__}, not a tensor")
@@ -141,7 +154,25 @@ class _Checker:
                 )
             if check_finite:
                 _check_finite(name, t)
+            self._check_whole(name, names)
             self.seen.add(name)
+
+    def _check_whole(self, name: str, bucket: set[str]) -> None:
+        """MegagrpoError when `name` belongs to a group that SGLang fuses at load and an earlier bucket held
+        part of it: the loader would have dropped that part without a word (`sglang_layout.load_groups`).
+        The last line of defence, caught before the earlier bucket is sent on every transport (streamed
+        ones send bucket N once N + 1 has passed these checks); the export's buckets keep groups whole
+        (`bridge.bucketing`). A group that a partial sync leaves incomplete is no split: SGLang loads it
+        through `load_weights` as it does any subset."""
+        group = self.groups.get(name)
+        earlier = [g for g in group if g in self.seen and g not in bucket] if group else []
+        if earlier:
+            raise MegagrpoError(
+                f"weight sync: tensor {name!r} arrives in a later bucket than {earlier}, which SGLang fuses "
+                "with it at load: split over two loads, the engine would drop the lone part and keep serving "
+                "its old weights. Keep each fused group in one bucket (the export's `together`, "
+                "`sync.bucketize`)"
+            )
 
     def finish(self) -> None:
         missing = sorted(set(self.expected) - self.seen)
@@ -609,7 +640,7 @@ def _sync_weights(
     if first is None:
         raise MegagrpoError("weight sync got no tensors; the export yielded nothing")
     on_gpu = any(t.is_cuda for _, t in first)
-    checker = _Checker(shapes)
+    checker = _Checker(shapes, _per_engine(eng, "groups", lambda: load_groups(shapes)))
     rest = _prepend([first], stream)
     del first  # from here on only `rest` holds it, and drops it once the next bucket is asked for
     if (on_gpu if streamed is None else streamed) and not partial:

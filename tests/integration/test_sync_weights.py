@@ -284,3 +284,51 @@ def test_the_families_sync_packed_and_hf_named(family_engine, tmp_path):
     finally:
         sync_weights(engine, bucketize(original))
     assert _max_diff(engine, hf) < 1e-5
+
+
+def test_the_bridge_export_in_tiny_buckets_keeps_fused_groups_whole(family_engine, tmp_path):
+    """Issue 43: the bridge's export cut into 1 KiB buckets, in its map order, reaches the engine with
+    every group SGLang fuses at load whole (DeepSeek-V3's q_a/kv_a pair, which its loader drops when it
+    arrives over two calls; q/k/v, gate/up), through SGLang's `load_weights` and through the flattened
+    buckets of the GPU transport: the engine serves exactly the export, checksum true. The same export
+    cut on bytes alone, as before, is refused by name before anything is sent (before: sent, the engine
+    5.2 nats from the learner on DeepSeek-V3, checksum false)."""
+    from megagrpo.bridge.export import iter_hf_buckets
+    from megagrpo.bridge.hf_config import arch_from_hf
+    from megagrpo.bridge.maps import param_maps
+    from megagrpo.bridge.transforms import to_megatron
+    from megagrpo.sync.weights import verify_checksum
+    from megagrpo.trainer.weights import fused_groups
+
+    engine, hf = family_engine.engine, family_engine.reference
+    original = _checkpoint_tensors(hf, tmp_path / "orig")
+    updated = copy.deepcopy(hf)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    new = dict(_checkpoint_tensors(updated, tmp_path / "new"))
+    arch = arch_from_hf(family_engine.model_dir)
+    learner = {
+        pm.mcore: to_megatron(pm, [new[n] for n in pm.hf], arch, arch.vocab_size) for pm in param_maps(arch)
+    }
+    together = fused_groups(arch)
+    if arch.is_mla:
+        assert "model.layers.0.self_attn.q_a_proj.weight" in together
+
+    def export(**kw):
+        return iter_hf_buckets(learner, arch, bucket_bytes=1 << 10, **kw)
+
+    try:
+        with pytest.raises(MegagrpoError, match="later bucket"):
+            sync_weights(engine, export(), pack=False)  # cut on bytes alone: a group is split
+        assert _max_diff(engine, hf) < 1e-5  # refused before anything was sent
+        for transport in (dict(pack=False), dict(streamed=True)):
+            stats = sync_weights(engine, export(together=together), **transport)
+            assert stats.buckets > 20 and not stats.packed, transport
+            assert verify_checksum(engine, list(export(together=together))) is True, transport
+            assert _max_diff(engine, updated) < 1e-5, transport
+            sync_weights(engine, bucketize(original))  # back, so that a stale half would show next time
+    finally:
+        sync_weights(engine, bucketize(original))
+    assert _max_diff(engine, hf) < 1e-5

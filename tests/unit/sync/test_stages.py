@@ -90,7 +90,7 @@ class _Remote:
 class _StageTransport(_Transport):
     def __init__(self, shapes) -> None:
         super().__init__("engine 0, pipeline stage 1")
-        self.remote, self.shapes = _Remote(), shapes
+        self.remote, self.shapes, self.groups = _Remote(), shapes, None
 
     def open(self):
         self.log.append("open")

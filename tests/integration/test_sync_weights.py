@@ -51,6 +51,16 @@ def _hf_greedy(model, n: int = 6) -> list[list[int]]:
         ]
 
 
+def _perturbed(model, seed: int):
+    """A copy of `model` with every parameter moved by 0.05 standard normal noise."""
+    out = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return out
+
+
 @pytest.fixture
 def original_tensors(hf_reference, tmp_path_factory):
     return _checkpoint_tensors(hf_reference, tmp_path_factory.mktemp("orig"))
@@ -250,11 +260,8 @@ def test_the_families_sync_packed_and_hf_named(family_engine, tmp_path):
 
     engine, hf = family_engine.engine, family_engine.reference
     original = _checkpoint_tensors(hf, tmp_path / "orig")
-    updated = copy.deepcopy(hf)
-    torch.manual_seed(2)
+    updated = _perturbed(hf, seed=2)
     with torch.no_grad():
-        for p in updated.parameters():
-            p.add_(0.05 * torch.randn_like(p))
         for name, b in updated.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(b.flip(0) * 3)  # a bias that reorders the selection
@@ -302,11 +309,7 @@ def test_the_bridge_export_in_tiny_buckets_keeps_fused_groups_whole(family_engin
 
     engine, hf = family_engine.engine, family_engine.reference
     original = _checkpoint_tensors(hf, tmp_path / "orig")
-    updated = copy.deepcopy(hf)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in updated.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    updated = _perturbed(hf, seed=3)
     new = dict(_checkpoint_tensors(updated, tmp_path / "new"))
     arch = arch_from_hf(family_engine.model_dir)
     learner = {

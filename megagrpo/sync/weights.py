@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from megagrpo.bridge.hf_io import open_safetensors
+from megagrpo.bridge.hf_io import mtp_layer_prefixes, open_safetensors
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.engine import EngineFailed
 from megagrpo.sync import sglang_layout
@@ -90,7 +90,8 @@ def _sglang_engine(engine: Any) -> Any:
 
 
 def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
-    """{hf_name: shape} of every tensor in the HF checkpoint the engine was started from (headers only)."""
+    """{hf_name: shape} of every tensor in the HF checkpoint the engine was started from (headers only)
+    that a sync updates: all but its multi-token-prediction layers (`mtp_layer_prefixes`)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -98,10 +99,12 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     else:
         files = ["model.safetensors"]
     shapes: dict[str, tuple[int, ...]] = {}
+    mtp = mtp_layer_prefixes(model_dir)
     for fname in files:
         with open_safetensors(os.path.join(model_dir, fname)) as f:
             for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shapes[k] = tuple(f.get_slice(k).get_shape())
+                if not (mtp and k.startswith(mtp)):
+                    shapes[k] = tuple(f.get_slice(k).get_shape())
     return shapes
 
 

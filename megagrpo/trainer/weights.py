@@ -18,7 +18,13 @@ import torch.distributed as dist
 from megagrpo.bridge import export as bridge_export
 from megagrpo.bridge.export import ExportGroups, iter_hf_buckets
 from megagrpo.bridge.hf_config import exported_config
-from megagrpo.bridge.hf_io import HFCheckpoint, atomic_output_dir, copy_side_files, write_hf_checkpoint
+from megagrpo.bridge.hf_io import (
+    HFCheckpoint,
+    atomic_output_dir,
+    copy_side_files,
+    mtp_layer_prefixes,
+    write_hf_checkpoint,
+)
 from megagrpo.bridge.load import iter_local_shards
 from megagrpo.bridge.maps import Placement, hf_shapes
 from megagrpo.config.model import ModelArch
@@ -188,18 +194,31 @@ def check_learner_weights(learner: Any) -> None:
 def save_hf(
     learner: Any, out_dir: str | Path, *, side_files_from: str | Path, bucket_bytes: int = 1 << 30
 ) -> None:
-    """Write the policy as an HF directory (config, tokenizer, safetensors). Atomic; rank 0 writes."""
+    """Write the policy as an HF directory (config, tokenizer, safetensors). Atomic; rank 0 writes.
+
+    Multi-token-prediction layers, which the learner neither builds nor trains, are written unchanged
+    from `side_files_from` (the HF model the run started from), so that the saved model holds what its
+    config's `num_nextn_predict_layers` promises and loads with them wherever the original did; from a
+    source without them the saved model says `num_nextn_predict_layers: 0`.
+    """
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     buckets = export_buckets(learner, bucket_bytes)
     if not rank0:
         for _ in buckets:
             pass
         return
+    import itertools
     import json
 
+    src = Path(side_files_from)
+    mtp = HFCheckpoint(src) if mtp_layer_prefixes(str(src)) else None
     with atomic_output_dir(out_dir) as tmp:
-        write_hf_checkpoint(tmp, buckets)
-        src = Path(side_files_from)
+        carried = mtp.iter_mtp(bucket_bytes) if mtp is not None else iter(())
+        write_hf_checkpoint(tmp, itertools.chain(buckets, carried))
         copy_side_files(src, tmp)
         cfg = exported_config(learner.arch, src)
+        if learner.arch.mtp_layers and (mtp is None or not mtp.mtp_names()):
+            cfg["num_nextn_predict_layers"] = 0  # a promise of MTP layers without their tensors loads nowhere
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if mtp is not None:
+        mtp.close()

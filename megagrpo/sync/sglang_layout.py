@@ -161,9 +161,10 @@ def sglang_plan(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam]:
 
 def load_groups(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, ...]]:
     """{HF name: the HF tensors that SGLang's `load_weights` fuses with it at load, itself included, in fill
-    order} for every tensor in such a group of two or more (`sglang_plan`'s fusions, read from its plan
-    rather than listed again): q/k/v, a dense or shared MLP's gate/up, MLA's q_a/kv_a pair, and each
-    routed expert's gate/up (its slot of `w13_weight`; the experts of one layer are not one group).
+    order} for every tensor in such a group of two or more: `sglang_plan`'s concatenations (q/k/v, a
+    dense or shared MLP's gate/up, MLA's q_a/kv_a pair) and each routed expert's gate/up pair (its slot
+    of `w13_weight`, paired even where the layer's experts are incomplete, as SGLang loads them pair by
+    pair; the experts of one layer are not one group).
 
     Why a group must reach one `load_weights` call whole: SGLang's DeepSeek-V3 loader caches q_a_proj
     until kv_a_proj_with_mqa arrives in the same call, and a cache that ends with the call drops a lone
@@ -173,14 +174,16 @@ def load_groups(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, .
     """
     out: dict[str, tuple[str, ...]] = {}
     for fp in sglang_plan(shapes).values():
-        if len(fp.parts) < 2:
-            continue
-        lead = len(fp.shape) - len(shapes[fp.parts[0]])  # 1 for an expert-stacked parameter [E, ...]
-        per = len(fp.parts) // fp.shape[0] if lead else len(fp.parts)  # parts per expert, or all of them
-        for i in range(0, len(fp.parts), per):
-            group = fp.parts[i : i + per]
-            if len(group) > 1:
-                out.update(dict.fromkeys(group, group))
+        if len(fp.parts) > 1 and len(fp.shape) == len(shapes[fp.parts[0]]):  # a concatenation, not [E, ...]
+            out.update(dict.fromkeys(fp.parts, fp.parts))
+    pairs: dict[tuple[str, int], dict[bool, str]] = {}
+    for name in shapes:
+        if (m := _EXPERT.match(name)) and m.group(3) not in _DOWN:
+            pairs.setdefault((m.group(1), int(m.group(2))), {})[m.group(3) in _UP] = name
+    for pair in pairs.values():
+        if len(pair) == 2:
+            group = (pair[False], pair[True])  # gate, then up
+            out.update(dict.fromkeys(group, group))
     return out
 
 

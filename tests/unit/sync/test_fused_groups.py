@@ -118,3 +118,19 @@ def test_the_filler_cuts_before_an_open_group_and_carries_it():
     closed = [[n for n, _ in b] for b in got if b is not None]
     assert closed == [["x"], ["a", "b", "c"]]
     assert [n for n, _ in f.finish()] == ["y"]
+
+
+def test_an_expert_pair_is_a_group_even_where_the_layer_is_incomplete():
+    """A layer missing one expert tensor is sent through `load_weights`, expert by expert: the other
+    experts' gate/up pairs still travel whole, so a bad export is named for what is missing."""
+    shapes = {
+        f"model.layers.1.mlp.experts.{e}.{k}_proj.weight": (4, 8) if k != "down" else (8, 4)
+        for e in range(2)
+        for k in ("gate", "up", "down")
+    }
+    del shapes["model.layers.1.mlp.experts.1.up_proj.weight"]
+    groups = load_groups(shapes)
+    pair = ("model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight")
+    assert groups == dict.fromkeys(pair, pair)
+    tensors = [(n, torch.zeros(s)) for n, s in shapes.items()]
+    assert not _split_groups(list(bucketize(tensors, 64)), groups)

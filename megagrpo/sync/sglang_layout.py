@@ -12,7 +12,7 @@ SGLang fuses some HF tensors when it loads them (llama/qwen2/qwen3/qwen3_moe/mix
   (Mixtral: w1 = gate, w3 = up, w2 = down, under block_sparse_moe.)
 Every other tensor keeps its HF name. SGLang keeps a router's correction bias (`e_score_correction_bias`)
 in fp32 whatever the engine's dtype (`FP32_PARAMS`, `engine_dtype`). MLA's `w_kc`/`w_vc` are not
-parameters: SGLang derives them from `kv_b_proj` after a load (`weights.load_packed` refreshes them).
+parameters: SGLang derives them from `kv_b_proj` after a load (`staging.load_packed` refreshes them).
 
 Every fusion above is a concatenation on dim 0 of the parts, in `FusedParam.parts` order, into the fused
 tensor viewed as `[-1, *part.shape[1:]]`: w13 is `[g_0; u_0; g_1; u_1; ...]` as `[E*2I, H]` and w2 is

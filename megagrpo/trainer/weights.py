@@ -29,8 +29,8 @@ from megagrpo.bridge.load import iter_local_shards
 from megagrpo.bridge.maps import Placement, hf_shapes
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
+from megagrpo.sync.checks import all_finite
 from megagrpo.sync.sglang_layout import load_groups
-from megagrpo.sync.weights import all_finite
 
 
 def _layer_offset(chunk: Any) -> int:

@@ -153,7 +153,7 @@ def test_the_engine_names_the_parameters_it_holds_in_other_shapes(sglang_engine,
     (8, 64, 64) and w2_weight (8, 64, 32) where the checkpoint packs (8, 40, 64) and (8, 64, 20), which
     the packed sync lays out zero-padded (issue 37)."""
     from megagrpo.sync.sglang_layout import FusedParam, sglang_plan
-    from megagrpo.sync.weights import engine_shape_mismatches
+    from megagrpo.sync.shape_probe import engine_shape_mismatches
 
     baseline = sglang_engine.score(SEQS)
     plan = sglang_plan({n: tuple(t.shape) for n, t in original_tensors})
@@ -196,7 +196,7 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
     export is checked before `before_send` resumes them (with the memory saver a resumed region holds
     garbage until written), so a NaN leaves the engine released, untouched, and serving its old weights
     once resumed."""
-    from megagrpo.sync import weights as sync_module
+    from megagrpo.sync import engine_state, shape_probe
 
     baseline, baseline_ids = sglang_engine.score(SEQS), _greedy(sglang_engine)
     name = "model.layers.1.mlp.experts.2.down_proj.weight"
@@ -216,13 +216,13 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
     update = eng.update_weights_from_tensor
 
     def update_counted(*a, **k):  # the shape probe (asked before packing) loads nothing: not an update
-        events.append("probe" if k.get("load_format") == sync_module.SHAPES_PROBE else "update")
+        events.append("probe" if k.get("load_format") == shape_probe.SHAPES_PROBE else "update")
         return update(*a, **k)
 
     eng.update_weights_from_tensor = update_counted
     try:
         sglang_engine.release(["kv_cache", "weights"])
-        sync_module._PER_ENGINE.pop(eng, None)  # the packing plan's lookups run while released
+        engine_state._PER_ENGINE.pop(eng, None)  # the packing plan's lookups run while released
         with pytest.raises(MegagrpoError, match=rf"tensor '{name}' holds NaN"):
             sync_weights(  # an iterator, as the streaming export yields: the NaN is in a later bucket
                 sglang_engine, iter(bucketize(bad, bucket_bytes=4096)), pack=pack, before_send=resume_weights
@@ -304,7 +304,7 @@ def test_the_bridge_export_in_tiny_buckets_keeps_fused_groups_whole(family_engin
     from megagrpo.bridge.hf_config import arch_from_hf
     from megagrpo.bridge.maps import param_maps
     from megagrpo.bridge.transforms import to_megatron
-    from megagrpo.sync.weights import verify_checksum
+    from megagrpo.sync.checksums import verify_checksum
     from megagrpo.trainer.weights import fused_groups
 
     engine, hf = family_engine.engine, family_engine.reference

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from megagrpo.bridge.hf_config import arch_from_hf
 from megagrpo.bridge.hf_io import MTP_FILES, mtp_layer_prefixes
 from megagrpo.bridge.maps import hf_shapes
-from megagrpo.sync.weights import check_announced, checkpoint_shapes
+from megagrpo.sync.checks import check_announced, checkpoint_shapes
 from megagrpo.trainer.checkpointing import mtp_files
 
 MODELS = Path(__file__).resolve().parents[3] / "configs" / "models"

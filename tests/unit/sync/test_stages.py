@@ -8,7 +8,7 @@ import pytest
 from megagrpo.config.mesh_rules import StageRoute, engines_fed, stage_routes
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync.stages import FanOut, merge_stage_stats
-from megagrpo.sync.weights import SyncStats
+from megagrpo.sync.stats import SyncStats
 
 
 def test_the_engines_are_spread_over_the_replicas_each_rank_with_its_own_stage():

@@ -9,7 +9,8 @@ with a chat template. Tests, benchmarks and the demo build every model they use 
 `--arch deepseek_v3` (multi-latent attention, YaRN; `--q-lora-rank 0` writes `q_lora_rank: null`, a full-rank
 query projection as Moonlight and DeepSeek-V2-Lite ship it) and `--arch glm4_moe` (partial rotary, q/k/v biases,
 q/k norms) have DeepSeek-V3's router: sigmoid scores, a non-zero correction bias, group-limited top-k
-(2 groups), one shared expert, and a dense first layer.
+(2 groups), one shared expert, and a dense first layer; `--mtp-layers 1` adds a multi-token-prediction
+layer after the main ones (`num_nextn_predict_layers`), as DeepSeek-V3/R1 and GLM-4.5 ship it.
 """
 
 from __future__ import annotations
@@ -181,6 +182,54 @@ def _randomise_v3_extras(model, seed: int) -> None:
             p.data.copy_(0.02 * torch.randn(p.shape, generator=g))
 
 
+def _mtp_tensors(cfg, mtp_layers: int, seed: int) -> dict:
+    """{HF name: tensor} of `mtp_layers` multi-token-prediction layers after cfg's main ones, named as
+    DeepSeek-V3 and GLM-4.5 ship them: each a full decoder layer (MoE, as every layer after the dense
+    first ones) under `model.layers.{n}.`, plus its own `embed_tokens`, `enorm`/`hnorm`, `eh_proj`
+    [H, 2H] and `shared_head.{norm,head}` (SGLang's NextN loaders read these names)."""
+    import copy
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    longer = copy.deepcopy(cfg)
+    longer.num_hidden_layers = n + mtp_layers
+    torch.manual_seed(seed + 7)
+    with (
+        tempfile.TemporaryDirectory() as tmp
+    ):  # saved, so that the names are the checkpoint's, not the module's
+        AutoModelForCausalLM.from_config(longer, dtype=torch.float32).save_pretrained(tmp)
+        state = load_file(str(Path(tmp) / "model.safetensors"))
+    mine = tuple(f"model.layers.{n + i}." for i in range(mtp_layers))
+    out = {k: v for k, v in state.items() if k.startswith(mine)}
+    g = torch.Generator().manual_seed(seed + 8)
+    std = cfg.initializer_range
+    for i in range(mtp_layers):
+        p = f"model.layers.{n + i}."
+        out[p + "embed_tokens.weight"] = std * torch.randn(cfg.vocab_size, h, generator=g)
+        out[p + "enorm.weight"] = torch.ones(h)
+        out[p + "hnorm.weight"] = torch.ones(h)
+        out[p + "eh_proj.weight"] = std * torch.randn(h, 2 * h, generator=g)
+        out[p + "shared_head.norm.weight"] = torch.ones(h)
+        out[p + "shared_head.head.weight"] = std * torch.randn(cfg.vocab_size, h, generator=g)
+    return out
+
+
+def _add_mtp_layers(model_dir: Path, cfg, mtp_layers: int, seed: int) -> None:
+    """Write `_mtp_tensors` into the saved checkpoint and `num_nextn_predict_layers` into its config."""
+    from safetensors.torch import load_file, save_file
+
+    weights = model_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors.update(_mtp_tensors(cfg, mtp_layers, seed))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_nextn_predict_layers"] = mtp_layers
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def make_tiny_model(
     out_dir: str | Path,
     arch: str = "qwen3_moe",
@@ -197,8 +246,11 @@ def make_tiny_model(
     seed: int = 0,
     init_std: float = 0.02,
     moe_intermediate: int | None = None,
+    mtp_layers: int = 0,
 ) -> Path:
     """Create the model directory atomically (written beside it, then renamed) and return its path.
+    `mtp_layers` (deepseek_v3, glm4_moe): multi-token-prediction layers after the main ones, as DeepSeek-V3
+    and GLM-4.5 ship them (`num_nextn_predict_layers`; `_mtp_tensors`).
     `moe_intermediate`: the experts' intermediate size (default: `hidden`, or `hidden // 2` for the
     DeepSeek-V3-shaped archs); one that is no multiple of 32 is padded by SGLang's CPU engine.
     `mla_dims` (deepseek_v3): kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim; DeepSeek-V3's
@@ -208,6 +260,8 @@ def make_tiny_model(
 
     if arch not in ARCHS:
         raise SystemExit(f"error: --arch {arch!r} is not supported; choose one of {', '.join(ARCHS)}")
+    if mtp_layers and arch not in V3_ARCHS:
+        raise SystemExit(f"error: --mtp-layers needs --arch {' or '.join(V3_ARCHS)}, got {arch}")
     out = Path(out_dir)
     tok = train_tokenizer(min(vocab_size, 1024))
     if len(tok) > vocab_size:
@@ -244,6 +298,8 @@ def make_tiny_model(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        if mtp_layers:
+            _add_mtp_layers(tmp, cfg, mtp_layers, seed)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -268,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--q-lora-rank", type=int, default=32, help="deepseek_v3 only; 0 writes q_lora_rank: null (Moonlight)"
     )
+    p.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        help="deepseek_v3/glm4_moe only: multi-token-prediction layers (num_nextn_predict_layers) after the main ones",
+    )
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out_dir,
@@ -281,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         max_pos=a.max_pos,
         seed=a.seed,
         q_lora_rank=a.q_lora_rank,
+        mtp_layers=a.mtp_layers,
     )
     print(json.dumps({"out_dir": str(out), "arch": a.arch}))
     return 0

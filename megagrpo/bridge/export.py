@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megagrpo.bridge.bucketing import BucketFiller
 from megagrpo.bridge.maps import ParamMap, Placement, megatron_name, param_maps
 from megagrpo.bridge.transforms import to_hf, tp_unshard
 from megagrpo.config.model import ModelArch
@@ -146,6 +147,7 @@ def iter_hf_buckets(
     dtype: torch.dtype | None = None,
     receive: bool | None = None,
     stage_only: bool = False,
+    together: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of `(hf_name, tensor)` of at most `bucket_bytes` each (a larger single tensor comes alone).
 
@@ -155,6 +157,8 @@ def iter_hf_buckets(
     over the pipeline group (each stage feeds its own weights group, `sync.stages`).
     Tensors yielded are CPU/device tensors detached from the model; they may alias the model's storage
     when no gather or transform was needed, so consume a bucket before the next optimizer step.
+    together: groups of HF names that no bucket boundary may cut (`bridge.bucketing`); a bucket then
+    exceeds `bucket_bytes` only where one group's span does.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -210,8 +214,7 @@ def iter_hf_buckets(
 
     receivers = [s for s, inf in enumerate(infos) if inf["receive"]]
     out_dtype = dtype
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    filler = BucketFiller(bucket_bytes, together)
 
     for unit in _units(maps, arch, place.ep_size):
         pm0 = unit[0]
@@ -254,14 +257,13 @@ def iter_hf_buckets(
             for name, t in zip(pm.hf, to_hf(pm, full, arch), strict=True):
                 keep = out_dtype is None or t.dtype == out_dtype or pm.mcore.endswith(BUFFER_SUFFIXES)
                 t = t if keep else t.to(out_dtype)
-                nbytes = t.numel() * t.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.append((name, t.contiguous()))
-                size += nbytes
-    if bucket:
-        yield bucket
+                ready = filler.add(name, t.contiguous())
+                if ready is not None:
+                    yield ready
+                    del ready  # held no longer than the consumer holds it
+    last_bucket = filler.finish()
+    if last_bucket is not None:
+        yield last_bucket
 
 
 def _full_shape(pm: ParamMap, arch: ModelArch, padded_vocab: int) -> tuple[int, ...]:

@@ -172,6 +172,21 @@ class HFCheckpoint:
         mtp = tuple(f"model.layers.{self.arch.num_layers + i}." for i in range(self.arch.mtp_layers))
         return [n for n in self.file_of if mtp and n.startswith(mtp)]
 
+    def iter_mtp(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The MTP tensors, unchanged, in buckets of about `bucket_bytes` (the last tensor of a bucket
+        may pass it), read as each bucket is taken: to write them beside an export. Host memory: one bucket."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name in self.mtp_names():
+            t = self.get(name)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
     def write_mtp(self, out_dir: Path, shard_bytes: int = 4 << 30) -> list[str]:
         """Copy the MTP tensors, bit for bit, into `MTP_FILES` shards of at most `shard_bytes` (one tensor
         larger than that gets a shard of its own) in `out_dir`; return their names. Host memory: one shard."""
@@ -208,6 +223,24 @@ class HFCheckpoint:
 
     def total_bytes(self) -> int:
         return sum(os.path.getsize(self.dir / f) for f in set(self.file_of.values()))
+
+
+def mtp_layer_prefixes(model_dir: str) -> tuple[str, ...]:
+    """`model.layers.{i}.` of the checkpoint's multi-token-prediction layers (HF `num_nextn_predict_layers`
+    of them after the `num_hidden_layers` main ones: DeepSeek-V3/R1, GLM-4.5), () when it has none.
+
+    A weight sync neither sends nor expects them: the learner does not train them (it builds the main model
+    only), and SGLang's target model skips every layer past `num_hidden_layers` at load (its NextN draft
+    model, used for speculative decoding only, reads them from the checkpoint). The export carries them
+    unchanged from the source checkpoint instead (`trainer.weights.save_hf`, `convert`)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    n, extra = int(cfg.get("num_hidden_layers") or 0), int(cfg.get("num_nextn_predict_layers") or 0)
+    return tuple(f"model.layers.{n + i}." for i in range(extra))
 
 
 @contextmanager

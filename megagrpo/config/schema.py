@@ -1304,7 +1304,7 @@ class Config(Section):
                 "rewards.combine=weighted",
             )
         if self.sync.checksum and rollout.engine_tp > 1:
-            # Both transports (sync.weights.verify_checksum, sync.broadcast.verify_remote) compare TP rank
+            # Both transports (sync.checksums.verify_checksum, sync.broadcast.verify_remote) compare TP rank
             # 0's hashes with the full tensors sent: a TP engine holds shards, so the check cannot hold.
             raise invalid(
                 "sync.checksum",

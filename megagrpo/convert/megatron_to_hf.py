@@ -85,22 +85,7 @@ def _mtp_source(
             f"num_nextn_predict_layers={src.arch.mtp_layers}, the checkpoint {arch.num_layers} and "
             f"{arch.mtp_layers}; pass the HF directory the checkpoint was converted or trained from"
         )
-    names = src.mtp_names()
-
-    def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for n in names:
-            t = src.get(n)
-            bucket.append((n, t))
-            size += t.numel() * t.element_size()
-            if size >= shard_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
-
-    return names, buckets()
+    return src.mtp_names(), src.iter_mtp(shard_bytes)
 
 
 def export(

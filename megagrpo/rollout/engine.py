@@ -479,11 +479,11 @@ class RolloutEngine(EngineRequests):
             # would otherwise try to set up; PyNccl has no switch: megagrpo.compat.sglang_cpu turns it off.
             kw["disable_custom_all_reduce"] = True
             # The packed weight sync's loader (a string: rollout does not import sync): `direct`'s copy,
-            # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.weights.load_packed`);
+            # and the staging stays mapped in the scheduler between syncs (`megagrpo.sync.staging.load_packed`);
             # and its probe of the engine's real parameter shapes, asked before the first packed send.
             kw["custom_weight_loader"] = [
-                "megagrpo.sync.weights.load_packed",
-                "megagrpo.sync.weights.report_shape_mismatches",
+                "megagrpo.sync.staging.load_packed",
+                "megagrpo.sync.shape_probe.report_shape_mismatches",
             ]
         else:
             kw["enable_memory_saver"] = True  # release/resume really frees device memory

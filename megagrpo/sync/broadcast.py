@@ -11,7 +11,7 @@ reaches every TP rank of the engine at once), in buckets of `sync.bucket_mb`. `s
 bucket's broadcast has started, so bucket N is on the wire and loaded by SGLang while N + 1 is checked,
 cast and copied; one bucket is in flight at most (the next `send`, and `end`, wait for it). The owner
 therefore holds three buckets at most: the export's N + 2 being built or checked
-(`sync.weights.stream_buckets`) and two send buffers of `sync.bucket_mb` in the engine's dtype each
+(`sync.streaming.stream_buckets`) and two send buffers of `sync.bucket_mb` in the engine's dtype each
 (`flatten`), the one in flight and the one being filled; a blocking send would need one. At the engine:
 one received bucket beside its weights.
 
@@ -42,14 +42,11 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.net import advertised_host, free_port
 from megagrpo.rollout.remote import RemoteEngine
 from megagrpo.sync.buckets import NamedTensor
-from megagrpo.sync.weights import (
-    SyncStats,
-    _Checker,
-    _hash,
-    check_announced,
-    checkpoint_shapes,
-    stream_buckets,
-)
+from megagrpo.sync.checks import _Checker, check_announced, checkpoint_shapes
+from megagrpo.sync.checksums import _hash
+from megagrpo.sync.sglang_layout import load_groups
+from megagrpo.sync.stats import SyncStats
+from megagrpo.sync.streaming import stream_buckets
 
 GROUP_PREFIX = "megagrpo-weights-"
 POLL_S = 0.002  # how often a broadcast in flight looks at the engine's answer
@@ -85,6 +82,7 @@ class BroadcastTransport:
         self._in_flight: _InFlight | None = None  # the bucket `send` started and nobody waited for yet
         self._sent = 0  # buckets started in this sync, to name the one that fails
         self.shapes: dict[str, tuple[int, ...]] | None = None  # the engine checkpoint's names and shapes
+        self.groups: dict[str, tuple[str, ...]] | None = None  # what it fuses at load (`load_groups`)
 
     def open(self) -> None:
         """Create the group: this rank hosts its store on a free port, the engine's TP workers join. The
@@ -270,7 +268,7 @@ class BroadcastTransport:
         one (a checksum keeps every bucket sent)."""
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
-        from megagrpo.sync.weights import _flatten
+        from megagrpo.sync.streaming import _flatten
 
         # Each tensor in the dtype the engine holds it in (a correction bias stays fp32 in a bf16 engine:
         # rounded, it would route differently from the learner), the widest first: SGLang's receiver lays
@@ -393,12 +391,14 @@ def sync_remote(
         remote = transport.remote
         if transport.shapes is None:  # the engine's checkpoint: read once, every sync announces the same
             transport.shapes = checkpoint_shapes(remote.cfg.model_path)
+        if transport.groups is None:
+            transport.groups = load_groups(transport.shapes)
         shapes = transport.shapes
         if announced is not None:
             check_announced(shapes, announced)
         kept: list[Any] | None = [] if checksum else None
         stats = stream_buckets(
-            it, _Checker(shapes), transport, None, t0, cast=engine_dtype(remote), keep=kept
+            it, _Checker(shapes, transport.groups), transport, None, t0, cast=engine_dtype(remote), keep=kept
         )
     except Exception:
         for _ in it:

@@ -12,7 +12,7 @@ SGLang fuses some HF tensors when it loads them (llama/qwen2/qwen3/qwen3_moe/mix
   (Mixtral: w1 = gate, w3 = up, w2 = down, under block_sparse_moe.)
 Every other tensor keeps its HF name. SGLang keeps a router's correction bias (`e_score_correction_bias`)
 in fp32 whatever the engine's dtype (`FP32_PARAMS`, `engine_dtype`). MLA's `w_kc`/`w_vc` are not
-parameters: SGLang derives them from `kv_b_proj` after a load (`weights.load_packed` refreshes them).
+parameters: SGLang derives them from `kv_b_proj` after a load (`staging.load_packed` refreshes them).
 
 Every fusion above is a concatenation on dim 0 of the parts, in `FusedParam.parts` order, into the fused
 tensor viewed as `[-1, *part.shape[1:]]`: w13 is `[g_0; u_0; g_1; u_1; ...]` as `[E*2I, H]` and w2 is
@@ -157,6 +157,34 @@ def sglang_plan(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, FusedParam]:
                 continue
         unfused([p for kinds in per_expert.values() for p in kinds.values()])
     return plan
+
+
+def load_groups(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, ...]]:
+    """{HF name: the HF tensors that SGLang's `load_weights` fuses with it at load, itself included, in fill
+    order} for every tensor in such a group of two or more: `sglang_plan`'s concatenations (q/k/v, a
+    dense or shared MLP's gate/up, MLA's q_a/kv_a pair) and each routed expert's gate/up pair (its slot
+    of `w13_weight`, paired even where the layer's experts are incomplete, as SGLang loads them pair by
+    pair; the experts of one layer are not one group).
+
+    Why a group must reach one `load_weights` call whole: SGLang's DeepSeek-V3 loader caches q_a_proj
+    until kv_a_proj_with_mqa arrives in the same call, and a cache that ends with the call drops a lone
+    half without a word (the engine keeps serving the old fused weight). The other fusions load each part
+    into its slot and survive a split today; they are kept whole too, so that no transport depends on
+    which loader caches.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for fp in sglang_plan(shapes).values():
+        if len(fp.parts) > 1 and len(fp.shape) == len(shapes[fp.parts[0]]):  # a concatenation, not [E, ...]
+            out.update(dict.fromkeys(fp.parts, fp.parts))
+    pairs: dict[tuple[str, int], dict[bool, str]] = {}
+    for name in shapes:
+        if (m := _EXPERT.match(name)) and m.group(3) not in _DOWN:
+            pairs.setdefault((m.group(1), int(m.group(2))), {})[m.group(3) in _UP] = name
+    for pair in pairs.values():
+        if len(pair) == 2:
+            group = (pair[False], pair[True])  # gate, then up
+            out.update(dict.fromkeys(group, group))
+    return out
 
 
 def laid_out(

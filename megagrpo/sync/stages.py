@@ -18,7 +18,7 @@ Order, per sync (every learner rank takes part; two all-reduces of one int64 and
 the learner WORLD, beside the export's own collectives):
 1. each engine's owner opens its weight-update session (over HTTP, whether or not it is one of the
    engine's senders); all agree that every session opened;
-2. every stage sender streams its stage's buckets (checked one by one, as `sync.weights.stream_buckets`:
+2. every stage sender streams its stage's buckets (checked one by one, as `sync.streaming.stream_buckets`:
    names, shapes, finite values); all agree that every stage succeeded, and sum per engine the tensors
    sent, which must be the whole checkpoint;
 3. the owners close the sessions; with `sync.checksum`, every sender compares the engine's hashes of the
@@ -42,7 +42,10 @@ from megagrpo.dist.wire import wire_device
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync.broadcast import engine_call, engine_dtype, verify_remote
 from megagrpo.sync.buckets import NamedTensor
-from megagrpo.sync.weights import SyncStats, _Checker, check_announced, checkpoint_shapes, stream_buckets
+from megagrpo.sync.checks import _Checker, check_announced, checkpoint_shapes
+from megagrpo.sync.sglang_layout import load_groups
+from megagrpo.sync.stats import SyncStats
+from megagrpo.sync.streaming import stream_buckets
 
 
 class _StageChecker(_Checker):
@@ -132,11 +135,12 @@ def sync_stages(
                 for t in transports:
                     t.shapes = shapes
             shapes = transports[0].shapes
+            if transports[0].groups is None:
+                transports[0].groups = load_groups(shapes)
             check_announced(shapes, announced)
             cast = engine_dtype(transports[0].remote)
-            stats = stream_buckets(
-                it, _StageChecker(shapes), FanOut(transports), None, t0, cast=cast, keep=kept
-            )
+            checker = _StageChecker(shapes, transports[0].groups)
+            stats = stream_buckets(it, checker, FanOut(transports), None, t0, cast=cast, keep=kept)
         else:
             for _ in it:
                 pass

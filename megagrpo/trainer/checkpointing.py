@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megagrpo.bridge.hf_io import SIDE_FILES
+from megagrpo.bridge.hf_io import MTP_FILES, SIDE_FILES, HFCheckpoint, atomic_output_dir, mtp_layer_prefixes
 from megagrpo.errors import MegagrpoError
 from megagrpo.learner.checkpoint import (
     latest_checkpoint,
@@ -33,10 +33,13 @@ def save(
     hf_dir: str | Path | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory. `hf_dir`'s config.json and
-    tokenizer files travel with the checkpoint, so `convert_megatron_to_hf` can turn it into a full HF model."""
+    tokenizer files travel with the checkpoint, and its multi-token-prediction tensors (`mtp_files`), so
+    `convert_megatron_to_hf` can turn it into a full HF model, MTP layers included."""
     side = []
     if hf_dir is not None:
         side = [Path(hf_dir) / n for n in ("config.json", *SIDE_FILES) if (Path(hf_dir) / n).is_file()]
+        if not dist.is_initialized() or dist.get_rank() == 0:  # the rank that copies the side files
+            side += mtp_files(Path(hf_dir), Path(root))
     path = save_checkpoint(
         step_dir(root, step),
         learner.model,
@@ -52,6 +55,26 @@ def save(
     if dist.is_initialized():
         dist.barrier()
     return path
+
+
+def mtp_files(hf_dir: Path, root: Path) -> list[Path]:
+    """`hf_dir`'s multi-token-prediction tensors as `mtp-*.safetensors` shards (`HFCheckpoint.write_mtp`,
+    the layout `convert hf-to-megatron` leaves beside a checkpoint), extracted once per checkpoint root
+    into `root/.mtp-source` and copied beside every checkpoint: the learner does not train them, and the
+    export writes them back unchanged. Cost: their bytes once per checkpoint (DeepSeek-V3: one layer of
+    62, next to the 16 bytes a parameter of optimizer state that the checkpoint holds). [] without any."""
+    if not mtp_layer_prefixes(str(hf_dir)):  # config.json alone says whether there are any
+        return []
+    cache = root / ".mtp-source"
+    if not (cache / "done").is_file():
+        ckpt = HFCheckpoint(hf_dir)
+        if not ckpt.mtp_names():
+            return []
+        with atomic_output_dir(cache) as tmp:
+            ckpt.write_mtp(tmp)
+            (tmp / "done").write_text(str(hf_dir) + "\n")
+        ckpt.close()
+    return sorted(cache.glob(MTP_FILES))
 
 
 def resolve(root: str | Path, resume: str) -> Path | None:

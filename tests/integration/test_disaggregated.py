@@ -1,5 +1,6 @@
 """`rollout.placement.kind: disaggregated` end to end on the CPU: learner ranks and engine ranks in one
-`megagrpo train --nproc` launch, tiny Qwen3-MoE, real SGLang HTTP servers, weights over gloo.
+`megagrpo train --nproc` launch, tiny Qwen3-MoE (DeepSeek-V3's family with its MTP layer for the
+pipeline-stage run), real SGLang HTTP servers, weights over gloo.
 
 - the shipped configs/disaggregated_qwen3_moe.yaml (async, max_staleness 1, GSPO, R3, TIS auto) at tiny
   sizes: 2 learners (DP2) + 1 engine rank, the engine's weights checked against the learner's export bit
@@ -148,16 +149,19 @@ def test_pipeline_stages_send_their_own_weights_bit_exact(tmp_path):
     """PP 2 learners + 1 engine rank: each pipeline stage feeds the engine over a weights group of its own
     (no stage's tensors pass through the owner), and after every sync the engine's parameters hash like the
     stages' exports together. The stages are uneven (issue 37 section 4): 3 layers, 1 on the first stage
-    (mesh.first_stage_layers) and 2 on the last, through `megagrpo train`."""
+    (mesh.first_stage_layers) and 2 on the last, through `megagrpo train`. The model is DeepSeek-V3's
+    family as it ships (issue 43): MLA with a q latent, whose q_a/kv_a pair SGLang fuses at load, sent in
+    1 MiB buckets over the broadcast, and a multi-token-prediction layer that the sync neither sends nor
+    expects."""
     from megagrpo.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", "qwen3_moe", seed=1, layers=3)
+    model = make_tiny_model(tmp_path / "model", "deepseek_v3", seed=1, layers=3, mtp_layers=1)
     shipped = yaml.safe_load(SHIPPED.read_text())
     res = cli(
         "train", str(SHIPPED),
         *size_overrides(tmp_path, model), *data_overrides(shipped, tmp_path), reward_override(shipped),
         "rollout.num_engines=1", "mesh.pp=2", "mesh.first_stage_layers=1", "mesh.ep=1", "sync.checksum=true",
-        "schedule.steps=2",
+        "sync.bucket_mb=1", "schedule.steps=2",
         "schedule.save_every=0", "--nproc", "3",
     )  # fmt: skip
     out = res.stdout + res.stderr

@@ -4,7 +4,8 @@ Each case goes through `megagrpo.cli.main` (argument parsing, config loading and
 entry) in this process, one case after another, with a tiny model of the config's family in place of
 its model and small batch sizes. Every shipped config is a case, the families' too: Moonlight, DeepSeek-V3
 and Kimi-K2 on the tiny deepseek_v3 (MLA with a q latent, sigmoid group-limited router with a correction
-bias, a shared expert, a dense first layer), GLM-4.5-Air on the tiny glm4_moe, and the calculator demo
+bias, a shared expert, a dense first layer, one multi-token-prediction layer as DeepSeek-V3 and GLM-4.5
+ship), GLM-4.5-Air on the tiny glm4_moe (its MTP layer too), and the calculator demo
 (its SFT stage, then multi-turn RL) on the tiny deepseek_v3. Their GPU-scale settings (meshes, node and
 engine counts, engine memory share) are replaced by the one-process sizes of every case (`size_overrides`),
 and what the CPU cannot run is overridden in the case with the reason (the FP8 sampler, engines on ranks
@@ -37,9 +38,12 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from pydantic import BaseModel
+from safetensors.torch import load_file
 
+from megagrpo.bridge.hf_io import HFCheckpoint, mtp_layer_prefixes
 from megagrpo.config.loader import load_config
 from megagrpo.config.schema import Config
 from tests.fixtures.qwen3 import qwen3_model_dir
@@ -563,7 +567,9 @@ def models(tiny_model, tmp_path_factory):
     context, which the first case's model sets."""
     moe = tiny_model("qwen3_moe", max_pos=1024)
     think = qwen3_model_dir(moe, tmp_path_factory.mktemp("qwen3_think") / "m")
-    families = {f: tiny_model(f) for f in ("deepseek_v3", "glm4_moe")}
+    # with one multi-token-prediction layer, as DeepSeek-V3/R1 and GLM-4.5(-Air) ship (issue 43): not
+    # trained, not synced, carried into every checkpoint and SFT's saved model
+    families = {f: tiny_model(f, mtp_layers=1) for f in ("deepseek_v3", "glm4_moe")}
     return {"qwen3_moe": moe, "qwen3_moe_think": think, "qwen3": tiny_model("qwen3"), **families}
 
 
@@ -626,14 +632,32 @@ def test_cases_cover_every_option_value(tmp_path):
     assert not stale, f"NOT_COVERED rows that are no longer uncovered options: {stale}"
 
 
+def _assert_mtp_carried(source: Path, got: dict[str, torch.Tensor]) -> None:
+    """`got` holds the source's multi-token-prediction tensors, bit for bit (the learner does not train them)."""
+    prefixes = mtp_layer_prefixes(str(source))
+    src = HFCheckpoint(source)
+    names = src.mtp_names()
+    assert prefixes and len(names) > 20 and {n for n in got if n.startswith(prefixes)} == set(names)
+    assert all(torch.equal(got[n], src.get(n)) for n in names)
+
+
 @pytest.mark.parametrize("config", SFT_CONFIGS)
-def test_sft_stage_of_a_shipped_config(config, sft_stages):
+def test_sft_stage_of_a_shipped_config(config, sft_stages, models):
     tmp, out, rc = sft_stages(config)
     assert rc == 0
     recs = records(tmp / "run" / "sft")
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert all(_finite(r["sft/nll"]) and r["sft/tokens"] > 0 for r in recs)
     assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+    base = models[SFT_CONFIGS[config]]
+    if mtp_layer_prefixes(str(base)):  # the saved model holds the MTP layers its config promises
+        saved = HFCheckpoint(out)
+        assert (
+            saved.arch.mtp_layers
+            == 1
+            == json.loads((out / "config.json").read_text())["num_nextn_predict_layers"]
+        )
+        _assert_mtp_carried(base, {n: saved.get(n) for n in saved.mtp_names()})
 
 
 @pytest.mark.parametrize("case", RUN_ORDER, ids=[c.name for c in RUN_ORDER])
@@ -650,7 +674,10 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
     problems = run_problems(cfg, records(tmp_path / "run"))
     assert not problems, "\n".join(problems)
     # schedule.save_every=0 means "end only": the finished run is checkpointed.
-    assert (tmp_path / "ckpt" / f"step_{STEPS:08d}" / "meta.json").is_file()
+    ckpt = tmp_path / "ckpt" / f"step_{STEPS:08d}"
+    assert (ckpt / "meta.json").is_file()
+    if mtp_layer_prefixes(str(model)):  # carried beside it unchanged, for `convert megatron-to-hf`
+        _assert_mtp_carried(model, load_file(str(next(ckpt.glob("mtp-*.safetensors")))))
 
 
 def test_each_family_started_one_engine(pool):

@@ -51,6 +51,16 @@ def _hf_greedy(model, n: int = 6) -> list[list[int]]:
         ]
 
 
+def _perturbed(model, seed: int):
+    """A copy of `model` with every parameter moved by 0.05 standard normal noise."""
+    out = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return out
+
+
 @pytest.fixture
 def original_tensors(hf_reference, tmp_path_factory):
     return _checkpoint_tensors(hf_reference, tmp_path_factory.mktemp("orig"))
@@ -143,7 +153,7 @@ def test_the_engine_names_the_parameters_it_holds_in_other_shapes(sglang_engine,
     (8, 64, 64) and w2_weight (8, 64, 32) where the checkpoint packs (8, 40, 64) and (8, 64, 20), which
     the packed sync lays out zero-padded (issue 37)."""
     from megagrpo.sync.sglang_layout import FusedParam, sglang_plan
-    from megagrpo.sync.weights import engine_shape_mismatches
+    from megagrpo.sync.shape_probe import engine_shape_mismatches
 
     baseline = sglang_engine.score(SEQS)
     plan = sglang_plan({n: tuple(t.shape) for n, t in original_tensors})
@@ -186,7 +196,7 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
     export is checked before `before_send` resumes them (with the memory saver a resumed region holds
     garbage until written), so a NaN leaves the engine released, untouched, and serving its old weights
     once resumed."""
-    from megagrpo.sync import weights as sync_module
+    from megagrpo.sync import engine_state, shape_probe
 
     baseline, baseline_ids = sglang_engine.score(SEQS), _greedy(sglang_engine)
     name = "model.layers.1.mlp.experts.2.down_proj.weight"
@@ -206,13 +216,13 @@ def test_bad_values_are_caught_before_the_released_weights_are_resumed(
     update = eng.update_weights_from_tensor
 
     def update_counted(*a, **k):  # the shape probe (asked before packing) loads nothing: not an update
-        events.append("probe" if k.get("load_format") == sync_module.SHAPES_PROBE else "update")
+        events.append("probe" if k.get("load_format") == shape_probe.SHAPES_PROBE else "update")
         return update(*a, **k)
 
     eng.update_weights_from_tensor = update_counted
     try:
         sglang_engine.release(["kv_cache", "weights"])
-        sync_module._PER_ENGINE.pop(eng, None)  # the packing plan's lookups run while released
+        engine_state._PER_ENGINE.pop(eng, None)  # the packing plan's lookups run while released
         with pytest.raises(MegagrpoError, match=rf"tensor '{name}' holds NaN"):
             sync_weights(  # an iterator, as the streaming export yields: the NaN is in a later bucket
                 sglang_engine, iter(bucketize(bad, bucket_bytes=4096)), pack=pack, before_send=resume_weights
@@ -250,11 +260,8 @@ def test_the_families_sync_packed_and_hf_named(family_engine, tmp_path):
 
     engine, hf = family_engine.engine, family_engine.reference
     original = _checkpoint_tensors(hf, tmp_path / "orig")
-    updated = copy.deepcopy(hf)
-    torch.manual_seed(2)
+    updated = _perturbed(hf, seed=2)
     with torch.no_grad():
-        for p in updated.parameters():
-            p.add_(0.05 * torch.randn_like(p))
         for name, b in updated.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(b.flip(0) * 3)  # a bias that reorders the selection
@@ -281,6 +288,50 @@ def test_the_families_sync_packed_and_hf_named(family_engine, tmp_path):
         assert hf_path.checksum_ok is True and not hf_path.packed
         for a, b in zip(first, engine.score(SEQS)):
             assert torch.equal(a, b)
+    finally:
+        sync_weights(engine, bucketize(original))
+    assert _max_diff(engine, hf) < 1e-5
+
+
+def test_the_bridge_export_in_tiny_buckets_keeps_fused_groups_whole(family_engine, tmp_path):
+    """Issue 43: the bridge's export cut into 1 KiB buckets, in its map order, reaches the engine with
+    every group SGLang fuses at load whole (DeepSeek-V3's q_a/kv_a pair, which its loader drops when it
+    arrives over two calls; q/k/v, gate/up), through SGLang's `load_weights` and through the flattened
+    buckets of the GPU transport: the engine serves exactly the export, checksum true. The same export
+    cut on bytes alone, as before, is refused by name before anything is sent (before: sent, the engine
+    5.2 nats from the learner on DeepSeek-V3, checksum false)."""
+    from megagrpo.bridge.export import iter_hf_buckets
+    from megagrpo.bridge.hf_config import arch_from_hf
+    from megagrpo.bridge.maps import param_maps
+    from megagrpo.bridge.transforms import to_megatron
+    from megagrpo.sync.checksums import verify_checksum
+    from megagrpo.trainer.weights import fused_groups
+
+    engine, hf = family_engine.engine, family_engine.reference
+    original = _checkpoint_tensors(hf, tmp_path / "orig")
+    updated = _perturbed(hf, seed=3)
+    new = dict(_checkpoint_tensors(updated, tmp_path / "new"))
+    arch = arch_from_hf(family_engine.model_dir)
+    learner = {
+        pm.mcore: to_megatron(pm, [new[n] for n in pm.hf], arch, arch.vocab_size) for pm in param_maps(arch)
+    }
+    together = fused_groups(arch)
+    if arch.is_mla:
+        assert "model.layers.0.self_attn.q_a_proj.weight" in together
+
+    def export(**kw):
+        return iter_hf_buckets(learner, arch, bucket_bytes=1 << 10, **kw)
+
+    try:
+        with pytest.raises(MegagrpoError, match="later bucket"):
+            sync_weights(engine, export(), pack=False)  # cut on bytes alone: a group is split
+        assert _max_diff(engine, hf) < 1e-5  # refused before anything was sent
+        for transport in (dict(pack=False), dict(streamed=True)):
+            stats = sync_weights(engine, export(together=together), **transport)
+            assert stats.buckets > 20 and not stats.packed, transport
+            assert verify_checksum(engine, list(export(together=together))) is True, transport
+            assert _max_diff(engine, updated) < 1e-5, transport
+            sync_weights(engine, bucketize(original))  # back, so that a stale half would show next time
     finally:
         sync_weights(engine, bucketize(original))
     assert _max_diff(engine, hf) < 1e-5

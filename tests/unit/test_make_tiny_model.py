@@ -38,3 +38,36 @@ def test_bad_arch_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="--arch 'gpt2' is not supported"):
         make_tiny_model(tmp_path / "x", "gpt2")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layers_are_written_as_the_released_checkpoints_ship_them(tiny_model, arch):
+    """`mtp_layers`: `num_nextn_predict_layers` in config.json and, after the main layers, a whole MoE
+    decoder layer plus the MTP head's own tensors (the names SGLang's NextN loaders read)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megagrpo.bridge.hf_io import HFCheckpoint
+
+    path = tiny_model(arch, mtp_layers=1)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["num_hidden_layers"] == 2
+    sd = load_file(str(path / "model.safetensors"))
+    mtp = {n[len("model.layers.2.") :]: t for n, t in sd.items() if n.startswith("model.layers.2.")}
+    for own in ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head"):
+        assert f"{own}.weight" in mtp, own
+    assert mtp["eh_proj.weight"].shape == (64, 128)
+    assert "mlp.experts.7.down_proj.weight" in mtp and "mlp.shared_experts.up_proj.weight" in mtp
+    assert "self_attn.o_proj.weight" in mtp and "mlp.gate.e_score_correction_bias" in mtp
+    ckpt = HFCheckpoint(path)  # the bridge reads it: the main model's map, the MTP layer carried aside
+    assert ckpt.arch.mtp_layers == 1 and sorted(ckpt.mtp_names()) == sorted(
+        f"model.layers.2.{n}" for n in mtp
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert len(model.model.layers) == 2  # transformers builds the main model only, as the learner does
+
+
+def test_mtp_layers_need_a_deepseek_v3_shaped_arch(tmp_path):
+    with pytest.raises(SystemExit, match="--mtp-layers needs"):
+        make_tiny_model(tmp_path / "x", "qwen3_moe", mtp_layers=1)

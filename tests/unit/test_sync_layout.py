@@ -1,4 +1,4 @@
-"""Packing HF tensors into SGLang's parameter layout (sglang_layout) and into send buckets (weights._pack)."""
+"""Packing HF tensors into SGLang's parameter layout (sglang_layout) and into send buckets (packing._pack)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync import bucketize
+from megagrpo.sync.packing import _pack
 from megagrpo.sync.sglang_layout import sglang_params, sglang_plan
-from megagrpo.sync.weights import _pack
 
 H, INTER, E, Q, KV = 8, 6, 4, 8, 4
 
@@ -140,7 +140,8 @@ def test_gpu_sync_streams_and_checks_each_bucket_before_it_is_sent():
     sends nothing, a bad later one says that the engine is partly updated."""
     import time
 
-    from megagrpo.sync.weights import _Checker, _sync_streamed
+    from megagrpo.sync.checks import _Checker
+    from megagrpo.sync.streaming import _sync_streamed
 
     tensors = [(f"w{i}", torch.full((4,), float(i))) for i in range(5)]
     shapes = {n: (4,) for n, _ in tensors}
@@ -175,7 +176,7 @@ def test_gpu_sync_streams_and_checks_each_bucket_before_it_is_sent():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_all_finite_is_exact_when_the_quick_sum_overflows(dtype):
-    from megagrpo.sync.weights import all_finite
+    from megagrpo.sync.checks import all_finite
 
     big = torch.full((64,), torch.finfo(dtype).max / 2, dtype=dtype)  # finite; its sum is inf
     assert not torch.isfinite(big.sum()) and all_finite(big)
@@ -190,7 +191,7 @@ def test_all_finite_is_exact_when_the_quick_sum_overflows(dtype):
 def test_pack_stages_every_bucket_of_every_sync_in_one_shared_buffer():
     """Issue 29: one shared-memory file per engine, the same on every call and every sync, so that the
     scheduler maps it once (`load_packed`) instead of faulting 205 MB of fresh pages in on every sync."""
-    from megagrpo.sync.weights import _Staging
+    from megagrpo.sync.staging import _Staging
 
     hf = _moe_layer()
     buckets = list(bucketize(hf.items(), bucket_bytes=1024))
@@ -212,19 +213,19 @@ def test_pack_stages_every_bucket_of_every_sync_in_one_shared_buffer():
 def test_load_packed_loads_like_direct_and_keeps_the_mapping_until_the_next_load():
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from megagrpo.sync import weights
+    from megagrpo.sync import staging
 
     model = torch.nn.Linear(4, 3)
     buf = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(64), 0, (64,))
     w, b = buf[:48].view(torch.float32).view(3, 4), buf[48:60].view(torch.float32)
     w.copy_(torch.arange(12.0).view(3, 4))
     b.copy_(torch.tensor([1.0, 2.0, 3.0]))
-    weights.load_packed(model, [("weight", w), ("bias", b)])
+    staging.load_packed(model, [("weight", w), ("bias", b)])
     assert torch.equal(model.weight, torch.arange(12.0).view(3, 4)) and torch.equal(model.bias, b)
     held = StorageWeakRef(buf.untyped_storage())
     del buf, w, b
     assert not held.expired()  # the next sync's unpickling finds this mapping in torch's shared cache
-    weights.load_packed(model, [("bias", torch.zeros(3))])
+    staging.load_packed(model, [("bias", torch.zeros(3))])
     assert held.expired() and torch.equal(model.bias, torch.zeros(3))
 
 
@@ -232,7 +233,8 @@ def test_cpu_engines_are_started_with_the_packed_loader_and_its_shape_probe(tmp_
     from types import SimpleNamespace
 
     from megagrpo.rollout import RolloutConfig, RolloutEngine
-    from megagrpo.sync.weights import PACKED_LOADER, SHAPES_PROBE, packed_load_format
+    from megagrpo.sync.shape_probe import SHAPES_PROBE
+    from megagrpo.sync.staging import PACKED_LOADER, packed_load_format
 
     (tmp_path / "config.json").write_text("{}")
     engine = RolloutEngine(RolloutConfig(str(tmp_path), dtype="float32"))
@@ -269,7 +271,7 @@ _HELD_ATTN = {
 
 @pytest.mark.parametrize("case", sorted(_HELD_ATTN))
 def test_the_families_fuse_as_sglang_holds_them(tiny_model, case):
-    from megagrpo.sync.weights import checkpoint_shapes
+    from megagrpo.sync.checks import checkpoint_shapes
 
     arch = case.removesuffix("_q_null")
     model = tiny_model(arch, **({"q_lora_rank": 0} if case.endswith("_q_null") else {}))
@@ -299,7 +301,7 @@ def test_the_correction_bias_is_packed_in_fp32_in_a_bf16_engine():
 def test_a_packed_load_derives_mla_tensors_again():
     """SGLang derives MLA's w_kc/w_vc from kv_b_proj after its own load (`post_load_weights`); the packed
     load copies parameters only, so it must ask for that too, for the layers it loaded."""
-    from megagrpo.sync.weights import load_packed
+    from megagrpo.sync.staging import load_packed
 
     class Model(torch.nn.Module):
         def __init__(self):

@@ -249,7 +249,7 @@ def test_local_shards_of_a_tp2_ep2_pp2_mesh_reassemble(tiny_model):
 @pytest.mark.parametrize("case", list(CASES))
 def test_announced_shapes_are_the_checkpoint_s(tiny_model, case):
     """What the trainer announces before a streamed weight sync is exactly the engine's checkpoint."""
-    from megagrpo.sync.weights import check_announced
+    from megagrpo.sync.checks import check_announced
 
     arch, hf = _model(tiny_model, case)
     shapes = {n: tuple(t.shape) for n, t in hf.items()}
@@ -258,7 +258,7 @@ def test_announced_shapes_are_the_checkpoint_s(tiny_model, case):
 
 
 def test_a_bad_announcement_is_refused_by_name():
-    from megagrpo.sync.weights import check_announced
+    from megagrpo.sync.checks import check_announced
 
     shapes = {"a.weight": (4, 2), "b.weight": (3,)}
     for announced, words in (

@@ -5,7 +5,7 @@ parameter out zero-padded, as SGLang's own loader does (issue 37). A shape that 
 sync with an error naming the parameter and both shapes, before anything is sent (issue 36, item 9).
 Before, `load_packed` raised inside SGLang's scheduler, which died and SIGQUIT the trainer (exit 137).
 
-The fake engine runs the scheduler's side in this process: the custom loaders `sync.weights` names, on a
+The fake engine runs the scheduler's side in this process: the custom loaders `sync.staging` and `sync.shape_probe` name, on a
 model with SGLang's parameter names."""
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.sync import bucketize, sync_weights
-from megagrpo.sync import weights as w
+from megagrpo.sync import bucketize, checksums, shape_probe, staging, sync_weights
 from megagrpo.sync.sglang_layout import sglang_params, sglang_plan
 from tests.unit.test_sync_layout import INTER, E, H, _moe_layer
 
@@ -46,7 +45,9 @@ class _Engine:
         self.model = _Model(params)
         self.calls: list[str] = []
         self.server_args = SimpleNamespace(
-            model_path=str(model_dir), tp_size=1, custom_weight_loader=[w.PACKED_LOADER, w.SHAPES_PROBE]
+            model_path=str(model_dir),
+            tp_size=1,
+            custom_weight_loader=[staging.PACKED_LOADER, shape_probe.SHAPES_PROBE],
         )
         self.tokenizer_manager = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
 
@@ -55,8 +56,11 @@ class _Engine:
         return True, ""
 
     def update_weights_from_tensor(self, named, load_format=None, flush_cache=True):
-        loader = {w.PACKED_LOADER: w.load_packed, w.SHAPES_PROBE: w.report_shape_mismatches}[load_format]
-        self.calls.append("probe" if loader is w.report_shape_mismatches else "load")
+        loader = {
+            staging.PACKED_LOADER: staging.load_packed,
+            shape_probe.SHAPES_PROBE: shape_probe.report_shape_mismatches,
+        }[load_format]
+        self.calls.append("probe" if loader is shape_probe.report_shape_mismatches else "load")
         try:
             loader(self.model, named)
         except Exception as e:  # noqa: BLE001 - what the scheduler does: it dies
@@ -72,7 +76,9 @@ class _Engine:
 def checkpoint(tmp_path, monkeypatch):
     # The engine's parameter names (SGLang's checksum pass; importing SGLang for it costs minutes here).
     monkeypatch.setattr(
-        w, "engine_checksums", lambda eng: {n: w._hash(p) for n, p in eng.model.params.items()}
+        checksums,
+        "engine_checksums",
+        lambda eng: {n: checksums._hash(p) for n, p in eng.model.params.items()},
     )
     tensors = {n: t.contiguous() for n, t in _moe_layer().items()}
     save_file(tensors, tmp_path / "model.safetensors")
@@ -130,12 +136,12 @@ def test_a_padded_engine_gets_each_part_in_a_zeroed_slot_and_computes_the_same(c
     q = eng.model.params["model.layers.0.self_attn.qkv_proj.weight"]  # unpadded parameters as before
     assert torch.equal(q, unpadded["model.layers.0.self_attn.qkv_proj.weight"])
     eng.calls.clear()
-    assert w.verify_checksum(
+    assert checksums.verify_checksum(
         eng, [tensors]
     )  # the checksum lays the sent tensors out as the engine holds them
     assert eng.calls == []  # the engine's shapes are fixed for its lifetime: asked once
     hf[f"{p}.3.up_proj.weight"] = hf[f"{p}.3.up_proj.weight"] + 1
-    assert not w.verify_checksum(eng, [list(hf.items())])  # and it can fail
+    assert not checksums.verify_checksum(eng, [list(hf.items())])  # and it can fail
 
 
 def test_a_shape_that_is_no_padding_is_named_before_anything_is_sent(checkpoint):
@@ -179,7 +185,7 @@ class _DyingEngine(_Engine):
         self.tokenizer_manager._subprocess_watchdog = None
 
     def update_weights_from_tensor(self, named, load_format=None, flush_cache=True):
-        if load_format == w.SHAPES_PROBE:
+        if load_format == shape_probe.SHAPES_PROBE:
             return super().update_weights_from_tensor(named, load_format, flush_cache)
         self.calls.append("load")
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGQUIT)).start()

@@ -218,7 +218,8 @@ def test_the_ipc_path_sends_hf_tensors_that_sglang_lays_into_padded_shards_exact
     sum of the shards' outputs equals the checkpoint's experts."""
     import time
 
-    from megagrpo.sync.weights import _Checker, _sync_streamed
+    from megagrpo.sync.checks import _Checker
+    from megagrpo.sync.streaming import _sync_streamed
 
     hf = {n: t for n, t in _hf(dense=False).items() if ".experts." in n}
     eng = _PaddedShardEngine(shard=16, tp=2, global_pad=global_pad)
@@ -245,7 +246,7 @@ class _Remote:
     """A disaggregated engine at TP 1 as `verify_remote` sees it over HTTP: its device and its hashes."""
 
     def __init__(self, device: str, params: dict[str, torch.Tensor]):
-        from megagrpo.sync.weights import _hash
+        from megagrpo.sync.checksums import _hash
 
         self.device, self.name = device, "engine 0"
         self.cfg = type("Cfg", (), {"tp_size": 1})()

@@ -8,7 +8,7 @@ import pytest
 from megagrpo.config.mesh_rules import StageRoute, engines_fed, stage_routes
 from megagrpo.errors import MegagrpoError
 from megagrpo.sync.stages import FanOut, merge_stage_stats
-from megagrpo.sync.weights import SyncStats
+from megagrpo.sync.stats import SyncStats
 
 
 def test_the_engines_are_spread_over_the_replicas_each_rank_with_its_own_stage():
@@ -90,7 +90,7 @@ class _Remote:
 class _StageTransport(_Transport):
     def __init__(self, shapes) -> None:
         super().__init__("engine 0, pipeline stage 1")
-        self.remote, self.shapes = _Remote(), shapes
+        self.remote, self.shapes, self.groups = _Remote(), shapes, None
 
     def open(self):
         self.log.append("open")

@@ -304,16 +304,16 @@ class AgentConfig(Section):
     timeout_s: float = Field(
         default=600.0,
         gt=0,
-        description="Wall budget of one session: an agent still running after it is ended (a command's "
-        "process group killed; a function's thread left behind, its requests refused) and counted "
-        "(rollout/agent_timeouts), so that no agent can hang a step.",
+        description="Wall budget of one session, from its agent's start: an agent still running after it is "
+        "ended (a command's whole process tree killed; a function's thread left behind, its requests "
+        "refused) and counted (rollout/agent_timeouts), so that no agent can hang a step.",
     )
     on_failure: Literal["drop", "zero"] = Field(
         default="drop",
-        description="A session whose agent crashed, ran past timeout_s or never sent a request (counted: "
-        "rollout/agent_errors, agent_timeouts, agent_no_request): drop = its row takes no loss (reward 0 in "
-        "its group's baseline); zero = it trains with reward 0. A session with no answered request is "
-        "always dropped.",
+        description="A session whose agent crashed, ran past timeout_s, never sent a request or could not "
+        "start (counted: rollout/agent_errors, agent_timeouts, agent_no_request, agent_start_failures): "
+        "drop = its row takes no loss (reward 0 in its group's baseline); zero = it trains with reward 0. "
+        "A session with no answered request is always dropped.",
     )
     on_departure: Literal["branch", "refuse"] = Field(
         default="branch",

@@ -25,7 +25,8 @@ tools, at most the engine's context length in messages) off the event loop, and 
 and rendered off it too (`AgentSession.complete`); what cannot be read is answered 400 with OpenAI's
 error JSON before anything is generated, and counted (`rollout/agent_bad_requests`). A reply that cannot
 be sent (the client went away while the engine generated) is taken back: the turn is not recorded, so it
-trains no row, and the client's retry is served as the same turn with the same seed.
+trains no row, and the client's retry is served as the same turn with the same seed
+(`rollout/agent_undelivered`).
 
 Faults (`options.on_failure`). An agent that raises or exits non-zero ("error"), runs past its budget
 ("timeout": a command's tree is ended by its launcher; a callable's thread cannot be, so it is left behind
@@ -541,6 +542,7 @@ async def _run_session(
         version = ctx.version() if callable(ctx.version) else ctx.version
         ep = Episode(_placeholder(ctx.engine, session.prompt_index, session.sample_index, version))
         ep.bad_requests, ep.branch_refusals = session.bad_requests, session.branch_refusals
+        ep.undelivered = session.undelivered
         ep.dropped = True
     ep.info = info
     if failure is not None:

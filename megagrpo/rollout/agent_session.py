@@ -520,4 +520,5 @@ class AgentSession:
         ep.earlier = [b.traj for b in self.branches if b is not self.last and b.traj.turns > 0]
         ep.branch_refusals = self.branch_refusals
         ep.bad_requests = self.bad_requests
+        ep.undelivered = self.undelivered
         return ep

@@ -136,6 +136,7 @@ class Episode:
     branches: int = 0
     branch_refusals: int = 0
     bad_requests: int = 0
+    undelivered: int = 0  # turns taken back: the client went away before their reply
     agent_failure: str | None = None
     dropped: bool = False
     # an agent session's other branches that hold a model turn, in the order opened: each trains as a row
@@ -181,6 +182,7 @@ class MultiTurnStats:
     branches: int = 0  # agent sessions: branches past the first (`rollout.agent_session`)
     branch_refusals: int = 0
     agent_bad_requests: int = 0
+    agent_undelivered: int = 0
     agent_timeouts: int = 0
     agent_errors: int = 0
     agent_no_request: int = 0
@@ -193,6 +195,7 @@ class MultiTurnStats:
         self.branches += e.branches
         self.branch_refusals += e.branch_refusals
         self.agent_bad_requests += e.bad_requests
+        self.agent_undelivered += e.undelivered
         self.agent_timeouts += e.agent_failure == "timeout"
         self.agent_errors += e.agent_failure == "error"
         self.agent_no_request += e.agent_failure == "no_request"
@@ -260,6 +263,7 @@ class MultiTurnStats:
             "rollout/branches": float(self.branches),
             "rollout/branch_refusals": float(self.branch_refusals),
             "rollout/agent_bad_requests": float(self.agent_bad_requests),
+            "rollout/agent_undelivered": float(self.agent_undelivered),
             "rollout/agent_timeouts": float(self.agent_timeouts),
             "rollout/agent_errors": float(self.agent_errors),
             "rollout/agent_no_request": float(self.agent_no_request),

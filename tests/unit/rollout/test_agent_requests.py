@@ -233,8 +233,9 @@ def _leaves_then_retries(base_url, row):
 
 def test_a_reply_the_client_never_received_trains_no_row(tok):
     eng = SlowEngine(tok, {Q: ["Hello."]})
-    [[ep]], _ = _rollout(eng, _leaves_then_retries)
+    [[ep]], stats = _rollout(eng, _leaves_then_retries)
     assert len(eng.requests) == 2  # the engine generated the unseen turn, and then the retry
+    assert stats.metrics()["rollout/agent_undelivered"] == 1.0
     assert (ep.reward, ep.branches, ep.earlier, ep.trajectory.turns) == (1.0, 0, [], 1)
     # the row is the retry's: its ids and the seed of the session's first turn
     assert ep.trajectory.ids.tolist() == eng.requests[1]["ids"] + eng.requests[1]["out"]

@@ -125,10 +125,10 @@ def main(argv: list[str]) -> None:
             if pid == agent.pid:
                 agent.returncode = os.waitstatus_to_exitcode(status)
                 break
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent has ended: end its tree, whatever comes
     except _Stop:
         end_tree(agent.pid)
         os._exit(143)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent has ended: end its tree, whatever comes
     end_tree(agent.pid)
     _exit_as(agent.returncode)
 

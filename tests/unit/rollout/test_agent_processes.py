@@ -101,13 +101,19 @@ pids.close()
 """
 
 
-def test_a_session_ends_its_agent_s_whole_process_tree(tok, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ends", ["returns", "times_out"])
+def test_a_session_ends_its_agent_s_whole_process_tree(tok, tmp_path, monkeypatch, ends):
     pids = tmp_path / "pids"
     monkeypatch.setenv("PIDS", str(pids))
-    runner = _agent(tmp_path, LEAVES_TWO)
+    runner = _agent(tmp_path, LEAVES_TWO + ("time.sleep(120)\n" if ends == "times_out" else ""))
     runner.env = (*runner.env, "PIDS")
-    [[ep]], _ = _rollout(tok, runner)
-    assert (ep.agent_failure, ep.reward) == (None, 1.0)
+    t0 = time.monotonic()
+    [[ep]], _ = _rollout(tok, runner, options=EndpointOptions(timeout_s=10))
+    assert time.monotonic() - t0 < 40
+    if ends == "returns":
+        assert (ep.agent_failure, ep.reward) == (None, 1.0)
+    else:
+        assert (ep.agent_failure, ep.reward, ep.dropped) == ("timeout", 0.0, True)
     left = [int(p) for p in pids.read_text().split()]
     assert len(left) == 2
     assert [p for p in left if _alive(p)] == []

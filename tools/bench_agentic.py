@@ -366,7 +366,7 @@ def compare_endpoint(
             else:
                 groups, _ = rollout_sessions(
                     engine, rows, agent, sampling, limits, group_size=group_size,
-                    options=EndpointOptions(timeout_s=600.0),
+                    options=EndpointOptions(timeout_s=600.0, max_concurrent=len(rows) * group_size),  # as the driver
                 )  # fmt: skip
             runs[name].append(time.perf_counter() - t0)
             episodes = [e for g in groups for e in g]

@@ -245,6 +245,12 @@ class PlacementConfig(Section):
         return self.kind == "disaggregated"
 
 
+# What a command agent gets of the trainer's environment by default (`AgentConfig.env`): enough to find and
+# run a program and its Python, no credentials.
+AGENT_ENV_DEFAULT = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH",
+                     "VIRTUAL_ENV")  # fmt: skip
+
+
 class AgentConfig(Section):
     """Bring your own agent: an OpenAI-compatible endpoint per trajectory instead of an environment."""
 
@@ -260,9 +266,35 @@ class AgentConfig(Section):
     command: str | None = Field(
         default=None,
         description="The agent as a command, run once per trajectory with MEGAGRPO_BASE_URL and "
-        "OPENAI_BASE_URL (its session's base URL), OPENAI_API_KEY and MEGAGRPO_ROW (the data row as JSON) "
-        "in its environment; the last line of its standard output is its return, as JSON (a number, an "
-        "object with 'reward', or null). Exclusive with function.",
+        "OPENAI_BASE_URL (its session's base URL), OPENAI_API_KEY (its session's own key, never the "
+        "trainer's), MEGAGRPO_ROW_FILE (a file holding the data row as JSON, also its standard input) and "
+        "the variables named in env, nothing else of the trainer's environment; the last line of its "
+        "standard output is its return, as JSON (a number, an object with 'reward', or null). When its "
+        "session ends, its whole process tree ends with it (children in sessions of their own included). "
+        "Exclusive with function.",
+    )
+    env: list[str] = Field(
+        default_factory=lambda: list(AGENT_ENV_DEFAULT),
+        description="Names of the trainer's environment variables that a command agent gets (those set). "
+        "Nothing else is passed: a secret of the trainer (HF_TOKEN, a real OPENAI_API_KEY) reaches an "
+        "agent only when named here, and OPENAI_API_KEY, MEGAGRPO_BASE_URL, OPENAI_BASE_URL and "
+        "MEGAGRPO_ROW_FILE are always the session's own. The default is what a program needs to run.",
+    )
+    max_branches: int = Field(
+        default=4,
+        ge=1,
+        description="Branches per session (on_departure: branch): a departure that would open one more "
+        "ends the session, truncated (rollout/truncated_max_branches_frac). A session trains at most "
+        "min(max_branches, max_turns) rows, which is what megagrpo plan counts per session; 1 never "
+        "branches.",
+    )
+    max_concurrent: int = Field(
+        default=64,
+        ge=1,
+        description="Agents running at once on one engine owner (sessions past it wait to start; a "
+        "session's timeout_s starts when its agent does). Each running command agent holds processes and "
+        "file descriptors, each function agent a thread; an agent that cannot start (the process table "
+        "or the file table full) fails its own session, counted (rollout/agent_start_failures).",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
@@ -272,16 +304,16 @@ class AgentConfig(Section):
     timeout_s: float = Field(
         default=600.0,
         gt=0,
-        description="Wall budget of one session: an agent still running after it is ended (a command's "
-        "process group killed; a function's thread left behind, its requests refused) and counted "
-        "(rollout/agent_timeouts), so that no agent can hang a step.",
+        description="Wall budget of one session, from its agent's start: an agent still running after it is "
+        "ended (a command's whole process tree killed; a function's thread left behind, its requests "
+        "refused) and counted (rollout/agent_timeouts), so that no agent can hang a step.",
     )
     on_failure: Literal["drop", "zero"] = Field(
         default="drop",
-        description="A session whose agent crashed, ran past timeout_s or never sent a request (counted: "
-        "rollout/agent_errors, agent_timeouts, agent_no_request): drop = its row takes no loss (reward 0 in "
-        "its group's baseline); zero = it trains with reward 0. A session with no answered request is "
-        "always dropped.",
+        description="A session whose agent crashed, ran past timeout_s, never sent a request or could not "
+        "start (counted: rollout/agent_errors, agent_timeouts, agent_no_request, agent_start_failures): "
+        "drop = its row takes no loss (reward 0 in its group's baseline); zero = it trains with reward 0. "
+        "A session with no answered request is always dropped.",
     )
     on_departure: Literal["branch", "refuse"] = Field(
         default="branch",
@@ -304,6 +336,9 @@ class AgentConfig(Section):
             raise invalid("function", "and command are both set; name the agent by one of them")
         if self.options and self.command is not None:
             raise invalid("options", "are keyword arguments of a function; a command takes its own arguments")
+        bad = [n for n in self.env if not n or "=" in n or "\0" in n]
+        if bad:
+            raise invalid("env", f"{bad} are not variable names; list names (PATH, HOME), not NAME=value")
         return self
 
     @property
@@ -349,15 +384,16 @@ class MultiTurnConfig(Section):
     max_turns: int = Field(
         default=4,
         ge=1,
-        description="Model turns per trajectory. A trajectory whose last allowed turn leaves the "
-        "environment not done is truncated (rollout/truncated_max_turns_frac) and treated like an "
-        "overlong response (algo.overlong_filter).",
+        description="Model turns per trajectory (an agent session: over all its branches). A trajectory "
+        "whose last allowed turn leaves the environment not done is truncated "
+        "(rollout/truncated_max_turns_frac) and treated like an overlong response (algo.overlong_filter).",
     )
     max_tokens: int = Field(
         default=1024,
         ge=1,
         description="Tokens per trajectory after its prompt, model and environment tokens together (the "
-        "learner row's response length). Each turn generates at most min(rollout.max_new_tokens, what is "
+        "learner row's response length; an agent session: over all its branches, each after its own "
+        "prompt). Each turn generates at most min(rollout.max_new_tokens, what is "
         "left); running out is a truncation (rollout/truncated_max_tokens_frac).",
     )
     reward: Literal["environment", "functions"] = Field(
@@ -390,6 +426,15 @@ class MultiTurnConfig(Section):
         "with that line printed at start and every such call counted (rollout/sandbox_unisolated_calls). "
         "Only environments with a sandbox (python) read it.",
     )
+
+    @property
+    def rows_per_session(self) -> int:
+        """The most learner rows one trajectory trains: 1, or an agent session's branches, each with at least
+        one model turn of the session's `max_turns` (`rollout.agent_session`)."""
+        a = self.agent
+        if not self.enabled or not a.enabled or a.on_departure == "refuse":
+            return 1
+        return min(a.max_branches, self.max_turns)
 
     @model_validator(mode="after")
     def _agent_needs_multi_turn(self) -> MultiTurnConfig:

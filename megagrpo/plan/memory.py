@@ -513,7 +513,8 @@ def workload_from_config(cfg: Any, world_size: int, *, engines: int | None = Non
     )
     mesh.check()
     dp = world_size // (m.tp * m.cp * m.pp)
-    seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.algo.ppo_mini_batches
+    rows = cfg.rollout.multi_turn.rows_per_session  # an agent session trains a row per branch, bounded
+    seqs = cfg.rollout.prompts_per_step * cfg.rollout.group_size * rows // cfg.algo.ppo_mini_batches
     per_rank = max(1, seqs // dp)
     auto = "bfloat16"  # the plan is for GPUs, where dtype auto means bfloat16
     return Workload(
@@ -535,7 +536,7 @@ def workload_from_config(cfg: Any, world_size: int, *, engines: int | None = Non
             world_size,
             engines or max(1, world_size // cfg.rollout.engine_tp),  # colocated: one per engine_tp GPUs
             cfg.rollout.prompts_per_step,
-            cfg.rollout.group_size,
+            cfg.rollout.group_size * rows,
             max(1, len(cfg.rewards.functions)),
         ),
     )

@@ -10,26 +10,42 @@ agent (`AgentRunner`) instead of an environment. On the engine's own loop it
   tool_choice, stream false or true as server-sent events, n=1) and `GET .../models`; the token
   (`secrets.token_urlsafe`, 192 bits) is the session's only credential, and a path without a live token
   is answered 404;
-  runs every session's agent at once (a Python callable on a daemon thread, or a command as a child
-  process in its own process group), each with its wall budget `options.timeout_s`;
+  runs the sessions' agents, at most `options.max_concurrent` at once (the others wait to start; a session's
+  budget `options.timeout_s` starts with its agent): a Python callable on a daemon thread, or a command
+  under `rollout.agent_launcher` (a subreaper that ends the agent's whole process tree with it), with its
+  data row in a private file that is also its standard input, its output in files, and as its whole
+  environment the trainer's variables named in `AgentRunner.env` plus the session's URL and its own key
+  (the session's token), never the trainer's credentials;
   ends each session when its agent returns, fails or runs out of time: a later request of that session is
   answered 410 (ended) until the server stops at the end of the call; requests in flight finish on the
   engine first, so no request is left running when the call returns.
 
+Requests. A body is decoded and checked whole (`ChatRequest.parse`: messages, content parts, tool calls,
+tools, at most the engine's context length in messages) off the event loop, and the history is matched
+and rendered off it too (`AgentSession.complete`); what cannot be read is answered 400 with OpenAI's
+error JSON before anything is generated, and counted (`rollout/agent_bad_requests`). A reply that cannot
+be sent (the client went away while the engine generated) is taken back: the turn is not recorded, so it
+trains no row, and the client's retry is served as the same turn with the same seed
+(`rollout/agent_undelivered`).
+
 Faults (`options.on_failure`). An agent that raises or exits non-zero ("error"), runs past its budget
-("timeout": a command's process group is killed; a callable's thread cannot be, so it is left behind as a
-daemon whose requests are refused), or returns without one answered request ("no_request") ends its
-session, counted (`rollout/agent_errors`, `agent_timeouts`, `agent_no_request`); its row is then dropped
-(takes no loss; reward 0 in its group's baseline, as `trainer.episodes` drops an interrupted row) or scored 0
-and trained ("zero"). A session with no answered request is a one-token placeholder row that always takes no
-loss. The other sessions and the step go on.
+("timeout": a command's tree is ended by its launcher; a callable's thread cannot be, so it is left behind
+as a daemon whose requests are refused), returns without one answered request ("no_request"), or cannot
+be started at all ("start": no process, thread or file descriptor left, its program gone) ends its
+session, counted (`rollout/agent_errors`, `agent_timeouts`, `agent_no_request`, `agent_start_failures`);
+its row is then dropped (takes no loss; reward 0 in its group's baseline, as `trainer.episodes` drops an
+interrupted row) or scored 0 and trained ("zero"). A session with no answered request is a one-token
+placeholder row that always takes no loss. The other sessions and the step go on. A command's exit status
+is read from its launcher's exit, never from the end of its output, so a child that kept its output open
+neither delays the session nor turns it into a timeout.
 
 Rewards. The agent's return: a number (or bool), a dict with "reward" (its other keys go to the episode's
 info), or None to leave scoring to `rewards.functions` (`rollout.multi_turn.reward`) on the last reply's
 content. A command's return is the last line of its standard output, parsed as JSON.
 
-Cost. Host: one thread (callable) or one process (command) per session of this engine owner's share, all at
-once; the recorder holds each session's ids and routes as the driver does. Between this process and its
+Cost. Host: per running session (at most `max_concurrent`), one thread (callable) or two processes (the
+launcher, a few MB, and the command) with one pidfd and its HTTP connection in this process, and three small
+files; the recorder holds each session's ids and routes as the driver does. Between this process and its
 engine: what `rollout_episodes` sends and receives (new route rows only), plus each request's JSON over
 loopback. Nothing crosses ranks here; `rollout.groups` splits rows over engines.
 """
@@ -46,19 +62,26 @@ import secrets
 import shlex
 import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from aiohttp import web
 
+from megagrpo.config.schema import AGENT_ENV_DEFAULT as DEFAULT_ENV
 from megagrpo.errors import MegagrpoError
 from megagrpo.rewards.registry import import_object
+from megagrpo.rollout import agent_launcher
 from megagrpo.rollout.agent_session import (
     AgentSession,
+    BadRequest,
     ChatRequest,
     Departure,
     Reply,
@@ -82,11 +105,17 @@ from megagrpo.rollout.trajectory import Trajectory
 log = logging.getLogger(__name__)
 FIELD = "rollout.multi_turn.agent"
 BASE_URL_ENV = "MEGAGRPO_BASE_URL"  # a command agent's environment: its session's base URL
-ROW_ENV = "MEGAGRPO_ROW"  # and its data row, as JSON
+ROW_FILE_ENV = "MEGAGRPO_ROW_FILE"  # and a file holding its data row as JSON (also its standard input)
 _FAILURE_METRIC = {"error": "rollout/agent_errors", "timeout": "rollout/agent_timeouts",
-                   "no_request": "rollout/agent_no_request"}  # fmt: skip
+                   "no_request": "rollout/agent_no_request",
+                   "start": "rollout/agent_start_failures"}  # fmt: skip
 _WARNED: set[str] = set()  # failure kinds already logged at warning level in this process
 _MAX_BODY = 64 << 20  # bytes of one request body: long agent histories pass aiohttp's 1 MiB default
+_OUTPUT_TAIL = (
+    64 << 10
+)  # bytes of a command's standard output and error read back (its return is the last line)
+_LAUNCHER = Path(agent_launcher.__file__)
+_LAUNCHER_GRACE_S = 15.0  # for the launcher to end the agent's tree after SIGTERM (it gives up after 10 s)
 
 
 @dataclass(frozen=True)
@@ -97,19 +126,33 @@ class EndpointOptions:
     on_failure: Literal["drop", "zero"] = "drop"
     on_departure: Departure = "branch"
     host: str = "127.0.0.1"
+    max_branches: int = 4
+    max_concurrent: int = 64
 
 
 class AgentFailed(Exception):
-    """An agent's session ended without its result: `kind` is "timeout" or "error"."""
+    """An agent's session ended without its result: `kind` is "timeout", "error" or "start"."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)
         self.kind = kind
 
 
+@dataclass(frozen=True)
+class AgentCall:
+    """What one session's agent is given: its base URL, its own key (the session's token), its data row,
+    and, for a command, a private folder of the rollout's for its row and output files."""
+
+    base_url: str
+    key: str
+    row: dict
+    folder: Path | None = None
+
+
 class AgentRunner:
     """The configured agent: `function` ('pkg.module:run', called as run(base_url, row, **options)) or `command` (run
-    per session with `MEGAGRPO_BASE_URL`, `OPENAI_BASE_URL`, `OPENAI_API_KEY` and `MEGAGRPO_ROW` in its
+    per session through `rollout.agent_launcher`, with `MEGAGRPO_BASE_URL`, `OPENAI_BASE_URL`, `OPENAI_API_KEY`
+    (the session's own key), `MEGAGRPO_ROW_FILE` and the trainer's variables named in `env` as its whole
     environment). Resolved, and checked, when built: `MegagrpoError` naming the field."""
 
     def __init__(
@@ -117,11 +160,13 @@ class AgentRunner:
         function: str | Callable[..., Any] | None = None,
         command: str | None = None,
         options: dict[str, Any] | None = None,
+        env: Sequence[str] = DEFAULT_ENV,
     ) -> None:
         if (function is None) == (command is None):
             raise MegagrpoError(f"{FIELD}: set exactly one of function ('my_pkg.agent:run') and command")
         self.function: Callable[..., Any] | None = None
         self.options = dict(options or {})
+        self.env = tuple(env)
         self.argv: list[str] = []
         if self.options and function is None:
             raise MegagrpoError(f"{FIELD}.options: a command takes no options; pass them on its command line")
@@ -152,13 +197,14 @@ class AgentRunner:
                     "executable on PATH; give a command such as 'python -m my_pkg.agent'"
                 )
 
-    async def run(self, base_url: str, row: dict, timeout_s: float) -> Any:
-        """The agent's result for one session; `AgentFailed` when it fails or runs past `timeout_s`."""
+    async def run(self, call: AgentCall, timeout_s: float) -> Any:
+        """The agent's result for one session; `AgentFailed` when it fails, cannot start, or runs past
+        `timeout_s`."""
         if self.function is not None:
-            return await self._call(base_url, row, timeout_s)
-        return await self._exec(base_url, row, timeout_s)
+            return await self._call(call, timeout_s)
+        return await self._exec(call, timeout_s)
 
-    async def _call(self, base_url: str, row: dict, timeout_s: float) -> Any:
+    async def _call(self, call: AgentCall, timeout_s: float) -> Any:
         # A daemon thread, not an executor's: a hung agent must not hold the process at its exit.
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -169,45 +215,65 @@ class AgentRunner:
 
         def target() -> None:
             try:
-                result, ok = self.function(base_url, row, **self.options), True
+                result, ok = self.function(call.base_url, call.row, **self.options), True
             except BaseException as e:  # the user's agent: whatever it raises ends its session, counted
                 result, ok = AgentFailed("error", f"{type(e).__name__}: {e}"), False
             with contextlib.suppress(RuntimeError):  # the loop closed while a timed-out agent ran on
                 loop.call_soon_threadsafe(settle, ok, result)
 
-        threading.Thread(target=target, name="megagrpo-agent", daemon=True).start()
+        try:
+            threading.Thread(target=target, name="megagrpo-agent", daemon=True).start()
+        except RuntimeError as e:  # "can't start new thread": the process's threads are exhausted
+            raise AgentFailed("start", f"its thread could not start: {e}") from None
         try:
             return await asyncio.wait_for(done, timeout_s)
         except TimeoutError:
             raise AgentFailed("timeout", f"the agent ran past its {timeout_s:g} s budget") from None
 
-    async def _exec(self, base_url: str, row: dict, timeout_s: float) -> Any:
-        env = dict(os.environ)
+    def environment(self, call: AgentCall, row_file: Path) -> dict[str, str]:
+        """A command agent's whole environment: the trainer's variables named in `env`, then the session's."""
+        env = {k: os.environ[k] for k in self.env if k in os.environ}
         env.update({
-            BASE_URL_ENV: base_url,
-            "OPENAI_BASE_URL": base_url,
-            "OPENAI_API_KEY": env.get("OPENAI_API_KEY", "megagrpo"),
-            ROW_ENV: json.dumps(row, default=str),
+            BASE_URL_ENV: call.base_url,
+            "OPENAI_BASE_URL": call.base_url,
+            "OPENAI_API_KEY": call.key,
+            ROW_FILE_ENV: str(row_file),
         })  # fmt: skip
-        proc = await asyncio.create_subprocess_exec(
-            *self.argv,
-            env=env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own process group, killed whole at its deadline
-        )
+        return env
+
+    async def _exec(self, call: AgentCall, timeout_s: float) -> Any:
+        """The command under the launcher (`rollout.agent_launcher`): its row a file (also its stdin), its
+        output files, and its exit status read by waiting on the launcher, never on a pipe's end, so a child
+        that kept the agent's output open neither delays its return nor outlives it."""
+        assert call.folder is not None
+        row_file, out_file, err_file = (call.folder / n for n in ("row.json", "stdout", "stderr"))
+        row_file.write_text(json.dumps(call.row, default=str))
+        argv = [sys.executable, "-I", "-S", str(_LAUNCHER), str(os.getpid()), "--", *self.argv]
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+            # Popen, not asyncio's subprocess: it returns once the launcher runs, so the files close at once
+            # (a burst of starts holds no descriptors but one pidfd each), and asyncio's watcher would
+            # only wait, as `_exited` does
+            with row_file.open("rb") as i, out_file.open("wb") as o, err_file.open("wb") as e:
+                proc = subprocess.Popen(
+                    argv, env=self.environment(call, row_file), stdin=i, stdout=o, stderr=e,
+                    start_new_session=True,  # a deadline's SIGKILL of the launcher's group spares the trainer
+                )  # fmt: skip
+        except OSError as e:  # no file descriptor, process or memory left: this session's failure
+            raise AgentFailed("start", f"{self.argv[0]} could not start: {e}") from None
+        try:
+            code = await asyncio.wait_for(_exited(proc), timeout_s)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            await _end_launcher(proc)
             raise AgentFailed("timeout", f"the agent ran past its {timeout_s:g} s budget") from None
-        if proc.returncode != 0:
-            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no stderr"]
-            raise AgentFailed("error", f"{self.argv[0]} exited with {proc.returncode}: {tail[0]}")
-        lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
+        finally:
+            if proc.returncode is None:  # cancelled: the rollout is unwinding; end the tree all the same
+                await _end_launcher(proc)
+        err = _tail(err_file).strip().splitlines()[-1:] or ["no stderr"]
+        if code == agent_launcher.START_FAILED and err[0].startswith(agent_launcher.START_FAILED_MARK):
+            raise AgentFailed("start", err[0])
+        if code != 0:
+            raise AgentFailed("error", f"{self.argv[0]} exited with {code}: {err[0]}")
+        lines = [ln for ln in _tail(out_file).splitlines() if ln.strip()]
         if not lines:
             return None
         try:
@@ -216,6 +282,46 @@ class AgentRunner:
             raise AgentFailed(
                 "error", f"its last output line {lines[-1][:80]!r} is not JSON (a reward or an object)"
             ) from None
+
+
+def _tail(path: Path) -> str:
+    """The last `_OUTPUT_TAIL` bytes of a file, as text."""
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - _OUTPUT_TAIL))
+        return f.read().decode(errors="replace")
+
+
+async def _exited(proc: subprocess.Popen) -> int:
+    """`proc`'s exit status, awaited on its pidfd (Linux 5.3; else polled), never on its output."""
+    loop = asyncio.get_running_loop()
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel, or no descriptor left): poll
+        while proc.poll() is None:
+            await asyncio.sleep(0.05)
+        return proc.returncode
+    try:
+        ready = loop.create_future()
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+    finally:
+        os.close(fd)
+    return proc.wait()  # it has exited: reaps it at once
+
+
+async def _end_launcher(proc: subprocess.Popen) -> None:
+    """Have the launcher end the agent's tree (SIGTERM), and kill it when it does not within its grace."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(_exited(proc), _LAUNCHER_GRACE_S)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def agent_reward(result: Any) -> tuple[float | None, dict[str, Any]]:
@@ -246,8 +352,8 @@ def _chunk(rid: str, created: int, model: str, delta: dict, finish: str | None) 
 class SessionServer:
     """The HTTP side (module doc): routes a request to its session by the token in its path."""
 
-    def __init__(self, host: str, model: str) -> None:
-        self.host, self.model = host, model
+    def __init__(self, host: str, model: str, max_messages: int | None = None) -> None:
+        self.host, self.model, self.max_messages = host, model, max_messages
         self.sessions: dict[str, AgentSession] = {}
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -310,23 +416,36 @@ class SessionServer:
         except RequestError as e:
             return _error(e.status, e.message, e.code)
         try:
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError) as e:
-                raise RequestError(400, f"the request body is not JSON: {e}", "invalid_json") from None
-            req = ChatRequest.parse(body)
-        except RequestError as e:
+            # a long history takes a while to decode and check: off the loop that serves every session
+            req = await asyncio.to_thread(ChatRequest.from_json, await request.read(), self.max_messages)
+            rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+            sent: list[web.StreamResponse] = []
+
+            async def deliver(reply: Reply) -> None:
+                if req.stream:
+                    sent.append(await self._stream(request, rid, created, reply))
+                else:
+                    body = json.dumps(self._completion(rid, created, reply)).encode()
+                    sent.append(
+                        await _send(request, web.Response(body=body, content_type="application/json"))
+                    )
+
+            await session.complete(req, deliver)
+            return sent[0]
+        except BadRequest as e:
             if session.ended is None:
                 session.bad_requests += 1
             return _error(e.status, e.message, e.code)
-        try:
-            reply = await session.complete(req)
         except RequestError as e:
             return _error(e.status, e.message, e.code)
-        rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-        if not req.stream:
-            return web.json_response(self._completion(rid, created, reply))
-        return await self._stream(request, rid, created, reply)
+        except ConnectionError:  # the client went away before its reply was sent: the turn was taken back
+            return web.Response(status=499)  # nobody reads it
+        except Exception as e:  # a bug of ours: kept, and raised by the rollout once every session has ended
+            if session.fatal is None:
+                session.fatal = e
+            session.end("the rollout failed")
+            log.exception("agent session %d: the endpoint failed", session.index)
+            return _error(500, f"the rollout failed: {type(e).__name__}: {e}", "server_error")
 
     def _completion(self, rid: str, created: int, reply: Reply) -> dict[str, Any]:
         usage = {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
@@ -343,7 +462,7 @@ class SessionServer:
     async def _stream(self, request: web.Request, rid: str, created: int, reply: Reply) -> web.StreamResponse:
         """The reply as server-sent events: the role, the content, each tool call, the finish reason."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        await _send(request, resp)
         m = reply.message
         await resp.write(_chunk(rid, created, self.model, {"role": "assistant", "content": ""}, None))
         if m.get("reasoning_content"):
@@ -360,6 +479,17 @@ class SessionServer:
         return resp
 
 
+async def _send(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    """Start (and for a whole response, finish) `resp`; `ConnectionError` when the client has gone, so that
+    a reply it never got is not recorded (`AgentSession.complete`)."""
+    if request.transport is None or request.transport.is_closing():
+        raise ConnectionResetError("the client closed its connection before the reply")
+    await resp.prepare(request)
+    if isinstance(resp, web.Response):
+        await resp.write_eof()
+    return resp
+
+
 def _placeholder(engine: TurnEngine, prompt_index: int, sample_index: int, version: int) -> Trajectory:
     """The row of a session with no answered request: one token, routes that name real experts; it is
     always dropped (no loss), so only its shape matters."""
@@ -373,15 +503,31 @@ def _placeholder(engine: TurnEngine, prompt_index: int, sample_index: int, versi
 
 
 async def _run_session(
-    server: SessionServer, session: AgentSession, agent: AgentRunner, row: dict, opts: EndpointOptions
+    server: SessionServer,
+    session: AgentSession,
+    agent: AgentRunner,
+    row: dict,
+    opts: EndpointOptions,
+    slots: asyncio.Semaphore,
+    folder: Path,
 ) -> Episode:
-    """One session from its agent's start to its row (module doc)."""
+    """One session from its agent's start to its row (module doc); the agent starts once one of the
+    owner's `max_concurrent` slots is free, and its budget starts with it."""
     token = server.add(session)
     failure, detail, reward, info = None, "", None, {}
-    try:
-        reward, info = agent_reward(await agent.run(server.url(token), row, opts.timeout_s))
-    except AgentFailed as e:
-        failure, detail = e.kind, str(e)
+    async with slots:
+        call = AgentCall(server.url(token), token, row, folder / str(session.index))
+        try:
+            if agent.function is None:
+                call.folder.mkdir()
+            reward, info = agent_reward(await agent.run(call, opts.timeout_s))
+        except AgentFailed as e:
+            failure, detail = e.kind, str(e)
+        except OSError as e:  # its files could not be made: no disk or inode left, this session's failure
+            failure, detail = "start", f"its files in {call.folder} could not be written: {e}"
+        finally:
+            if agent.function is None:
+                shutil.rmtree(call.folder, ignore_errors=True)
     if failure == "error" and session.truncation is not None:
         # the endpoint truncated the trajectory and refused its next request; an agent that stops on that
         # error has not failed: the row is a truncated one, as the driver's, unscored
@@ -396,6 +542,7 @@ async def _run_session(
         version = ctx.version() if callable(ctx.version) else ctx.version
         ep = Episode(_placeholder(ctx.engine, session.prompt_index, session.sample_index, version))
         ep.bad_requests, ep.branch_refusals = session.bad_requests, session.branch_refusals
+        ep.undelivered = session.undelivered
         ep.dropped = True
     ep.info = info
     if failure is not None:
@@ -445,21 +592,25 @@ def rollout_sessions(
         dict(template_kwargs or {}),
         version,
         options.on_departure,
+        options.max_branches,
     )
     model = getattr(engine.tokenizer, "name_or_path", "") or "megagrpo"
 
     async def main() -> list[tuple[AgentSession, Episode]]:
-        server = SessionServer(options.host, model)
+        server = SessionServer(options.host, model, engine.context_len)
+        slots = asyncio.Semaphore(options.max_concurrent)
         await server.start()
         try:
-            sessions = [
-                AgentSession(ctx, index=index_offset + i * group_size + g, prompt_index=i, sample_index=g)
-                for i in range(len(rows))
-                for g in range(group_size)
-            ]
-            eps = await asyncio.gather(*(
-                _run_session(server, s, agent, dict(rows[s.prompt_index]), options) for s in sessions
-            ))  # fmt: skip
+            with tempfile.TemporaryDirectory(prefix="megagrpo-agents-") as folder:  # 0700: rows stay private
+                sessions = [
+                    AgentSession(ctx, index=index_offset + i * group_size + g, prompt_index=i, sample_index=g)
+                    for i in range(len(rows))
+                    for g in range(group_size)
+                ]
+                eps = await asyncio.gather(*(
+                    _run_session(server, s, agent, dict(rows[s.prompt_index]), options, slots, Path(folder))
+                    for s in sessions
+                ))  # fmt: skip
         finally:
             await server.stop()
         return list(zip(sessions, eps, strict=True))

@@ -29,9 +29,13 @@ is about), the others are `Episode.earlier`, in the order opened. The session ha
 gives each of its rows the session's advantage (`trainer.episodes.episode_rows`, docs/agentic.md). Every
 row trains only on ids the engine generated, in the context the engine saw.
 
-Limits, as the driver's (`rollout.multi_turn` module doc): a branch's tokens after its prompt stay within
-`max_tokens` (a turn asks for at most what is left; a request that leaves none ends the session, truncated),
-and its model turns within `max_turns` (a request for one more ends the session, truncated). The request's
+Limits, as the driver's (`rollout.multi_turn` module doc), counted over the session, all its branches
+together, so that branching never buys an agent more: the session's tokens after its branches' prompts stay
+within `max_tokens` (a turn asks for at most what is left; a request that leaves none ends the session,
+truncated), its model turns within `max_turns` (a request for one more ends the session, truncated), and
+its branches within `max_branches` (a departure that would open one more ends the session, truncated
+"max_branches"). So a session trains at most min(max_branches, max_turns) rows, and at most `max_tokens`
+tokens after prompts over them; `megagrpo plan` counts that many rows per session. The request's
 `max_tokens` / `max_completion_tokens` lower a turn's limit; its `temperature`, `top_p`, `stop` and `seed`
 are ignored: the trainer's sampling parameters are the ones the learner's importance weights assume.
 
@@ -43,12 +47,14 @@ has ended, as the driver raises an engine error after the other trajectories fin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megagrpo.envs.tools import ToolCounters
+from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.chat_delta import ChatDeltas, TemplateBreak
 from megagrpo.rollout.config import SamplingConfig
 from megagrpo.rollout.multi_turn import (
@@ -61,10 +67,11 @@ from megagrpo.rollout.multi_turn import (
     turn_seed,
 )
 from megagrpo.rollout.reasoning import ReasoningSplitter, SplitTurn
-from megagrpo.rollout.tool_calls import ParsedTurn
+from megagrpo.rollout.tool_calls import ParsedTurn, ToolCallParser
 from megagrpo.rollout.trajectory import Trajectory
 
 Departure = Literal["branch", "refuse"]
+Deliver = Callable[["Reply"], Awaitable[None]]
 
 
 class RequestError(Exception):
@@ -75,15 +82,84 @@ class RequestError(Exception):
         self.status, self.message, self.code = status, message, code
 
 
+class BadRequest(RequestError):
+    """A request the endpoint cannot read (400, counted in `rollout/agent_bad_requests`): found before
+    anything is generated or recorded, so the session is as it was."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(400, message, code)
+
+
 def content_text(content: Any) -> str:
-    """A message's content as text: a string as is, a list of parts as their texts joined, None as ""."""
+    """A message's content as text: a string as is, a list of text parts as their texts joined, None as ""
+    (`ChatRequest.parse` has checked it)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise RequestError(400, f"a message's content is a {type(content).__name__}, not text", "invalid_content")
+    return "".join(p["text"] for p in content)
+
+
+def _check_content(content: Any, where: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content is a {type(content).__name__}, not text", "invalid_content")
+    for j, part in enumerate(content):
+        if (
+            not isinstance(part, dict)
+            or part.get("type", "text") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
+            raise BadRequest(
+                f"{where}.content[{j}] is not a text part ({{'type': 'text', 'text': '...'}}): {part!r:.80}; "
+                "this endpoint serves text",
+                "invalid_content",
+            )
+
+
+def _check_message(m: Any, where: str) -> None:
+    """A chat message as the template and the recording read it, or `BadRequest` naming the field."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BadRequest(f"{where} is not a message with a 'role'", "invalid_messages")
+    _check_content(m.get("content"), where)
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise BadRequest(f"{where}.{key} is a {type(m[key]).__name__}, not a string", "invalid_messages")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where}.tool_calls is not a list", "invalid_messages")
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise BadRequest(
+                f"{where}.tool_calls[{j}] has no 'function' object with a 'name' string", "invalid_messages"
+            )
+        if not isinstance(f.get("arguments", ""), str | dict):
+            raise BadRequest(
+                f"{where}.tool_calls[{j}].function.arguments is not a JSON string", "invalid_messages"
+            )
+
+
+def _check_tools(tools: Any) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list of function schemas", "invalid_tools")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise BadRequest(
+                f"tools[{i}] is not {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}",
+                "invalid_tools",
+            )
+        if t.get("type", "function") != "function" or not isinstance(f.get("parameters", {}), dict):
+            raise BadRequest(
+                f"tools[{i}]: only function tools with object parameters are served", "invalid_tools"
+            )
+    return tools
 
 
 def _arguments_key(arguments: Any) -> str:
@@ -100,9 +176,8 @@ def message_key(m: dict[str, Any]) -> tuple:
     (`refusal`, `annotations`) do not count: clients drop or rewrite them, and the held ids are the record."""
     role = m.get("role")
     calls = tuple(
-        ((c.get("function") or {}).get("name"), _arguments_key((c.get("function") or {}).get("arguments")))
+        (c["function"]["name"], _arguments_key(c["function"].get("arguments")))
         for c in (m.get("tool_calls") or [])
-        if isinstance(c, dict)
     )
     extra = (m.get("name"), m.get("tool_call_id")) if role != "assistant" else ()
     return (role, content_text(m.get("content")), calls, extra)
@@ -125,31 +200,42 @@ class ChatRequest:
     max_tokens: int | None = None
 
     @classmethod
-    def parse(cls, body: Any) -> ChatRequest:
-        """The request, or `RequestError` 400 naming the field that is wrong."""
+    def parse(cls, body: Any, max_messages: int | None = None) -> ChatRequest:
+        """The request, or `BadRequest` naming the field that is wrong: the whole request is checked before
+        anything is generated. `max_messages`: the most messages a history may hold (the engine's context:
+        every message takes at least one token)."""
         if not isinstance(body, dict):
-            raise RequestError(400, "the request body is not a JSON object", "invalid_request")
+            raise BadRequest("the request body is not a JSON object")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "'messages' must be a non-empty list of messages", "invalid_messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise RequestError(400, f"messages[{i}] is not a message with a 'role'", "invalid_messages")
-            content_text(m.get("content"))
-        tools = body.get("tools") or []
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise RequestError(400, "'tools' must be a list of function schemas", "invalid_tools")
-        if body.get("n") not in (None, 1):
-            raise RequestError(
-                400, f"n={body.get('n')!r}: a session samples one choice per request (n=1)", "n"
+            raise BadRequest("'messages' must be a non-empty list of messages", "invalid_messages")
+        if max_messages is not None and len(messages) > max_messages:
+            raise BadRequest(
+                f"'messages' holds {len(messages)} messages, more than the engine's context of {max_messages} "
+                "tokens can hold (each message takes at least one token); shorten the history",
+                "context_length_exceeded",
             )
+        for i, m in enumerate(messages):
+            _check_message(m, f"messages[{i}]")
+        tools = _check_tools(body.get("tools"))
+        if body.get("n") not in (None, 1):
+            raise BadRequest(f"n={body.get('n')!r}: a session samples one choice per request (n=1)", "n")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise RequestError(400, "'stream' must be true or false", "invalid_stream")
+            raise BadRequest("'stream' must be true or false", "invalid_stream")
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise RequestError(400, f"max_tokens={limit!r} must be a positive integer", "invalid_max_tokens")
+            raise BadRequest(f"max_tokens={limit!r} must be a positive integer", "invalid_max_tokens")
         return cls(messages, tools, stream, limit)
+
+    @classmethod
+    def from_json(cls, raw: bytes, max_messages: int | None = None) -> ChatRequest:
+        """`parse` of a request body's bytes (run off the event loop: a long history takes a while)."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not JSON: {e}", "invalid_json") from None
+        return cls.parse(body, max_messages)
 
 
 @dataclass
@@ -174,6 +260,7 @@ class SessionContext:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     version: Version = 0
     on_departure: Departure = "branch"
+    max_branches: int = 4
 
 
 @dataclass
@@ -209,6 +296,7 @@ class AgentSession:
         self.tools = ToolCounters()
         self.cut_turns = self.cut_in_reasoning = 0
         self.bad_requests = self.branch_refusals = 0
+        self.undelivered = 0  # turns taken back: their reply never reached the client
         self.final_text = ""
         self.fatal: BaseException | None = None
 
@@ -220,6 +308,11 @@ class AgentSession:
         self.truncation = why
         self.end(f"truncated: {why}")
         return RequestError(400, message, "context_length_exceeded" if why == "max_tokens" else why)
+
+    def tokens_after_prompts(self) -> int:
+        """The session's tokens after its branches' prompts, model and environment tokens: what
+        `limits.max_tokens` bounds (module doc)."""
+        return sum(b.traj.num_tokens - b.traj.prompt_ids.numel() for b in self.branches)
 
     def _match(self, req: ChatRequest) -> tuple[Branch, list[dict]] | None:
         """The latest branch whose held history the request extends, and the new messages."""
@@ -257,48 +350,106 @@ class AgentSession:
         self.branches.append(b)
         return b
 
-    async def complete(self, req: ChatRequest) -> Reply:
-        """Serve one request (module doc); `RequestError` for what the endpoint refuses."""
+    async def complete(self, req: ChatRequest, deliver: Deliver | None = None) -> Reply:
+        """Serve one request (module doc); `RequestError` for what the endpoint refuses. `deliver` sends the
+        reply to the client under the session's lock; when it raises (the client has gone), the turn is
+        taken back, as if the request had never come, and the error is raised."""
         async with self.lock:
             if self.ended is not None:
                 raise RequestError(410, f"this session has ended ({self.ended})", "session_ended")
             self.requests += 1
-            found = self._match(req) if self.branches else None
-            if found is None and self.branches and self.ctx.on_departure == "refuse":
-                self.branch_refusals += 1
-                raise RequestError(
-                    409,
-                    f"the history departs from this session's recording ({self._departure(req)}); this run "
-                    "refuses departures (rollout.multi_turn.agent.on_departure=refuse): send the history back "
-                    "as the endpoint returned it, with new messages after it",
-                    "history_departs",
-                )
-            if found is None:
-                branch, env_ids = self._open_branch(req), []
-            else:
-                branch, new = found
-                if branch.traj.turns >= self.ctx.limits.max_turns:
-                    raise self._truncate(
-                        "max_turns", f"this trajectory has had its {self.ctx.limits.max_turns} model turns"
-                    )
+            undo = self._undo()
+            # matching and rendering a long history takes a while: off the loop that serves every session
+            branch, env_ids, parser = await asyncio.to_thread(self._prepare, req)
+            reply = await self._generate(branch, env_ids, req, parser)
+            if deliver is not None:
                 try:
-                    env_ids = branch.chat.append([render_message(m) for m in new])
-                except TemplateBreak as e:
-                    raise self._truncate("template", str(e)) from None
-                branch.held.extend(message_key(m) for m in new)
-            return await self._generate(branch, env_ids, req)
+                    await deliver(reply)
+                except BaseException:
+                    undo()
+                    raise
+            return reply
 
-    async def _generate(self, branch: Branch, env_ids: list[int], req: ChatRequest) -> Reply:
+    def _prepare(self, req: ChatRequest) -> tuple[Branch, list[int], ToolCallParser | None]:
+        """The request's branch and the ids it appends, recorded; or `RequestError`, with the session as it
+        was unless the error ends it (a limit, a template break)."""
+        limits = self.ctx.limits
+        if self.turns >= limits.max_turns:
+            raise self._truncate(
+                "max_turns",
+                f"this session has had its {limits.max_turns} model turns (rollout.multi_turn.max_turns, "
+                "counted over all its branches)",
+            )
+        try:  # before anything is generated: a tool schema the parser cannot read is the request's fault
+            parser = self.ctx.parsers.get(req.tools)
+        except (ValueError, TypeError, KeyError) as e:
+            raise BadRequest(f"'tools' could not be read as function schemas: {e}", "invalid_tools") from None
+        found = self._match(req) if self.branches else None
+        if found is None and self.branches and self.ctx.on_departure == "refuse":
+            self.branch_refusals += 1
+            raise RequestError(
+                409,
+                f"the history departs from this session's recording ({self._departure(req)}); this run "
+                "refuses departures (rollout.multi_turn.agent.on_departure=refuse): send the history back "
+                "as the endpoint returned it, with new messages after it",
+                "history_departs",
+            )
+        if found is None and len(self.branches) >= self.ctx.max_branches:
+            raise self._truncate(
+                "max_branches",
+                f"the history departs from this session's recording ({self._departure(req)}) and the "
+                f"session has opened its {self.ctx.max_branches} branches "
+                "(rollout.multi_turn.agent.max_branches)",
+            )
+        try:
+            if found is None:
+                return self._open_branch(req), [], parser
+            branch, new = found
+            env_ids = branch.chat.append([render_message(m) for m in new])
+        except TemplateBreak as e:
+            raise self._truncate("template", str(e)) from None
+        except MegagrpoError as e:  # the template refuses these messages (its raise_exception)
+            raise BadRequest(
+                f"the chat template cannot render this request: {e}", "invalid_messages"
+            ) from None
+        branch.held.extend(message_key(m) for m in new)
+        return branch, env_ids, parser
+
+    def _undo(self) -> Callable[[], None]:
+        """A function that puts the session back as it is now: its branches, their recordings and template
+        state, and its counters (a turn the client never received is not recorded)."""
+        n = len(self.branches)
+        kept = [(b, b.chat.snapshot(), b.traj.snapshot(), len(b.held)) for b in self.branches]
+        fields = ("last", "turns", "ended", "truncation", "cut_turns", "cut_in_reasoning", "final_text")
+        state = {k: getattr(self, k) for k in fields}
+        tools = dataclasses.replace(self.tools)
+
+        def undo() -> None:
+            del self.branches[n:]
+            for b, chat, traj, held in kept:
+                b.chat, b.traj = chat, traj
+                del b.held[held:]
+            for k, v in state.items():
+                setattr(self, k, v)
+            self.tools = tools
+            self.undelivered += 1
+
+        return undo
+
+    async def _generate(
+        self, branch: Branch, env_ids: list[int], req: ChatRequest, parser: ToolCallParser | None
+    ) -> Reply:
         ctx, engine, traj = self.ctx, self.ctx.engine, branch.traj
-        P = traj.prompt_ids.numel()
         held = traj.num_tokens + len(env_ids)
-        room = min(ctx.limits.max_tokens - (held - P), engine.context_len - held)
+        used = self.tokens_after_prompts() + len(env_ids)
+        room = min(ctx.limits.max_tokens - used, engine.context_len - held)
         budget = min(ctx.sampling.max_new_tokens, room, req.max_tokens or room)
         if budget < 1:
             raise self._truncate(
                 "max_tokens",
-                f"the trajectory has no token left for a reply ({held - P} tokens after its prompt, "
-                f"max_tokens {ctx.limits.max_tokens}, engine context {engine.context_len})",
+                f"the session has no token left for a reply ({used} tokens after its prompts over "
+                f"{len(self.branches)} branch(es), max_tokens {ctx.limits.max_tokens}; this branch holds "
+                f"{held} of the engine's context of {engine.context_len})",
             )
         try:
             out = await engine.generate_turn(
@@ -328,7 +479,6 @@ class AgentSession:
             return Reply(message, "length", held, len(gen))
         split = self._read(branch, branch.chat.close_model_turn(gen), cut)
         self.final_text = split.content
-        parser = ctx.parsers.get(req.tools)
         parsed = parser.parse(split.content) if parser is not None else ParsedTurn(split.content)
         self.tools.tool_calls += len(parsed.calls)
         self.tools.malformed_calls += len(parsed.malformed)
@@ -370,4 +520,5 @@ class AgentSession:
         ep.earlier = [b.traj for b in self.branches if b is not self.last and b.traj.turns > 0]
         ep.branch_refusals = self.branch_refusals
         ep.bad_requests = self.bad_requests
+        ep.undelivered = self.undelivered
         return ep

@@ -30,6 +30,7 @@ boundaries; that is the point: they are what the engine saw and generated.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,6 +79,13 @@ class ChatDeltas:
         self._rendered: list[dict] = []  # the same, each model turn as its placeholder
         self._stop = ""  # the text of the end-of-turn token that ended the last model turn, if any
         self._awaiting_model = False
+
+    def snapshot(self) -> ChatDeltas:
+        """A copy of this conversation's state that later turns do not change (messages are never
+        changed in place, only appended)."""
+        c = copy.copy(self)
+        c.messages, c._rendered = list(self.messages), list(self._rendered)
+        return c
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool) -> str:
         """The template's text for `messages` (with this conversation's tools and template kwargs)."""

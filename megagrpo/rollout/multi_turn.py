@@ -116,7 +116,8 @@ class Episode:
 
     `reward`: the environment's (None leaves scoring to the reward functions); `done`: the environment ended
     the episode; `truncation`: "max_turns" or "max_tokens" when a limit ended it instead, "template" when
-    the chat template could not append the environment's messages; `tools`: its tool outcomes; `info`: the
+    the chat template could not append the environment's messages, "max_branches" when an agent session
+    departed from its recording once more than `agent.max_branches` allows; `tools`: its tool outcomes; `info`: the
     last step's info; `cut_turns`: its model turns that stopped at their token limit, `cut_in_reasoning`
     those of them that stopped inside their reasoning."""
 
@@ -131,10 +132,11 @@ class Episode:
     cut_turns: int = 0
     cut_in_reasoning: int = 0
     # an agent session's (`rollout.agent_session`): branches past the first, departures refused, requests
-    # answered 400, how the agent failed ("timeout", "error", "no_request"), and whether its row is dropped
+    # answered 400, how the agent failed ("timeout", "error", "no_request", "start"), and whether its row is dropped
     branches: int = 0
     branch_refusals: int = 0
     bad_requests: int = 0
+    undelivered: int = 0  # turns taken back: the client went away before their reply
     agent_failure: str | None = None
     dropped: bool = False
     # an agent session's other branches that hold a model turn, in the order opened: each trains as a row
@@ -165,6 +167,7 @@ class MultiTurnStats:
     truncated_max_turns: int = 0
     truncated_max_tokens: int = 0
     truncated_template: int = 0
+    truncated_max_branches: int = 0  # agent sessions ended by `agent.max_branches`
     cut_turns: int = 0
     cut_in_reasoning: int = 0
     model_tokens: int = 0
@@ -179,9 +182,11 @@ class MultiTurnStats:
     branches: int = 0  # agent sessions: branches past the first (`rollout.agent_session`)
     branch_refusals: int = 0
     agent_bad_requests: int = 0
+    agent_undelivered: int = 0
     agent_timeouts: int = 0
     agent_errors: int = 0
     agent_no_request: int = 0
+    agent_start_failures: int = 0
     agent_dropped: int = 0
 
     def add(self, e: Episode) -> None:
@@ -190,15 +195,18 @@ class MultiTurnStats:
         self.branches += e.branches
         self.branch_refusals += e.branch_refusals
         self.agent_bad_requests += e.bad_requests
+        self.agent_undelivered += e.undelivered
         self.agent_timeouts += e.agent_failure == "timeout"
         self.agent_errors += e.agent_failure == "error"
         self.agent_no_request += e.agent_failure == "no_request"
+        self.agent_start_failures += e.agent_failure == "start"
         self.agent_dropped += e.dropped
         self.unscored += e.reward is None
         self.tools.add(e.tools)
         self.truncated_max_turns += e.truncation == "max_turns"
         self.truncated_max_tokens += e.truncation == "max_tokens"
         self.truncated_template += e.truncation == "template"
+        self.truncated_max_branches += e.truncation == "max_branches"
         self.cut_turns += e.cut_turns
         self.cut_in_reasoning += e.cut_in_reasoning
         for b in (t, *e.earlier):  # an agent session's other branches trained and were received too
@@ -244,6 +252,7 @@ class MultiTurnStats:
             "rollout/truncated_max_turns_frac": self.truncated_max_turns / n,
             "rollout/truncated_max_tokens_frac": self.truncated_max_tokens / n,
             "rollout/template_breaks": float(self.truncated_template),
+            "rollout/truncated_max_branches_frac": self.truncated_max_branches / n,
             "rollout/cut_turns_frac": self.cut_turns / turns,
             "rollout/cut_in_reasoning_frac": self.cut_in_reasoning / turns,
             "rollout/env_token_frac": self.env_tokens / max(self.env_tokens + self.model_tokens, 1),
@@ -255,9 +264,11 @@ class MultiTurnStats:
             "rollout/branches": float(self.branches),
             "rollout/branch_refusals": float(self.branch_refusals),
             "rollout/agent_bad_requests": float(self.agent_bad_requests),
+            "rollout/agent_undelivered": float(self.agent_undelivered),
             "rollout/agent_timeouts": float(self.agent_timeouts),
             "rollout/agent_errors": float(self.agent_errors),
             "rollout/agent_no_request": float(self.agent_no_request),
+            "rollout/agent_start_failures": float(self.agent_start_failures),
             "rollout/agent_dropped_frac": self.agent_dropped / n,
         }
 

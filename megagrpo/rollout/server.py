@@ -33,6 +33,7 @@ server's processes are killed and the rank exits 0: the learners' exit codes are
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -62,6 +63,29 @@ def server_args(rc: RolloutConfig, host: str, port: int, key: str) -> Any:
     kw.pop("enable_memory_saver", None)  # the engine owns its devices: nothing is ever released
     kw.update(host=host, port=port, api_key=key, admin_api_key=key, skip_server_warmup=True)
     return ServerArgs(**kw)
+
+
+REDACTED = "<redacted>"
+
+
+def redact_in_logs(secret: str) -> None:
+    """Every log record of this process, whatever its logger, with `secret` replaced by `REDACTED`: SGLang logs
+    its whole ServerArgs at log_level info (`server_args=` from `Engine._launch_subprocesses`), the launch's
+    key among them (`api_key`, `admin_api_key`). By value, through the record factory, so it holds for any
+    logger and any handler SGLang configures later (its `configure_logger` replaces the root's handlers)."""
+    make = logging.getLogRecordFactory()
+
+    def record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        r = make(*args, **kwargs)
+        try:
+            text = r.getMessage()
+        except (TypeError, ValueError):  # a malformed record: logging reports it as it would
+            return r
+        if secret in text:
+            r.msg, r.args = text.replace(secret, REDACTED), None
+        return r
+
+    logging.setLogRecordFactory(record)
 
 
 def serve(
@@ -133,6 +157,7 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
     port, key = free_port(host), secrets.token_urlsafe(32)
+    redact_in_logs(key)
     RolloutEngine(rc).export_cpu_threads_bind()  # inherited by the schedulers
     sa = server_args(rc, host=host, port=port, key=key)
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

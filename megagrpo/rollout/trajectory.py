@@ -74,6 +74,7 @@ be another trajectory's computation of the same tokens under the same weights.
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -184,6 +185,11 @@ class Trajectory:
         return None if self.num_experts is None else route_dtype(self.num_experts)
 
     # ---------------------------------------------------------------- building
+
+    def snapshot(self) -> Trajectory:
+        """A copy that later turns do not change (segments and route blocks are appended or replaced,
+        never written in place), to take a turn back (`rollout.agent_session`)."""
+        return dataclasses.replace(self, segments=list(self.segments), route_blocks=list(self.route_blocks))
 
     @property
     def num_tokens(self) -> int:

@@ -103,7 +103,7 @@ def agent_runner(mt: MultiTurnConfig):
     from megagrpo.rollout.agent_endpoint import AgentRunner
 
     a = mt.agent
-    return AgentRunner(a.function, a.command, a.options)
+    return AgentRunner(a.function, a.command, a.options, a.env)
 
 
 def episode_completion(e: Episode, trajectory: Trajectory | None = None) -> Completion:
@@ -173,7 +173,9 @@ class EpisodeSampler:
             from megagrpo.rollout.agent_endpoint import EndpointOptions, rollout_sessions
 
             a = self.cfg.agent
-            opts = EndpointOptions(a.timeout_s, a.on_failure, a.on_departure, a.host)
+            opts = EndpointOptions(
+                a.timeout_s, a.on_failure, a.on_departure, a.host, a.max_branches, a.max_concurrent
+            )
             episodes, _ = rollout_sessions(
                 engine, rows, self.agent, sampling, self.limits, options=opts, **common
             )

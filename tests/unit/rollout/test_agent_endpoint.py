@@ -372,7 +372,9 @@ def test_a_command_agent_gets_its_url_and_row_and_its_stdout_is_the_reward(tok, 
         "from megagrpo.envs.calculator_agent import run\n"
         "assert os.environ['OPENAI_BASE_URL'] == os.environ['MEGAGRPO_BASE_URL']\n"
         "print('log line')\n"
-        "print(json.dumps({'reward': run(os.environ['MEGAGRPO_BASE_URL'], json.loads(os.environ['MEGAGRPO_ROW'])), 'x': 1,\n"
+        "row = json.load(sys.stdin)\n"
+        "assert row == json.load(open(os.environ['MEGAGRPO_ROW_FILE']))\n"
+        "print(json.dumps({'reward': run(os.environ['MEGAGRPO_BASE_URL'], row), 'x': 1,\n"
         "                  'torch': 'torch' in sys.modules}))\n"
     )  # an agent process that imports megagrpo.envs does not pay torch's import (megagrpo/rewards/__init__.py)
     runner = AgentRunner(command=f"{sys.executable} {script}")

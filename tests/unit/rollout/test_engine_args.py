@@ -120,3 +120,45 @@ def test_idle_cpu_scheduler_sleeps_unless_the_user_says_otherwise(model_dir, on_
     assert engine.engine_kwargs()["sleep_on_idle"] is on_cpu
     engine.cfg = dataclasses.replace(cfg, extra_engine_args={"sleep_on_idle": not on_cpu})
     assert engine.engine_kwargs()["sleep_on_idle"] is (not on_cpu)
+
+
+def test_the_disaggregated_server_s_key_is_redacted_from_sglang_s_logs(tiny_model, monkeypatch):
+    """Issue 43: at log_level info SGLang logs its whole ServerArgs, api_key and admin_api_key among them,
+    as the server starts; the engine rank's launch key never reaches a log."""
+    import io
+    import logging
+    import signal
+    import threading
+
+    from sglang.srt.entrypoints import engine as sgl_engine
+    from sglang.srt.entrypoints import http_server
+
+    import megagrpo.rollout.server as server
+
+    rc = RolloutConfig(str(tiny_model()), log_level="info")
+    out, logged, keys = io.StringIO(), threading.Event(), []
+
+    def launch_server(server_args, **kw):  # SGLang's own log line, from its own logger, then no server
+        keys.append(server_args.api_key)
+        lg = logging.getLogger(sgl_engine.__name__)
+        handler = logging.StreamHandler(out)
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+        try:
+            lg.info(f"server_args={sgl_engine._server_args_for_logging(server_args)}")
+            lg.info("key %s", server_args.admin_api_key)  # and through a record's args
+        finally:
+            lg.removeHandler(handler)
+            logged.set()
+
+    monkeypatch.setattr(http_server, "launch_server", launch_server)
+    factory, quit_handler = logging.getLogRecordFactory(), signal.getsignal(signal.SIGQUIT)
+    try:
+        server._start_server(rc, store=None, engine=0, where="test", host="127.0.0.1")
+        assert logged.wait(60)
+    finally:
+        logging.setLogRecordFactory(factory)
+        signal.signal(signal.SIGQUIT, quit_handler)
+    text = out.getvalue()
+    assert keys and len(keys[0]) >= 32 and "api_key" in text
+    assert keys[0] not in text and text.count(server.REDACTED) >= 3

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megagrpo.bridge.hf_config_oss import hf_fields_gpt_oss, parse_gpt_oss
 from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_v3_family, rope_fields
 from megagrpo.bridge.hf_fields import require, unsupported
 from megagrpo.config.model import FAMILIES, MODEL_TYPE_ALIASES, ModelArch
@@ -26,6 +27,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -94,6 +96,8 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
         )
     if family in V3_FAMILIES:
         return ModelArch(**parse_v3_family(cfg, where, family))
+    if family == "gpt_oss":
+        return ModelArch(**parse_gpt_oss(cfg, where))
     hidden = int(require(cfg, "hidden_size", where))
     heads = int(require(cfg, "num_attention_heads", where))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -193,6 +197,9 @@ def hf_config_from_arch(
         kw.update(hf_fields_v3(arch))
         if kw["head_dim"] is None:
             del kw["head_dim"]
+        return _finish(arch, kw, base, dtype)
+    if f == "gpt_oss":
+        kw.update(hf_fields_gpt_oss(arch))
         return _finish(arch, kw, base, dtype)
     if f in ("qwen2", "qwen3", "qwen3_moe"):
         kw["use_sliding_window"] = False

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megagrpo.bridge.hf_config import arch_from_hf
-from megagrpo.bridge.maps import ParamMap, param_maps
+from megagrpo.bridge.maps import ParamMap, hf_shapes, param_maps
 from megagrpo.bridge.transforms import check_hf_shapes, to_megatron
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
@@ -156,15 +156,14 @@ class HFCheckpoint:
                 f"{self.dir}: tensor {extra[0]!r} (and {len(extra) - 1} more) is not part of a "
                 f"{self.arch.family} model with this config.json; the checkpoint and config disagree"
             )
-        for m in self.maps:
-            for name, want in zip(m.hf, m.hf_shapes, strict=True):
-                got = self.shape(name)
-                if got != want:
-                    raise MegagrpoError(
-                        f"{self.dir / self.file_of[name]}: tensor {name!r} has shape {got} but config.json "
-                        f"implies {want}; the checkpoint and its config.json disagree"
-                    )
-                self.dtype(name)
+        for name, want in hf_shapes(self.arch).items():
+            got = self.shape(name)
+            if got != want:
+                raise MegagrpoError(
+                    f"{self.dir / self.file_of[name]}: tensor {name!r} has shape {got} but config.json "
+                    f"implies {want}; the checkpoint and its config.json disagree"
+                )
+            self.dtype(name)
 
     def mtp_names(self) -> list[str]:
         """The multi-token-prediction layers' tensors (`model.layers.{num_layers + i}.*`, i below the
@@ -207,7 +206,11 @@ class HFCheckpoint:
         return self._handle(self.file_of[name]).get_tensor(name)
 
     def tensors(self, pm: ParamMap) -> list[torch.Tensor]:
-        ts = [self.get(n) for n in pm.hf]
+        """`pm`'s HF sources; of stacked expert tensors only its expert's slice is read."""
+        if pm.stacked:
+            ts = [self._handle(self.file_of[n]).get_slice(n)[pm.expert] for n in pm.hf]
+        else:
+            ts = [self.get(n) for n in pm.hf]
         check_hf_shapes(pm, ts)
         return ts
 

@@ -62,7 +62,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from megagrpo.config.model import FAMILIES, ModelArch
+from megagrpo.config.model import FAMILIES, NOT_TRAINABLE, ModelArch
 from megagrpo.errors import MegagrpoError
 from megagrpo.learner.mesh import MeshConfig
 
@@ -81,6 +81,8 @@ def padded_vocab_size(arch: ModelArch, tp: int) -> int:
 def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
     if arch.family not in FAMILIES:
         raise MegagrpoError(f"model family {arch.family!r} is not supported; use one of {FAMILIES}")
+    if arch.family in NOT_TRAINABLE:
+        raise MegagrpoError(f"model family {arch.family!r}: {NOT_TRAINABLE[arch.family]}")
     if arch.is_mla and arch.num_kv_heads != arch.num_attention_heads:
         raise MegagrpoError("multi-latent attention needs num_kv_heads == num_attention_heads")
     if arch.is_mla and arch.v_head_dim > arch.qk_nope_head_dim + arch.qk_rope_head_dim:

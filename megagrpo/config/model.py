@@ -15,13 +15,12 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "g
 # configuration class (`auto_map`), but the architecture is the family's, field for field. Accepted as
 # the family; an export keeps the source's name, so the exported directory looks like the original.
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: configuration_deepseek.DeepseekV3Config
-# Families the bridge reads and maps but `megagrpo train/sft/eval` cannot run yet, and what is missing:
-# refused by name before anything starts (trainer/preflight.py) and by the learner's builder.
+# Families the bridge and the learner build but `megagrpo train/sft/eval` cannot run yet, and what is
+# missing: refused by name before anything starts (trainer/preflight.py).
 NOT_TRAINABLE = {
     "gpt_oss": (
-        "its SGLang engine side (serving, weight sync, the harmony response format) and its learner "
-        "(attention sinks, sliding windows, clamped SwiGLU, router and expert biases) are not in megagrpo "
-        "yet; only the HF <-> megatron parameter map reads it"
+        "its SGLang engine side (serving, weight sync, the harmony response format) is not in megagrpo yet; "
+        "the HF <-> megatron conversion and the learner read it"
     ),
 }
 

@@ -206,10 +206,19 @@ def test_train_refuses_gpt_oss_by_name_before_start(tiny_model, tmp_path, capsys
     assert "SGLang engine side" in err
 
 
-def test_the_learner_refuses_what_it_cannot_build_yet():
-    """Without this the learner would build a GPTModel without sinks, windows, biases or the clamp."""
-    from megagrpo.learner.mesh import MeshConfig
-    from megagrpo.learner.model import transformer_config_from_arch
+def test_the_dist_checkpoint_writer_takes_a_slice_s_own_data(tmp_path):
+    """One expert's slice of a stacked HF tensor is a view at a storage offset; the writer's chunk views
+    index storage from its start, so without a copy every expert's chunk held expert 0's bias."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
 
-    with pytest.raises(MegagrpoError, match="model family 'gpt_oss': .*attention sinks"):
-        transformer_config_from_arch(arch_from_hf(MODELS / "gpt-oss-20b"), MeshConfig())
+    from megagrpo.bridge.dist_ckpt import ChunkSpec, write_dist_checkpoint
+
+    stacked = torch.arange(12.0).reshape(3, 4)
+    chunks = [
+        ChunkSpec("bias", (3, 4), (e, 0), (1, 4), torch.float32, f"e{e}", ((4,), (1,), 0)) for e in range(3)
+    ]
+    write_dist_checkpoint(tmp_path, chunks, [], lambda source: stacked[int(source[1:])])
+    got = {"bias": torch.zeros(3, 4)}
+    dcp.load(got, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    assert torch.equal(got["bias"], stacked)

@@ -6,7 +6,7 @@ YaRN rope with a fractional correction range (`truncate: false`). Every layer is
 bias, whose top-k logits go through a softmax over the chosen experts only; experts with biases and a
 clamped SwiGLU, `(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)` with `g = min(gate, l)`. The release
 ships MXFP4 expert weights (`quantization_config.quant_method: mxfp4`), which change no architecture
-field. Anything the learner could not reproduce exactly raises a `MegagrpoError` naming the field.
+field: `hf_io.HFCheckpoint` reads them dequantised, exactly (`bridge/mxfp4.py`). Anything the learner could not reproduce exactly raises a `MegagrpoError` naming the field.
 """
 
 from __future__ import annotations

@@ -222,3 +222,68 @@ def test_the_dist_checkpoint_writer_takes_a_slice_s_own_data(tmp_path):
     got = {"bias": torch.zeros(3, 4)}
     dcp.load(got, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
     assert torch.equal(got["bias"], stacked)
+
+
+def _mxfp4_checkpoint(src: Path, dst: Path, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`src` (the tiny gpt-oss) with its stacked expert weights shipped as MXFP4, as the release ships them:
+    random `name_blocks` [E, rows, G, 16] / `name_scales` [E, rows, G] in place of `name`."""
+    from safetensors.torch import save_file
+
+    hf = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    quant = {}
+    for name in [n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, cols, rows = hf.pop(name).shape  # [E, 32 G, rows] dequantised
+        blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(118, 130, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+        hf[name + "_blocks"], hf[name + "_scales"] = blocks, scales
+        quant[name] = (blocks, scales)
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file(hf, str(dst / "model.safetensors"))
+    return quant
+
+
+def test_mxfp4_experts_dequantise_exactly_as_transformers_does(tiny_model, tmp_path):
+    """E2M1 x 2^E8M0 read as bf16 equals transformers' own dequantisation (`_convert_moe_packed_tensors`)
+    bit for bit, whole or one expert's slice, and converts to the megatron tensors of that bf16 tensor."""
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    from megagrpo.bridge.mxfp4 import dequantize_mxfp4
+
+    quant = _mxfp4_checkpoint(tiny_model("gpt_oss", experts=4), tmp_path / "mxfp4")
+    ckpt = HFCheckpoint(tmp_path / "mxfp4")
+    assert ckpt.mxfp4 == set(quant)
+    for name, (blocks, scales) in quant.items():
+        want = _convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+        got = ckpt.get(name)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
+        assert torch.equal(dequantize_mxfp4(blocks[2], scales[2]), want[2])
+        # exact: the bf16 values are the fp32 products E2M1 x 2^(s - 127)
+        assert torch.equal(got.float(), dequantize_mxfp4(blocks, scales).float())
+    maps = {pm.mcore: pm for pm in param_maps(ckpt.arch)}
+    pm = maps["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    want = to_megatron(pm, [ckpt.get("model.layers.1.mlp.experts.gate_up_proj")[3]], ckpt.arch, 1024)
+    assert torch.equal(ckpt.megatron_tensor(pm, 1024), want)
+    assert ckpt.dtype("model.layers.1.mlp.experts.down_proj") == torch.bfloat16
+
+
+def test_a_broken_mxfp4_pair_is_named(tiny_model, tmp_path):
+    from safetensors.torch import save_file
+
+    dst = tmp_path / "mxfp4"
+    _mxfp4_checkpoint(tiny_model("gpt_oss", experts=4), dst)
+    hf = load_file(str(dst / "model.safetensors"))
+    del hf["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(hf, str(dst / "model.safetensors"))
+    with pytest.raises(MegagrpoError, match="model.layers.0.mlp.experts.down_proj"):
+        HFCheckpoint(dst)
+    from megagrpo.bridge.mxfp4 import dequantize_mxfp4
+
+    with pytest.raises(MegagrpoError, match="scales outside bf16's exact range"):
+        dequantize_mxfp4(torch.zeros(1, 1, 16, dtype=torch.uint8), torch.full((1, 1), 255, dtype=torch.uint8))

@@ -115,3 +115,20 @@ def test_what_megatron_cannot_compute_is_refused(change, words):
 
     with pytest.raises(MegagrpoError, match=words):
         transformer_config_from_arch(dataclasses.replace(TINY_GPT_OSS, **change), MeshConfig())
+
+
+def test_the_transformer_engine_spec_is_not_taken_for_gpt_oss(monkeypatch):
+    """On a GPU with TE, `auto` takes TE for a bf16 learner, but keeps gpt-oss local (its TE names and
+    expert biases are not mapped), and an explicit TE spec is refused by name."""
+    import importlib.util
+
+    from megagrpo.errors import MegagrpoError
+    from megagrpo.learner import model as learner_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    plain = dataclasses.replace(TINY_GPT_OSS, attention_sinks=False, moe_expert_bias=False)
+    assert learner_model.use_transformer_engine("auto", arch=plain, dtype=torch.bfloat16)
+    assert not learner_model.use_transformer_engine("auto", arch=TINY_GPT_OSS, dtype=torch.bfloat16)
+    with pytest.raises(MegagrpoError, match="attention sinks and expert biases on the Transformer Engine"):
+        learner_model.use_transformer_engine("transformer_engine", arch=TINY_GPT_OSS)

@@ -21,6 +21,7 @@ from megagrpo.learner.model import transformer_config_from_arch
 from megagrpo.moe import stats
 from megagrpo.moe.routers import RouterSlot
 from tests.dist._common import TINY_GPT_OSS
+from tests.unit.moe._routers import megatron_router, sets
 
 # (experts, top-k): the tiny model's, gpt-oss-20b's and gpt-oss-120b's, and an odd one
 SHAPES = {"e8_top2": (8, 2), "e32_top4": (32, 4), "e128_top4": (128, 4), "e16_top3": (16, 3)}
@@ -50,25 +51,14 @@ def _hf_router(arch, seed: int):
 
 
 def _megatron_router(arch, replay=None):
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    cfg = transformer_config_from_arch(arch, MeshConfig(), routing_replay=True)
-    r = TopKRouter.__new__(TopKRouter)
-    torch.nn.Module.__init__(r)
-    r.config, r.topk, r.score_function = cfg, cfg.moe_router_topk, cfg.moe_router_score_function
-    r.routing_type, r.router_replay = cfg.moe_router_load_balancing_type, replay
-    r.enable_expert_bias, r.expert_bias = cfg.moe_router_enable_expert_bias, None
-    r.local_tokens_per_expert = torch.zeros(arch.num_experts)
-    r.eval()
-    return r
+    return megatron_router(arch, None, replay)  # no correction bias: the logits carry gpt-oss's bias
 
 
 def _hidden(arch, seed: int) -> torch.Tensor:
     return torch.randn(N, arch.hidden_size, generator=torch.Generator().manual_seed(seed))
 
 
-def _sets(idx: torch.Tensor) -> list[list[int]]:
-    return idx.sort(-1).values.tolist()
+_sets = sets
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))

@@ -235,6 +235,9 @@ def _finish(
     for k in (
         "rope_theta", "rope_scaling", "partial_rotary_factor", "num_experts", "num_local_experts",
         "n_routed_experts", "head_dim", "architectures",
+        # the export's tensors are in `dtype` (an MXFP4 source's experts read dequantised): a kept
+        # quantization_config would have loaders look for quantised tensors that are not there
+        "quantization_config",
     ):  # fmt: skip
         cfg.pop(k, None)
     cfg.update(kw)

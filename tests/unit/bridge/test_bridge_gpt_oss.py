@@ -54,7 +54,8 @@ def test_the_export_config_maps_back_and_transformers_reads_it_alike(name):
     cfg = _cfg(name)
     arch = arch_from_hf(cfg)
     out = hf_config_from_arch(arch, base=cfg)
-    assert arch_from_hf(out) == arch and out["quantization_config"] == cfg["quantization_config"]
+    # the export writes bf16 experts: no quantization_config sends loaders looking for MXFP4 blocks
+    assert arch_from_hf(out) == arch and "quantization_config" not in out
     ours = GptOssConfig(**{k: v for k, v in out.items() if k not in ("model_type", "architectures")})
     theirs = GptOssConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
     for field in ("layer_types", "sliding_window", "swiglu_alpha", "swiglu_limit", "num_local_experts"):

@@ -288,3 +288,40 @@ def test_a_broken_mxfp4_pair_is_named(tiny_model, tmp_path):
 
     with pytest.raises(MegagrpoError, match="scales outside bf16's exact range"):
         dequantize_mxfp4(torch.zeros(1, 1, 16, dtype=torch.uint8), torch.full((1, 1), 255, dtype=torch.uint8))
+
+
+def test_mxfp4_quantisation_inverts_the_dequantisation_and_rounds_half_to_even():
+    """quantize(dequantize(blocks, scales)) gives the same blocks and scales back (a block whose largest
+    element is 4 or 6 has exactly one OCP scale); other values round to the nearest E2M1 number (half to
+    even on the mantissa bit, saturating at 6) under scale 2^(floor(log2 amax) - 2), OCP MX v1.0 6.3."""
+    from megagrpo.bridge.mxfp4 import E2M1_VALUES, dequantize_mxfp4, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=g, dtype=torch.uint8)
+    blocks[..., 0] |= 0x07  # each block's largest magnitude is 6: its scale is the OCP one
+    scales = torch.randint(100, 140, (3, 10, 4), generator=g, dtype=torch.uint8)
+    b2, s2 = quantize_mxfp4(dequantize_mxfp4(blocks, scales))
+    assert torch.equal(b2, blocks) and torch.equal(s2, scales)
+    values = torch.randn(2, 64, 5, generator=g) * 3
+    got = dequantize_mxfp4(*quantize_mxfp4(values)).float()
+    v = values.transpose(-1, -2).reshape(2, 5, 2, 32)
+    scale = 2.0 ** (torch.floor(torch.log2(v.abs().amax(-1, keepdim=True))) - 2)
+    grid = torch.tensor(E2M1_VALUES[:8])
+    dist = ((v.abs() / scale).unsqueeze(-1) - grid).abs()
+    # ties to the even code (0, 1.0, 2.0, 4.0: even index), then the nearest
+    best = (dist - 1e-6 * (torch.arange(8) % 2 == 0)).argmin(-1)
+    want = (grid[best] * v.sign() * scale).reshape(2, 5, 64).transpose(-1, -2)
+    assert torch.equal(got, want)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0] + [6.0] * 24).reshape(32, 1)
+    assert dequantize_mxfp4(*quantize_mxfp4(ties)).flatten()[:8].tolist() == [0, 1, 1, 2, 2, 4, 4, 6]
+
+
+def test_mxfp4_export_is_refused_for_a_family_without_stacked_experts(tiny_model):
+    from megagrpo.bridge.mxfp4 import mxfp4_names
+
+    assert mxfp4_names(arch_from_hf(tiny_model("gpt_oss", experts=4)))[:2] == [
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    ]
+    with pytest.raises(MegagrpoError, match="'qwen3_moe' has no stacked expert weights"):
+        mxfp4_names(arch_from_hf(tiny_model("qwen3_moe")))

@@ -33,11 +33,14 @@ server's processes are killed and the rank exits 0: the learners' exit codes are
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -150,12 +153,22 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
     from sglang.srt.entrypoints import http_server
     from sglang.srt.entrypoints.engine import Engine
 
-    from megagrpo.rollout.engine import RolloutEngine
-    from megagrpo.rollout.startup import DISABLED_ARCHS_ENV, skipped_model_modules
+    from megagrpo.rollout.engine import RolloutEngine, engine_class
+    from megagrpo.rollout.startup import (
+        DISABLED_ARCHS_ENV,
+        FAILURE_DIR_ENV,
+        failure_cause,
+        skipped_model_modules,
+    )
 
     skipped = skipped_model_modules(rc.model_path)
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
+    # where its schedulers leave the cause of their death (`rollout.startup`), for the owner's error
+    failures = os.environ[FAILURE_DIR_ENV] = tempfile.mkdtemp(prefix=f"megagrpo-engine{engine}-")
+    atexit.register(shutil.rmtree, failures, True)
+    what = f"{rc.model_path}, tp_size={rc.tp_size}, {where}"
+
     port, key = free_port(host), secrets.token_urlsafe(32)
     redact_in_logs(key)
     RolloutEngine(rc).export_cpu_threads_bind()  # inherited by the schedulers
@@ -181,18 +194,21 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
         try:
             http_server.launch_server(
                 sa,
-                run_scheduler_process_func=Engine.run_scheduler_process_func,
+                run_scheduler_process_func=engine_class(Engine).run_scheduler_process_func,
                 run_detokenizer_process_func=Engine.run_detokenizer_process_func,
                 launch_callback=ready,
             )
         except BaseException as e:  # noqa: BLE001 - the main thread reports it
-            rendezvous.publish_failure(store, engine, f"its server stopped: {type(e).__name__}: {e}")
+            cause = failure_cause(failures)
+            said = f"its scheduler failed with {cause}" if cause else f"{type(e).__name__}: {e}"
+            rendezvous.publish_failure(store, engine, f"its server ({what}) stopped: {said}")
             traceback.print_exc()
 
     def child_failed(signum: int, frame: Any) -> None:
         # Reported through the store, where the owner's waiting request looks; this rank stays until the
         # learner stops it, so the learner's error (naming the engine), not the launcher's, ends the run.
-        message = f"an SGLang process of the server died ({where})"
+        cause = failure_cause(failures)
+        message = f"an SGLang process of the server ({what}) died" + (f" with {cause}" if cause else "")
         print(f"megagrpo: error: engine {engine}: {message}", file=sys.stderr, flush=True)
         rendezvous.publish_failure(store, engine, message)
         _kill_children()

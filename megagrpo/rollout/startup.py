@@ -1,9 +1,24 @@
-"""What an SGLang engine imports when it starts, trimmed to the model it serves.
+"""What an SGLang engine starts with: the model modules it imports, the config fields SGLang reads, and
+where its scheduler processes leave the cause of their death.
 
-SGLang's model registry imports every module in `sglang.srt.models` (about 260) in each scheduler process to
-find the one class the checkpoint names. Only one of them is used. `SGLANG_DISABLED_MODEL_ARCHS` (SGLang's
-own setting, read by the registry) skips modules by name; `skipped_model_modules` lists every module except
-the one that defines the checkpoint's architecture, so a scheduler imports that module alone.
+Imports. SGLang's model registry imports every module in `sglang.srt.models` (about 260) in each scheduler
+process to find the one class the checkpoint names. Only one of them is used. `SGLANG_DISABLED_MODEL_ARCHS`
+(SGLang's own setting, read by the registry) skips modules by name; `skipped_model_modules` lists every
+module except the one that defines the checkpoint's architecture, so a scheduler imports that module alone.
+
+Config fields. SGLang's DeepSeek model (`sglang/srt/models/deepseek_v2.py`) reads `scoring_func`,
+`topk_method` and `moe_layer_freq` from the config as attributes. transformers' `DeepseekV3Config` neither
+declares nor saves them (its model has one router: sigmoid scores, a selection-only correction bias over
+group-limited top-k, every layer from `first_k_dense_replace` on MoE), so a config.json that transformers
+wrote lacks them and the scheduler died with an AttributeError. `sglang_config_fill` gives SGLang the
+values transformers' model computes with (`SGLANG_READS`), for the fields the checkpoint's own
+config.json does not set, through SGLang's `json_model_override_args`; the checkpoint is not touched.
+
+Cause of death. A scheduler that fails logs its traceback ("Scheduler hit an exception: ...") and signals
+its parent, which sees only that the process died. `reporting_failure` wraps SGLang's scheduler entry
+(`Engine.run_scheduler_process_func`, which the CPU compat also wraps): while `FAILURE_DIR_ENV` names a
+folder, the scheduler also writes that traceback, or one it did not catch, to `<folder>/<pid>.failure`,
+which `failure_cause` reads back for the error that names the engine.
 """
 
 from __future__ import annotations
@@ -11,10 +26,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import pkgutil
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from megagrpo.config.model import MODEL_TYPE_ALIASES
 
@@ -69,3 +87,86 @@ def only_the_served_model_imported(model_path: str | Path) -> Iterator[None]:
         yield
     finally:
         os.environ.pop(DISABLED_ARCHS_ENV, None)
+
+
+# Per family (`model_type`, after MODEL_TYPE_ALIASES): fields SGLang's model reads that the family's
+# transformers config class does not save, with the value transformers' model computes with (module doc).
+# The same defaults megagrpo's bridge reads for a config without them (`bridge/hf_config_v3.py`).
+SGLANG_READS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1},
+}
+
+
+def sglang_config_fill(model_path: str | Path) -> dict[str, Any]:
+    """The fields of `SGLANG_READS` that the checkpoint's config.json lacks, with their values (module
+    doc); {} when it sets them all, or is not a family listed there."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # the engine's own checks report a missing or broken config.json
+    model_type = cfg.get("model_type")
+    reads = SGLANG_READS.get(MODEL_TYPE_ALIASES.get(model_type, model_type), {})
+    return {k: v for k, v in reads.items() if k not in cfg}
+
+
+FAILURE_DIR_ENV = "MEGAGRPO_ENGINE_FAILURE_DIR"
+SCHEDULER_FAILED = "Scheduler hit an exception: "  # sglang.srt.managers.scheduler.run_scheduler_process
+_SCHEDULER_LOGGER = "sglang.srt.managers.scheduler"
+
+
+class _LastWords(logging.Handler):
+    """Writes the traceback of the scheduler's failure record to `path` (module doc, "Cause of death")."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(logging.ERROR)
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(SCHEDULER_FAILED):
+            self.path.write_text(message[len(SCHEDULER_FAILED) :])
+
+
+def reporting_failure(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A scheduler process: `inner(*args, **kwargs)` (SGLang's scheduler entry), leaving the cause of its
+    death in `$FAILURE_DIR_ENV/<pid>.failure` (module doc). A module function, so that spawn pickles it
+    (with `functools.partial`) by reference."""
+    where = os.environ.get(FAILURE_DIR_ENV)
+    if not where:
+        return inner(*args, **kwargs)
+    path = Path(where) / f"{os.getpid()}.failure"
+    logging.getLogger(_SCHEDULER_LOGGER).addHandler(_LastWords(path))
+    try:
+        return inner(*args, **kwargs)
+    except Exception:  # not SystemExit: a scheduler that exits when told to has not failed
+        path.write_text(traceback.format_exc())
+        raise
+
+
+def failure_cause(where: str | Path | None) -> str | None:
+    """The cause a scheduler left under `where` (`reporting_failure`): the exception's last line and the
+    frame that raised it, of the first to fail; None when none left one."""
+    if where is None:
+        return None
+    reports = sorted(Path(where).glob("*.failure"), key=lambda p: p.stat().st_mtime)
+    for report in reports:
+        lines = [ln for ln in report.read_text().splitlines() if ln.strip()]
+        if not lines:
+            continue
+        frames = [ln.strip() for ln in lines if ln.lstrip().startswith('File "')]
+        return lines[-1].strip() + (f" (at {frames[-1]})" if frames else "")
+    return None
+
+
+@contextlib.contextmanager
+def failures_reported_to(where: str | Path) -> Iterator[None]:
+    """Set `FAILURE_DIR_ENV` while an engine's processes are spawned (they inherit it), then put it back."""
+    previous = os.environ.get(FAILURE_DIR_ENV)
+    os.environ[FAILURE_DIR_ENV] = str(where)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(FAILURE_DIR_ENV, None)
+        else:
+            os.environ[FAILURE_DIR_ENV] = previous

@@ -99,15 +99,14 @@ class SamplerMixin:
         from megagrpo.rollout.placement import engine_cores
 
         rc = replace(rollout_config(self.cfg, self.model_path), base_gpu_id=self.engines.base_gpu_id())
-        with engine_cores(placement) if placement else contextlib.nullcontext():
-            engine = RolloutEngine(rc).start()
-        # one line per engine, so a job's log says where its samplers run
         where = f"cores {list(placement.engine)}" if placement else f"first GPU {rc.base_gpu_id}"
-        print(
-            f"engine {self.engines.engine} of {self.engines.num_engines}: rank {self.engines.rank} on "
-            f"{node_name()}, {where}",
-            flush=True,
+        engines = self.engines
+        name = (
+            f"engine {engines.engine} of {engines.num_engines}: rank {engines.rank} on {node_name()}, {where}"
         )
+        with engine_cores(placement) if placement else contextlib.nullcontext():
+            engine = RolloutEngine(rc, name=name).start()
+        print(name, flush=True)  # one line per engine, so a job's log says where its samplers run
         return engine
 
     def connect_engine(self, index: int):

@@ -22,10 +22,15 @@ import torch
 # checkpoint gives (8, 40, 64)): every engine test, and every weight sync of one, runs on padded expert
 # parameters (issue 37); the unpadded packed sync is covered by every trainer test.
 ENGINE_MODEL = dict(arch="qwen3_moe", experts=8, topk=2, moe_intermediate=20)
-# MLA with a q latent (DeepSeek-V3, Kimi-K2; q_lora_rank null is served in test_trainer_e2e's run), and
-# GLM-4.5's partial rotary, q/k/v biases and q/k norms; both with a sigmoid router, a correction bias,
-# group-limited top-k, a shared expert and a dense first layer.
-FAMILY_MODELS = {"deepseek_v3": dict(arch="deepseek_v3"), "glm4_moe": dict(arch="glm4_moe")}
+# MLA as Moonlight ships it: no q latent (q_lora_rank null), plain rope (rope_scaling null), and the
+# config.json transformers' DeepseekV3Config writes, without the router fields SGLang reads (issue 43; the q
+# latent and YaRN of DeepSeek-V3 and Kimi-K2 are served in test_trainer_e2e's family run); and GLM-4.5's
+# partial rotary, q/k/v biases and q/k norms; both with a sigmoid router, a correction bias, group-limited
+# top-k, a shared expert and a dense first layer.
+FAMILY_MODELS = {
+    "deepseek_v3": dict(arch="deepseek_v3", q_lora_rank=0, yarn=False),
+    "glm4_moe": dict(arch="glm4_moe"),
+}
 
 
 @pytest.fixture(scope="session")

@@ -255,3 +255,27 @@ def test_a_cpu_engine_of_two_ranks_gets_its_threads_bind(tmp_path, monkeypatch):
     monkeypatch.setenv(THREADS_BIND_ENV, "5|6")  # the user's own
     RolloutEngine(RolloutConfig(str(tmp_path), tp_size=2)).export_cpu_threads_bind()
     assert os.environ[THREADS_BIND_ENV] == "5|6"
+
+
+def test_the_plan_modules_import_in_one_direction():
+    """Issue 43 part 5: `plan/engines.py` imported `plan/memory.py`, which imported it back (for
+    `EngineSpan`); the engine's side of the plan now lives in `plan/engine_rank.py`, below both. Every
+    import between the plan's modules, the type-checking ones included, runs one way."""
+    import ast
+
+    plan = REPO / "megagrpo" / "plan"
+    edges = {}
+    for path in plan.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megagrpo.plan."):
+                found.add(node.module.rsplit(".", 1)[1])
+        edges[path.stem] = found
+
+    def reaches(start, goal, seen=()):
+        return any(
+            n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in edges.get(start, ())
+        )
+
+    assert edges["memory"] and "engine_rank" in edges["engines"]
+    assert not [m for m in edges if reaches(m, m)], edges

@@ -143,7 +143,7 @@ KNOWN_LOG_RECORDS: tuple[KnownLogRecord, ...] = (
     KnownLogRecord(
         "sglang.srt.entrypoints.engine",
         "Using custom SIGQUIT handler",
-        "printed at every engine start: megagrpo's engine takes SIGQUIT while SGLang starts (rollout.engine)",
+        "printed at every engine start: megagrpo's engine takes SIGQUIT while SGLang starts (rollout.engines.engine)",
     ),
     KnownLogRecord(
         "torch.utils.cpp_extension",

@@ -146,7 +146,7 @@ def make_config(
         # Multi-latent attention with a q latent and YaRN (factor 4 over a quarter of the positions), or
         # plain rope (`yarn=False`). The config is what transformers' DeepseekV3Config saves: without the
         # router's `topk_method`/`scoring_func`/`moe_layer_freq`, which the released configs add and
-        # SGLang reads (the engine fills them: `rollout.startup.sglang_config_fill`).
+        # SGLang reads (the engine fills them: `rollout.engines.startup.sglang_config_fill`).
         yarn_scaling = {
             "type": "yarn",
             "factor": 4.0,

@@ -5,7 +5,7 @@ its expert parallelism inside the same ranks; what SGLang replicates is whole on
 `plan/engine_rank.py`), and its KV cache must hold at least one sequence. When no
 node has enough GPUs for that, the engine spans nodes: SGLang's multi-node engine, one server process per
 node (`ServerArgs.nnodes`, `node_rank`, `dist_init_addr`), which megagrpo starts in the disaggregated
-placement (`config.mesh_rules.engine_nodes`, `engine_node_of`; `rollout/server.py`). DeepSeek-V3 (671B) in
+placement (`config.mesh_rules.engine_nodes`, `engine_node_of`; `rollout/engines/server.py`). DeepSeek-V3 (671B) in
 bf16 needs it on any 8-GPU node, in fp8 on 80 GB GPUs; Kimi-K2 (1T) anywhere.
 
 The plan names the smallest engine (a power of two GPUs, as TP sizes go) and the nodes it spans, and

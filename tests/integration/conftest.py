@@ -91,7 +91,7 @@ def family_engine(request, tiny_model, tmp_path_factory):
     from megagrpo.compat.sglang_cpu import HITS_DIR_ENV
 
     model_dir = tiny_model(**FAMILY_MODELS[request.param])
-    # SIGQUIT has one handler per process and an engine's start takes it over (rollout.engine, "SIGQUIT");
+    # SIGQUIT has one handler per process and an engine's start takes it over (rollout.engines.engine, "SIGQUIT");
     # the session engine's is put back, which tests of that engine check (one engine per trainer process).
     session_handler = signal.getsignal(signal.SIGQUIT)
     hits_dir = tmp_path_factory.mktemp(f"{request.param}_compat_hits")

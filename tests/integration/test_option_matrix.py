@@ -536,7 +536,7 @@ def _correction_problems(name: str, spec, r: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pool():
-    import megagrpo.rollout.engine as engine_module
+    import megagrpo.rollout.engines.engine as engine_module
     from megagrpo.compat import apply_cpu_compat
 
     apply_cpu_compat(megatron=True, sglang=True)

@@ -208,7 +208,7 @@ def test_an_engine_that_cannot_start_is_an_error_naming_it_and_the_cause(tiny_mo
 
     apply_cpu_compat(megatron=False, sglang=True)
     from megagrpo.rollout import RolloutConfig, RolloutEngine
-    from megagrpo.rollout.engine import EngineFailed, _is_mp_helper
+    from megagrpo.rollout.engines.engine import EngineFailed, _is_mp_helper
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model("deepseek_v3", q_lora_rank=0, yarn=False), model)  # the family engine's

@@ -1,4 +1,4 @@
-"""An engine start imports only the SGLang model module that serves the checkpoint (rollout/startup.py)."""
+"""An engine start imports only the SGLang model module that serves the checkpoint (rollout/engines/startup.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,14 @@ import os
 
 import pytest
 
-from megagrpo.rollout import RolloutConfig, startup
-from megagrpo.rollout.engine import RolloutEngine
-from megagrpo.rollout.startup import DISABLED_ARCHS_ENV, only_the_served_model_imported, skipped_model_modules
+from megagrpo.rollout import RolloutConfig
+from megagrpo.rollout.engines import startup
+from megagrpo.rollout.engines.engine import RolloutEngine
+from megagrpo.rollout.engines.startup import (
+    DISABLED_ARCHS_ENV,
+    only_the_served_model_imported,
+    skipped_model_modules,
+)
 
 FAMILIES = {
     "llama": "LlamaForCausalLM",
@@ -85,7 +90,7 @@ def transformers_saved_deepseek_v3(where):
 
 def test_the_router_fields_sglang_reads_are_filled_where_the_config_lacks_them(tmp_path):
     from megagrpo.bridge.hf_config import arch_from_hf
-    from megagrpo.rollout.startup import sglang_config_fill
+    from megagrpo.rollout.engines.startup import sglang_config_fill
 
     d = transformers_saved_deepseek_v3(tmp_path / "v3")
     saved = json.loads((d / "config.json").read_text())
@@ -119,7 +124,12 @@ def test_a_schedulers_cause_of_death_is_left_for_the_engines_error(tmp_path, mon
     what escapes it; `failure_cause` reads the exception and the frame that raised it."""
     import logging
 
-    from megagrpo.rollout.startup import FAILURE_DIR_ENV, SCHEDULER_FAILED, failure_cause, reporting_failure
+    from megagrpo.rollout.engines.startup import (
+        FAILURE_DIR_ENV,
+        SCHEDULER_FAILED,
+        failure_cause,
+        reporting_failure,
+    )
 
     def scheduler_that_fails():  # SGLang's run_scheduler_process: logs the traceback, then returns
         try:

@@ -24,7 +24,7 @@ import pytest
 import uvloop
 
 from megagrpo.rollout.config import RolloutConfig, SamplingConfig
-from megagrpo.rollout.engine import RolloutEngine
+from megagrpo.rollout.engines.engine import RolloutEngine
 from megagrpo.trainer.session import Session
 from megagrpo.trainer.signals import REQUEUE_EXIT_CODE, StopRequest
 
@@ -75,7 +75,9 @@ class FakeTokenizerManager:
 class FakeSGLangEngine:
     """`sglang.Engine` as `RolloutEngine` uses it; each request is SIGTERMed while it is in flight."""
 
-    run_scheduler_process_func = staticmethod(print)  # wrapped by `rollout.engine.engine_class`, never run
+    run_scheduler_process_func = staticmethod(
+        print
+    )  # wrapped by `rollout.engines.engine.engine_class`, never run
 
     def __init__(self, **kwargs) -> None:
         self.loop = uvloop.new_event_loop()

@@ -30,7 +30,7 @@ loop ends (the loop is stopped), and `wait` (generate, score) and the weight syn
 bucket it was loading, raise `EngineFailed`; arriving between requests, it is raised in the main thread.
 Every later use of the engine raises `EngineFailed` at once instead of waiting for a scheduler that is
 gone. The error names the engine (`name`: its index, rank, host and devices where the trainer gives them)
-and the cause its scheduler left (`rollout.startup`, "Cause of death").
+and the cause its scheduler left (`rollout.engines.startup`, "Cause of death").
 
 A failed start. SGLang's own SIGQUIT handler during `sglang.Engine(...)` kills this process's whole tree
 too (a scheduler that fails while loading the model signals its parent): exit 137 at start, with no word
@@ -64,14 +64,14 @@ import torch
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import Completion, completion_from_output
 from megagrpo.rollout.config import DTYPES, RolloutConfig, SamplingConfig
-from megagrpo.rollout.startup import (
+from megagrpo.rollout.engines.startup import (
     failure_cause,
     failures_reported_to,
     only_the_served_model_imported,
     reporting_failure,
     sglang_config_fill,
 )
-from megagrpo.rollout.trajectory import PREFIX_REREAD
+from megagrpo.rollout.episodes.trajectory import PREFIX_REREAD
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def _signal_taken_at_start(signum: int, frame: Any) -> None:
 
 
 def engine_class(sglang_engine: type) -> type:
-    """`sglang_engine` whose scheduler processes leave the cause of their death (`rollout.startup`): its
+    """`sglang_engine` whose scheduler processes leave the cause of their death (`rollout.engines.startup`): its
     scheduler entry as it is now (SGLang's, or the CPU compat's) wrapped in `reporting_failure`."""
     entry = functools.partial(reporting_failure, sglang_engine.run_scheduler_process_func)
     namespace = {"run_scheduler_process_func": staticmethod(entry), "__module__": __name__}
@@ -163,7 +163,7 @@ class EngineRequests(abc.ABC):
     """The requests every engine transport sends, built and decoded in one place: prompt checks, sampling
     parameters and seeds, the layout of SGLang's `GenerateReqInput`, and the decoding of the answers
     (`generate`, `generate_turn`, `score`). Two transports carry them: `RolloutEngine`, an in-process
-    `sglang.Engine`, and `rollout.remote.RemoteEngine`, SGLang's HTTP server on ranks of its own. A
+    `sglang.Engine`, and `rollout.engines.remote.RemoteEngine`, SGLang's HTTP server on ranks of its own. A
     transport provides `_request`, `loop` and `routes_num_experts`, and sets the model's dimensions
     (`_read_dims`, `context_len`, `tokenizer`) when it starts.
 
@@ -334,7 +334,7 @@ class EngineRequests(abc.ABC):
     ) -> dict[str, Any]:
         """One request, awaited on `self.loop`: SGLang's raw result for `input_ids` (output ids, sampler
         logprobs, finish reason and, when the engine returns routes, the route rows of sequence positions
-        `[routed_experts_start_len, len(input_ids) + new tokens - 1)`; `rollout.trajectory` decodes them).
+        `[routed_experts_start_len, len(input_ids) + new tokens - 1)`; `rollout.episodes.trajectory` decodes them).
 
         One turn of a multi-turn trajectory: each trajectory sends its own requests, because SGLang takes one
         `routed_experts_start_len` per call. `max_new_tokens` overrides `sampling.max_new_tokens` (the
@@ -343,7 +343,7 @@ class EngineRequests(abc.ABC):
 
         When the engine recomputed part of the held prefix (`meta_info["cached_tokens"]` below the start: the
         radix cache evicted it since the last turn), the routes of that recompute are read back at once and
-        added under `trajectory.PREFIX_REREAD` (`_reread_prefix_routes`; `rollout.trajectory` module doc)."""
+        added under `trajectory.PREFIX_REREAD` (`_reread_prefix_routes`; `rollout.episodes.trajectory` module doc)."""
         if self.asleep:
             raise MegagrpoError(
                 f"the rollout engine has released {sorted(self._released)}; call resume() first"

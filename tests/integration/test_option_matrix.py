@@ -225,6 +225,13 @@ def doc_argv(cmd: DocCommand) -> list[str]:
     return cmd.argv({"CONFIG": doc_config(cmd), "my_pkg.agent": "tests.integration.command_agent"})[1:]
 
 
+def doc_family(cmd: DocCommand) -> str:
+    """The tiny model family of a doc command's config: the one its config's own case runs on."""
+    config = Path(doc_argv(cmd)[1]).name
+    assert config in DOC_FAMILY, f"{cmd.where}: {config} has no family in DOC_FAMILY (add its case's)"
+    return DOC_FAMILY[config]
+
+
 DOC_SFT = {Path(doc_argv(c)[1]).name: c for c in commands("one process") if c.words[1] == "sft"}
 # An agent's reward is the calculator's, 0 for every sample of a model that never learned the task: no group
 # would survive dynamic sampling, and no step would train.
@@ -233,7 +240,7 @@ DOC_CASES = tuple(
     Case(
         f"doc_{c.where}",
         Path(doc_argv(c)[1]).name,
-        DOC_FAMILY[Path(doc_argv(c)[1]).name],
+        doc_family(c),
         DOC_OPTIONS.get(Path(doc_argv(c)[1]).name, ()),
         doc=c,
     )

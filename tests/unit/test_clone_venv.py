@@ -4,6 +4,7 @@ only read. The real shared venv and two real clones: test_install.py's two-clone
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -182,3 +183,28 @@ def test_the_cli_refuses_to_run_in_a_spawned_child_of_an_unguarded_script(tmp_pa
     assert res.returncode == 2, res.stderr[-3000:]  # the child's exit: the user error
     assert "calls megagrpo.cli.main() when it is imported" in res.stderr and "usage" not in res.stderr
     assert "`make setup`" in res.stderr and "Traceback" not in res.stderr
+
+
+def _unguarded_entry_calls(source: str) -> list[str]:
+    """Module-level calls of `main`/`sys.exit` outside `if __name__ == "__main__":` (what a spawned child,
+    re-running the script as `__mp_main__`, would run again)."""
+    bad = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+            continue
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            name = ast.unparse(call.func)
+            if name in ("main", "sys.exit") and not isinstance(node, ast.FunctionDef | ast.ClassDef):
+                bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_every_script_runs_its_command_only_as_the_main_module():
+    """The scripts a user runs (tools/, launch/, the modules run with `-m`, the console script) start their
+    command under the `__main__` guard, so a spawned child (SGLang's scheduler) never runs it again."""
+    assert _unguarded_entry_calls("import sys\nfrom megagrpo.cli import main\n\nsys.exit(main())\n")
+    assert not _unguarded_entry_calls(CONSOLE_SCRIPT)
+    scripts = [*(REPO / "tools").glob("*.py"), *(REPO / "launch").glob("*.py")]
+    scripts += [p for p in (REPO / "megagrpo").rglob("*.py") if "__main__" in p.read_text()]
+    bad = {str(p.relative_to(REPO)): b for p in scripts if (b := _unguarded_entry_calls(p.read_text()))}
+    assert not bad, bad

@@ -1,7 +1,9 @@
 """`megagrpo train` end to end: real SGLang engine, real megatron learner, tiny Qwen3-MoE, through the CLI.
 
 The runs are module-scoped and shared by the assertions, because each one starts an engine (tens of
-seconds here).
+seconds here). `cli` runs the command a user types after `make setup`: this clone's `.venv/bin/megagrpo`
+(tools/clone_venv.py), one process starting its own engine, as the files that import it do too (issue 43: that
+script killed every single-process engine start, while the tests ran `python -m megagrpo.cli`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures.doc_commands import commands
 from tests.integration.run_metrics import last_record_per_step, step_differences
 
 REPO = Path(__file__).resolve().parents[2]
+MEGAGRPO = REPO / ".venv" / "bin" / "megagrpo"  # the clone's console script, as `make setup` writes it
 GROUPS = ("rollout/", "reward/", "adv/", "loss/", "mismatch/", "moe/", "sync/", "perf/", "eval/")
 
 
@@ -64,9 +68,12 @@ def write_config(tmp: Path, model: Path, **over) -> Path:
 
 
 def cli(*args: str, timeout: float = 900, env: dict | None = None, **popen) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+    """`megagrpo ARGS` as a user runs it: the clone's console script, whose `.pth` puts the clone (and so
+    `tests.*` reward functions) on the path; no PYTHONPATH."""
+    assert MEGAGRPO.is_file(), f"{MEGAGRPO} is missing: `make setup` writes it"
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", *args],
+        [str(MEGAGRPO), *args],
         cwd=REPO,
         env=env,
         text=True,
@@ -178,12 +185,15 @@ def test_console_shows_the_steps_without_the_known_library_noise(full_run):
 
 
 def test_eval_of_a_checkpoint_repeats_the_runs_own_evaluation(full_run):
-    """`megagrpo eval --resume step_3` scores the held-out set greedily with the step-3 weights: the same
-    numbers the training run logged at step 3, written under run/eval/ without touching the run's log."""
+    """`megagrpo eval --resume step_3`, README's command with this run's config and checkpoint, scores the
+    held-out set greedily with the step-3 weights: the same numbers the training run logged at step 3,
+    written under run/eval/ without touching the run's log."""
     tmp, res = full_run
     assert res.returncode == 0
     before = (tmp / "run" / "metrics.jsonl").read_text()
-    ev = cli("eval", str(tmp / "config.yaml"), "--resume", str(tmp / "ckpt" / "step_00000003"))
+    (doc,) = commands("eval")
+    step_3 = tmp / "ckpt" / "step_00000003"
+    ev = cli(*doc.argv({"CONFIG": tmp / "config.yaml", "outputs/demo/checkpoints/step_00000100": step_3})[1:])
     assert ev.returncode == 0, ev.stderr[-3000:]
     (rec,) = records(tmp / "run" / "eval")
     train3 = records(tmp / "run")[-1]
@@ -294,7 +304,8 @@ def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
 
 
 TWO_PROCESS_RUN = {"schedule__steps": 2, "schedule__eval_every": 2, "schedule__save_every": 2, "replay": "R3"}
-EP2_ASYNC = ("mesh.ep=2", "rollout.mode=async", "rollout.max_staleness=1")  # run by test_install.py
+# Async sampling (k = 1) on README's `megagrpo train CONFIG --nproc 2 mesh.ep=2`: run by test_install.py
+ASYNC_K1 = ("rollout.mode=async", "rollout.max_staleness=1")
 
 
 def check_two_process_run(tmp: Path, is_async: bool) -> None:

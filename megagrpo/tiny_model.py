@@ -22,10 +22,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+from megagrpo.bridge.hf_config_v3 import V3_FAMILIES
+from megagrpo.bridge.maps import MAPPED_FAMILIES
+
+# Every family the bridge maps has a tiny model (the bridge's own table, so a new family cannot be missed).
+ARCHS = MAPPED_FAMILIES
 # DeepSeek-V3-shaped routers: sigmoid scores, a non-zero correction bias, group-limited top-k over 2 groups
 # (a group scored by its top-2 experts, so topk_group = topk / 2), shared experts, the first layer dense.
-V3_ARCHS = ("deepseek_v3", "glm4_moe")
+V3_ARCHS = V3_FAMILIES
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (

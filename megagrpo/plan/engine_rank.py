@@ -55,7 +55,7 @@ def engine_vocab_rows(vocab_size: int, engine_tp: int) -> int:
 
 def _attention_numels(arch: ModelArch, tp: int) -> list[int]:
     """One layer's attention tensors on one engine rank, SGLang's layout (module doc)."""
-    H, n, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    H, n = arch.hidden_size, arch.num_attention_heads
     if arch.is_mla:
         qk, rq, rkv, dr = (
             arch.qk_nope_head_dim + arch.qk_rope_head_dim,
@@ -73,7 +73,15 @@ def _attention_numels(arch: ModelArch, tp: int) -> list[int]:
             n * (arch.qk_nope_head_dim + arch.v_head_dim) // tp * rkv,
             H * n * arch.v_head_dim // tp,
         ]
-    kv_heads = g // tp if g % tp == 0 else 1  # QKVParallelLinear replicates kv heads past their number
+    return gqa_numels(arch, tp)
+
+
+def gqa_numels(arch: ModelArch, tp: int) -> list[int]:
+    """One GQA layer's attention tensors on one TP rank: q, k, v rows [(n/tp + 2 kv heads) d, H], their bias,
+    q/k norms [d] and the output projection [H, nd/tp]. megatron's `linear_qkv` and SGLang's
+    `QKVParallelLinear` hold the same elements, each replicating kv heads when TP exceeds them."""
+    H, n, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    kv_heads = g // tp if g % tp == 0 else 1
     rows = (n // tp + 2 * kv_heads) * d
     out = [rows * H]
     if arch.qkv_bias:

@@ -73,6 +73,7 @@ from megagrpo.plan.engine_rank import (  # re-exported: the engine's side of the
     EngineSpan,
     dtype_bytes,
     engine_weight_bytes,
+    gqa_numels,
     kv_bytes_per_token,
 )
 
@@ -257,7 +258,7 @@ def attention_numels(arch: ModelArch, tp: int) -> list[int]:
     Engine's replicates them, which adds (r_q + r_kv + d_r)(1 - 1/tp)H per layer (< 8% of DeepSeek-V3's
     attention at TP8).
     """
-    H, n, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    H, n = arch.hidden_size, arch.num_attention_heads
     if arch.is_mla:
         qk, rq, rkv = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.q_lora_rank, arch.kv_lora_rank
         q = [n * qk // tp * H] if rq is None else [rq // tp * H, rq, n * qk // tp * rq]
@@ -267,13 +268,7 @@ def attention_numels(arch: ModelArch, tp: int) -> list[int]:
             n * (arch.qk_nope_head_dim + arch.v_head_dim) // tp * rkv,
         ]
         return [*q, *kv, H * n * arch.v_head_dim // tp]
-    qkv_rows = (n + 2 * g) * d // tp if g % tp == 0 else (n // tp + 2) * d
-    out = [qkv_rows * H]
-    if arch.qkv_bias:
-        out.append(qkv_rows)
-    if arch.qk_norm:
-        out += [d, d]
-    return [*out, H * n * d // tp]
+    return gqa_numels(arch, tp)
 
 
 # ---------------------------------------------------------------------------------- learner state

@@ -22,13 +22,14 @@ import torch
 # checkpoint gives (8, 40, 64)): every engine test, and every weight sync of one, runs on padded expert
 # parameters (issue 37); the unpadded packed sync is covered by every trainer test.
 ENGINE_MODEL = dict(arch="qwen3_moe", experts=8, topk=2, moe_intermediate=20)
-# MLA as Moonlight ships it: no q latent (q_lora_rank null), plain rope (rope_scaling null), and the
-# config.json transformers' DeepseekV3Config writes, without the router fields SGLang reads (issue 43; the q
-# latent and YaRN of DeepSeek-V3 and Kimi-K2 are served in test_trainer_e2e's family run); and GLM-4.5's
-# partial rotary, q/k/v biases and q/k norms; both with a sigmoid router, a correction bias, group-limited
-# top-k, a shared expert and a dense first layer.
+# MLA with DeepSeek-V3's q latent (whose down projection SGLang fuses with kv_a_proj_with_mqa at load, so
+# the sync's fused-group guarantee is proven on a real engine), plain rope (rope_scaling null, as Moonlight
+# ships it) and the config.json transformers' DeepseekV3Config writes, without the router fields SGLang
+# reads (issue 43; Moonlight's null q latent and DeepSeek-V3's YaRN are served in test_trainer_e2e's family
+# run); and GLM-4.5's partial rotary, q/k/v biases and q/k norms; both with a sigmoid router, a correction
+# bias, group-limited top-k, a shared expert and a dense first layer.
 FAMILY_MODELS = {
-    "deepseek_v3": dict(arch="deepseek_v3", q_lora_rank=0, yarn=False),
+    "deepseek_v3": dict(arch="deepseek_v3", yarn=False),
     "glm4_moe": dict(arch="glm4_moe"),
 }
 

@@ -166,14 +166,14 @@ def test_the_families_generate_as_transformers_does(family_engine):
     CPU in fp32: greedy output equal to transformers' argmax, the sampler's logprob of every token equal to
     transformers' to fp32 round-off, and routes for every MoE layer (issue 37, part 2). Before the
     torch-native MLA path, DeepSeek-V3's prefill attended over the latent KV pool: off by 0.55 nats.
-    DeepSeek-V3's model is Moonlight's shape, as transformers saves it (issue 43): plain rope, which SGLang's
-    CPU rope refused, and no `topk_method`/`scoring_func`/`moe_layer_freq`, without which SGLang's model
+    DeepSeek-V3's model is saved as transformers saves it (issue 43), with Moonlight's plain rope, which
+    SGLang's CPU rope refused, and no `topk_method`/`scoring_func`/`moe_layer_freq`, without which SGLang's model
     raised AttributeError; either way the engine's start killed this process (exit 137)."""
     engine, hf = family_engine.engine, family_engine.reference
     saved = json.loads((family_engine.model_dir / "config.json").read_text())
     if family_engine.family == "deepseek_v3":
         assert not {"topk_method", "scoring_func", "moe_layer_freq"} & saved.keys()
-        assert saved["q_lora_rank"] is None and saved["rope_parameters"]["rope_type"] == "default"
+        assert saved["q_lora_rank"] and saved["rope_parameters"]["rope_type"] == "default"
     prompts = [[5, 17, 33, 2, 90, 14], [1, 307, 260, 202, 44, 45, 46, 47, 48, 49, 50, 51]]
     groups = engine.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True), 1)
     layers, topk = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
@@ -211,7 +211,7 @@ def test_an_engine_that_cannot_start_is_an_error_naming_it_and_the_cause(tiny_mo
     from megagrpo.rollout.engines.engine import EngineFailed, _is_mp_helper
 
     model = tmp_path / "model"
-    shutil.copytree(tiny_model("deepseek_v3", q_lora_rank=0, yarn=False), model)  # the family engine's
+    shutil.copytree(tiny_model("deepseek_v3", yarn=False), model)  # the family engine's
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "hidden_act": "relu"}))
     name = "engine 3 of 4: rank 6 on node-x, cores [0, 1]"

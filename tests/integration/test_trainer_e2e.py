@@ -346,14 +346,17 @@ FAMILY_MESHES = {"deepseek_v3": (), "glm4_moe": ("mesh.ep=2",)}
 
 @pytest.mark.parametrize("family", sorted(FAMILY_MESHES))
 def test_the_families_train_with_gspo_r3_and_tis(tmp_path, family):
-    """`megagrpo train` on DeepSeek-V3 (MLA with a q latent and YaRN; Moonlight's q_lora_rank null and plain
-    rope are served against transformers by test_sglang_engine's family engine) on DP2 and GLM-4.5
+    """`megagrpo train` on DeepSeek-V3 (MLA as Moonlight ships it, without a q latent, with DeepSeek-V3's
+    YaRN; the q latent and plain rope are served against transformers by test_sglang_engine's family engine) on DP2 and GLM-4.5
     on EP2, GSPO + R3 + TIS with the sampler in fp32 (issue 37, part 4): every step's learner logprobs equal
     the sampler's to fp32 round-off, also after a weight sync (MLA, shared experts, dense layer, correction
     bias; under EP2 gathered from both ranks), the learner routes as the sampler did, nothing falls back."""
     from megagrpo.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", family, seed=1)
+    # q_lora_rank 0 writes Moonlight's null q latent (deepseek_v3 only; GLM-4.5 has none)
+    model = make_tiny_model(
+        tmp_path / "model", family, seed=1, **({"q_lora_rank": 0} if family == "deepseek_v3" else {})
+    )
     cfg = write_config(
         tmp_path, model, **{**TWO_PROCESS_RUN, "schedule__save_every": 0, "schedule__eval_every": 0}
     )

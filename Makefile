@@ -41,10 +41,12 @@ help:
 # it); `.venv` is a small venv of this clone's own over it (tools/clone_venv.py: the clone's root and the
 # shared site-packages on its path, its own `megagrpo`), so `megagrpo`, `.venv/bin/python` and every launch
 # that starts `sys.executable` (torchrun, srun, the Slurm templates' python) import this clone's package,
-# whichever clone set up last. Redone when the shared venv or the clone's path changes (the stamp holds
-# both); a second run is instant.
+# whichever clone set up last. Redone when the shared venv, the clone's path or clone_venv.py itself changes
+# (the stamp holds all three: a clone set up by an earlier recipe gets the current console script); a
+# second run is instant.
+OVERLAY_OF = $(VENV) $(CURDIR) $(shell sha256sum tools/clone_venv.py | cut -c1-16)
 setup: $(VENV)/.installed
-	@[ ! -L .venv ] && [ "$$(cat .venv/.overlay-of 2>/dev/null)" = "$(VENV) $(CURDIR)" ] \
+	@[ ! -L .venv ] && [ "$$(cat .venv/.overlay-of 2>/dev/null)" = "$(OVERLAY_OF)" ] \
 	  || $(VENV)/bin/python tools/clone_venv.py $(VENV) $(CURDIR)
 
 # Order-only: the venv's path already carries the lock's hash, so a changed lock means another venv. A

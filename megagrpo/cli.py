@@ -76,6 +76,23 @@ def _report(error: MegagrpoError) -> None:
         print(f"megagrpo: error: {error}", file=sys.stderr)
 
 
+def _refuse_a_spawned_rerun() -> None:
+    """Stop a command that a spawned child process started by re-running its parent's main script.
+
+    SGLang starts its scheduler with the spawn method, which runs the parent's main script again in the child
+    (as `__mp_main__`). A script that calls `main()` outside an `if __name__ == "__main__":` guard would run
+    the whole command in there, a second engine included, and the scheduler dies of it. multiprocessing
+    marks that phase on the current process (`_inheriting`, what its own `_check_not_importing_main` reads)."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise MegagrpoError(
+            f"{sys.argv[0]} calls megagrpo.cli.main() when it is imported, so a process started with the spawn "
+            "method (SGLang's scheduler) runs the command again: call it under `if __name__ == "
+            '"__main__":`. A clone whose .venv/bin/megagrpo was written before this was fixed: `make setup`'
+        )
+
+
 def _check_world(cfg, stage: str, nproc: int | None) -> None:
     """The mesh against the world size this run will have (`--nproc`, else the launcher's variables)."""
     from megagrpo.config import check_mesh
@@ -138,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet_known_noise(verbose=getattr(args, "verbose", False) or verbose_requested())
     try:
+        _refuse_a_spawned_rerun()
         if args.cmd == "convert":
             rest = args.args
             if not rest or rest[0] not in ("hf-to-megatron", "megatron-to-hf"):

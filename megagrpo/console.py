@@ -141,6 +141,11 @@ KNOWN_SYNTAX_WARNINGS: tuple[tuple[str, str, str], ...] = (
 
 KNOWN_LOG_RECORDS: tuple[KnownLogRecord, ...] = (
     KnownLogRecord(
+        "sglang.srt.entrypoints.engine",
+        "Using custom SIGQUIT handler",
+        "printed at every engine start: megagrpo's engine takes SIGQUIT while SGLang starts (rollout.engines.engine)",
+    ),
+    KnownLogRecord(
         "torch.utils.cpp_extension",
         "No CUDA runtime is found",
         "the CUDA build of torch on a machine without a GPU; megagrpo builds no extensions",

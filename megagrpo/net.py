@@ -1,7 +1,7 @@
 """Network helpers of a launch's processes: the address this node advertises to the others, a free port.
 
 Used wherever a process hosts something the others connect to: a disaggregated engine's HTTP server
-(`rollout.server`), a weights group's store (`sync.broadcast`), a lone process's rendezvous
+(`rollout.engines.server`), a weights group's store (`sync.broadcast`), a lone process's rendezvous
 (`learner.mesh`, `convert`). Stdlib and `errors` only, so every layer may import it.
 
 Which address. The host name's address (`gethostbyname(gethostname())`) is 127.0.1.1 on many images

@@ -7,7 +7,8 @@ with a chat template. Tests, benchmarks and the demo build every model they use 
     python tools/make_tiny_model.py OUT_DIR --arch qwen3_moe [--experts 8 --topk 2 --seed 0]
 
 `--arch deepseek_v3` (multi-latent attention, YaRN; `--q-lora-rank 0` writes `q_lora_rank: null`, a full-rank
-query projection as Moonlight and DeepSeek-V2-Lite ship it) and `--arch glm4_moe` (partial rotary, q/k/v biases,
+query projection as Moonlight and DeepSeek-V2-Lite ship it; `--no-yarn` plain rope, `rope_scaling: null` as
+Moonlight ships it) and `--arch glm4_moe` (partial rotary, q/k/v biases,
 q/k norms) have DeepSeek-V3's router: sigmoid scores, a non-zero correction bias, group-limited top-k
 (2 groups), one shared expert, and a dense first layer; `--mtp-layers 1` adds a multi-token-prediction
 layer after the main ones (`num_nextn_predict_layers`), as DeepSeek-V3/R1 and GLM-4.5 ship it.
@@ -24,10 +25,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
+from megagrpo.bridge.hf_config_v3 import V3_FAMILIES
+from megagrpo.bridge.maps import MAPPED_FAMILIES
+
+# Every family the bridge maps has a tiny model (the bridge's own table, so a new family cannot be missed).
+ARCHS = MAPPED_FAMILIES
 # DeepSeek-V3-shaped routers: sigmoid scores, a non-zero correction bias, group-limited top-k over 2 groups
 # (a group scored by its top-2 experts, so topk_group = topk / 2), shared experts, the first layer dense.
-V3_ARCHS = ("deepseek_v3", "glm4_moe")
+V3_ARCHS = V3_FAMILIES
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
@@ -83,6 +88,7 @@ def make_config(
     *,
     hidden: int,
     q_lora_rank: int = 32,
+    yarn: bool = True,
     mla_dims: tuple[int, int, int, int] = (16, 16, 8, 16),
     layers: int,
     experts: int,
@@ -144,11 +150,19 @@ def make_config(
             num_nextn_predict_layers=0,
         )
     if arch == "deepseek_v3":
-        # Every public DeepSeek-V3-shaped config.json names its router and MoE layout; transformers' config
-        # class has no defaults for these, and SGLang's model reads them.
-        common.update(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
-    if arch == "deepseek_v3":
-        # multi-latent attention with a q latent and YaRN (factor 4 over a quarter of the positions)
+        # Multi-latent attention with a q latent and YaRN (factor 4 over a quarter of the positions), or
+        # plain rope (`yarn=False`). The config is what transformers' DeepseekV3Config saves: without the
+        # router's `topk_method`/`scoring_func`/`moe_layer_freq`, which the released configs add and
+        # SGLang reads (the engine fills them: `rollout.engines.startup.sglang_config_fill`).
+        yarn_scaling = {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": max_pos // 4,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
         common.update(
             num_key_value_heads=heads,
             q_lora_rank=q_lora_rank or None,
@@ -156,15 +170,7 @@ def make_config(
             qk_nope_head_dim=mla_dims[1],
             qk_rope_head_dim=mla_dims[2],
             v_head_dim=mla_dims[3],
-            rope_scaling={
-                "type": "yarn",
-                "factor": 4.0,
-                "original_max_position_embeddings": max_pos // 4,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
+            rope_scaling=yarn_scaling if yarn else None,
         )
     if arch == "glm4_moe":
         common.update(head_dim=head_dim, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True)
@@ -275,6 +281,7 @@ def make_tiny_model(
     *,
     hidden: int = 64,
     q_lora_rank: int = 32,
+    yarn: bool = True,
     mla_dims: tuple[int, int, int, int] = (16, 16, 8, 16),
     layers: int = 2,
     experts: int = 8,
@@ -311,6 +318,7 @@ def make_tiny_model(
         tok,
         hidden=hidden,
         q_lora_rank=q_lora_rank,
+        yarn=yarn,
         mla_dims=mla_dims,
         layers=layers,
         experts=experts,
@@ -371,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="deepseek_v3/glm4_moe only: multi-token-prediction layers (num_nextn_predict_layers) after the main ones",
     )
+    p.add_argument(
+        "--no-yarn", action="store_true", help="deepseek_v3 only: plain rope, rope_scaling: null (Moonlight)"
+    )
     a = p.parse_args(argv)
     out = make_tiny_model(
         a.out_dir,
@@ -385,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         q_lora_rank=a.q_lora_rank,
         mtp_layers=a.mtp_layers,
+        yarn=not a.no_yarn,
     )
     print(json.dumps({"out_dir": str(out), "arch": a.arch}))
     return 0

@@ -2,7 +2,7 @@
 """Multi-turn rollouts with a slow tool: is the tool's latency hidden behind the other trajectories' decoding?
 
 Runs --trajectories trajectories of --turns model turns each (rows x --group-size samples) through
-`megagrpo.rollout.multi_turn.rollout_episodes` on ONE real CPU SGLang engine (the tiny Qwen3-MoE of the
+`megagrpo.rollout.episodes.multi_turn.rollout_episodes` on ONE real CPU SGLang engine (the tiny Qwen3-MoE of the
 integration tests: hidden 64, 2 layers, 8 experts, top-2), twice with the same seeds: once with a tool that
 sleeps --tool-ms, once with a 0 ms tool. Each trajectory is its own coroutine on the engine's loop and each
 tool call runs on a thread of `envs.tools.ToolExecutor`, so while one trajectory waits on its tool the others
@@ -36,7 +36,7 @@ than about overlap. The ratio depends on a turn's decoding time against the tool
 tokens as such: pass `--max-new-tokens 24 64` to see both.
 
 Endpoint (`--endpoint`): the same trajectories driven by an external agent through the OpenAI-compatible
-session endpoint (`rollout.agent_endpoint.rollout_sessions`, the real `openai` client on a thread per
+session endpoint (`rollout.agents.endpoint.rollout_sessions`, the real `openai` client on a thread per
 trajectory) against the built-in driver: the agent and the driver's environment (`FixedToolEnv`) hold the
 same conversation (the prompt, then a fixed tool message after each turn but the last, after --tool-ms), so
 both record the same ids, which the bench asserts; the figure of merit is wall(endpoint) / wall(driver),
@@ -66,7 +66,7 @@ from typing import Any
 from megagrpo.envs.base import StepResult, ToolEnvironment
 from megagrpo.envs.tools import Message, Tool, ToolExecutor
 from megagrpo.rollout.config import SamplingConfig
-from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes
+from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits, rollout_episodes
 
 try:
     from tools.machine import describe, headline
@@ -341,7 +341,7 @@ def compare_endpoint(
     (alternating, best wall time kept); AssertionError when any run's ids differ from the first run's."""
     import functools
 
-    from megagrpo.rollout.agent_endpoint import AgentRunner, EndpointOptions, rollout_sessions
+    from megagrpo.rollout.agents.endpoint import AgentRunner, EndpointOptions, rollout_sessions
 
     rows = bench_rows(trajectories, group_size)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True, seed=seed)

@@ -3,7 +3,7 @@
 
 Starts ONE disaggregated engine server for a tiny Qwen3-MoE with --experts experts (128 by default; hidden
 256, 2 layers, 205 MB in fp32, as `tools/bench_sync.py`) in a subprocess, exactly as an engine rank runs it
-(`megagrpo.rollout.server.serve`: SGLang's HTTP server, its URL in a TCP store this process hosts), connects
+(`megagrpo.rollout.engines.server.serve`: SGLang's HTTP server, its URL in a TCP store this process hosts), connects
 a `RemoteEngine` and a `BroadcastTransport` (this process is the owner: group rank 0 of a 2-rank gloo
 group), and times, --reps times each (median reported, timed side by side so both see the same load):
 
@@ -204,7 +204,7 @@ def _serve(a: argparse.Namespace) -> int:
     apply_cpu_compat(megatron=False, sglang=True)
     from sglang.srt.entrypoints.engine import Engine
 
-    from megagrpo.rollout.server import serve
+    from megagrpo.rollout.engines.server import serve
 
     Engine.run_scheduler_process_func = staticmethod(_timed_scheduler_entry)  # instrumentation only
     return serve(
@@ -279,7 +279,7 @@ def _start_server(
     import torch.distributed as dist
 
     from megagrpo.errors import MegagrpoError
-    from megagrpo.rollout import rendezvous
+    from megagrpo.rollout.engines import rendezvous
 
     master = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=a.timeout)
@@ -348,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    from megagrpo.rollout import rendezvous
-    from megagrpo.rollout.remote import RemoteEngine
+    from megagrpo.rollout.engines import rendezvous
+    from megagrpo.rollout.engines.remote import RemoteEngine
     from megagrpo.sync.broadcast import BroadcastTransport, sync_remote, verify_remote
     from megagrpo.sync.buckets import bucketize
     from megagrpo.tiny_model import make_tiny_model

@@ -14,6 +14,7 @@ it runs before anything of the clone is importable.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import sys
@@ -21,7 +22,25 @@ import sysconfig
 import venv
 from pathlib import Path
 
-STAMP = ".overlay-of"  # "<shared venv> <clone root>": the overlay is redone when either changes
+STAMP = ".overlay-of"  # "<shared venv> <clone root> <recipe>": the overlay is redone when any changes
+# The console script. Its guard is what keeps a command single: SGLang starts its scheduler with the spawn
+# method, which runs the parent's main script again in the child (as `__mp_main__`), and an unguarded call
+# would start the command, and a second engine, in there (issue 43).
+CONSOLE_SCRIPT = """import sys
+
+from megagrpo.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+def recipe() -> str:
+    """A hash of this file, in the stamp (and in the Makefile's `setup`): a clone set up by an earlier
+    recipe, whose console script may lack the guard, is set up again."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
 SHEBANG = re.compile(rb"#!\S*/bin/python[0-9.]*\n")
 SKIP = re.compile(r"python[0-9.]*|activate.*|Activate.*|megagrpo")
 
@@ -51,10 +70,9 @@ def make_overlay(shared: Path, clone: Path) -> Path:
             (dest / "bin" / f.name).chmod(0o755)
         else:  # a native command (ruff, uv) or a shell script: the shared one, as it is
             (dest / "bin" / f.name).symlink_to(f)
-    script = "import sys\n\nfrom megagrpo.cli import main\n\nsys.exit(main())\n"
-    (dest / "bin" / "megagrpo").write_text(python.decode() + script)
+    (dest / "bin" / "megagrpo").write_text(python.decode() + CONSOLE_SCRIPT)
     (dest / "bin" / "megagrpo").chmod(0o755)
-    (dest / STAMP).write_text(f"{shared} {clone}\n")
+    (dest / STAMP).write_text(f"{shared} {clone} {recipe()}\n")
     return dest
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo.bridge.hf_config_oss import hf_fields_gpt_oss, parse_gpt_oss
-from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_v3_family, rope_fields
+from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_rope, parse_v3_family, rope_fields
 from megagrpo.bridge.hf_fields import require, unsupported
 from megagrpo.config.model import FAMILIES, MODEL_TYPE_ALIASES, ModelArch
 from megagrpo.errors import MegagrpoError
@@ -46,36 +46,6 @@ def load_hf_config(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any],
         return json.loads(path.read_text()), str(path)
     except json.JSONDecodeError as e:
         raise MegagrpoError(f"{path}: not valid JSON ({e}); restore the model's config.json") from e
-
-
-def _rope_theta(cfg: dict[str, Any], where: str) -> float:
-    # transformers >= 5 writes `rope_parameters`; older configs carry `rope_theta` + `rope_scaling`.
-    params = cfg.get("rope_parameters")
-    if params is not None:
-        if not isinstance(params, dict):
-            raise MegagrpoError(f"{where}: rope_parameters must be a mapping, got {params!r}")
-        if not isinstance(params.get("rope_theta"), (int, float)):
-            # e.g. per-layer-type mappings ({"full_attention": {...}}), which these families do not use
-            raise MegagrpoError(f"{where}: rope_parameters without a numeric rope_theta: {params!r}")
-        rope_type = params.get("rope_type", "default")
-        if rope_type != "default":
-            raise MegagrpoError(
-                f"{where}: rope_parameters.rope_type={rope_type!r} is not supported (only 'default' rope; "
-                "rope scaling would be silently dropped by the learner); use a model without rope scaling"
-            )
-        extra = sorted(set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"})
-        if extra:
-            raise MegagrpoError(f"{where}: rope_parameters has unsupported keys {extra}; only default rope")
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise MegagrpoError(f"{where}: rope_parameters.partial_rotary_factor != 1 is not supported")
-        return float(params["rope_theta"])
-    scaling = cfg.get("rope_scaling")
-    if scaling not in (None, {}) and (
-        not isinstance(scaling, dict)
-        or scaling.get("rope_type", scaling.get("type")) not in (None, "default")
-    ):
-        raise MegagrpoError(f"{where}: rope_scaling={scaling!r} is not supported; only default rope")
-    return float(cfg.get("rope_theta", 10000.0))
 
 
 def _reject(cond: bool, where: str, field: str, value: Any, why: str) -> None:
@@ -134,7 +104,7 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
         head_dim=head_dim,
         ffn_hidden_size=int(require(cfg, "intermediate_size", where)),
         max_position_embeddings=int(require(cfg, "max_position_embeddings", where)),
-        rope_theta=_rope_theta(cfg, where),
+        rope_theta=parse_rope(cfg, where, yarn=False, partial=False)["rope_theta"],
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         qkv_bias=qkv_bias,

@@ -54,8 +54,10 @@ def parse_rope(
 ) -> dict[str, Any]:
     """rope_theta, partial rotary and YaRN fields, from `rope_parameters` (transformers >= 5) or the
     legacy `rope_theta` / `rope_scaling` / `partial_rotary_factor`. fractional_yarn: the family's learner
-    keeps YaRN's correction range unrounded (`truncate: false`)."""
+    keeps YaRN's correction range unrounded (`truncate: false`). The one reader of every family's rope
+    (`yarn` / `partial`: whether the family's learner computes YaRN / a partial rotary; else refused)."""
     params = cfg.get("rope_parameters")
+    src = "rope_scaling" if params is None else "rope_parameters"  # errors name the field the file has
     if params is None:
         params = dict(cfg.get("rope_scaling") or {})
         params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -64,6 +66,7 @@ def parse_rope(
             f"{where}: rope_parameters must be a mapping with a numeric rope_theta: {params!r}"
         )
     params = dict(params)
+    kind = f"{src}.{'rope_type' if 'rope_type' in params else 'type'}"
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     out: dict[str, Any] = {"rope_theta": float(params.pop("rope_theta"))}
@@ -75,28 +78,26 @@ def parse_rope(
     out["rotary_percent"] = float(factor)
     if rope_type == "yarn":
         if not yarn:
-            raise unsupported(
-                where, "rope_scaling.type", rope_type, "YaRN is implemented for multi-latent attention"
-            )
+            raise unsupported(where, kind, rope_type, "YaRN is implemented for multi-latent attention")
         if params.get("attention_factor") is not None:
-            raise unsupported(where, "rope_scaling.attention_factor", params["attention_factor"],
+            raise unsupported(where, f"{src}.attention_factor", params["attention_factor"],
                         "megatron derives the YaRN attention factor from mscale/mscale_all_dim")  # fmt: skip
         truncate = params.pop("truncate", True)
         if truncate not in (True, False) or (truncate is False and not fractional_yarn):
-            raise unsupported(where, "rope_scaling.truncate", truncate, "megatron rounds the YaRN range")
+            raise unsupported(where, f"{src}.truncate", truncate, "megatron rounds the YaRN range")
         if truncate is False:
             out["rope_truncate"] = False
         params.pop("attention_factor", None)
         if "factor" not in params or "original_max_position_embeddings" not in params:
             raise MegagrpoError(
-                f"{where}: rope_scaling of type yarn needs factor and original_max_position_embeddings"
+                f"{where}: {src} of type yarn needs factor and original_max_position_embeddings"
             )
         out["rope_type"] = "yarn"
         mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
         if not (mscale and all_dim) and (mscale not in (None, 1, 1.0) or all_dim):
             # transformers then scales cos/sin by 0.1 ln(factor) + 1 and ignores the one given; megatron
             # divides the mscale term by the mscale_all_dim term
-            raise unsupported(where, "rope_scaling.mscale", (mscale, all_dim),
+            raise unsupported(where, f"{src}.mscale", (mscale, all_dim),
                         "mscale and mscale_all_dim must both be set, or mscale 1 and no mscale_all_dim")  # fmt: skip
         # transformers' _compute_yarn_parameters: `get("beta_fast") or 32`, `get("beta_slow") or 1`, so a
         # null (or 0) beta is the default; a missing mscale is 1 and a missing mscale_all_dim 0
@@ -109,7 +110,7 @@ def parse_rope(
                 value = defaults.get(key)
             out[field] = int(value) if key == "original_max_position_embeddings" else float(value or 0.0)
     elif rope_type != "default":
-        raise unsupported(where, "rope_scaling.type", rope_type, "only default rope and YaRN are implemented")
+        raise unsupported(where, kind, rope_type, "only default rope and YaRN are implemented")
     if params:
         raise MegagrpoError(f"{where}: rope parameters {sorted(params)} are not supported")
     return out

@@ -100,59 +100,46 @@ _MLA_Q_LORA = {
     "self_attention.linear_q_up_proj.weight": ("copy", ("self_attn.q_b_proj.weight",), 0),
 }
 _MLA_Q = {"self_attention.linear_q_proj.weight": ("copy", ("self_attn.q_proj.weight",), 0)}
-_DENSE_MLP = {
-    "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), 0),
-    "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",), 1),
-}
+
+
+def _swiglu(mcore: str, gate: str, up: str, down: str) -> dict:
+    """One SwiGLU MLP's rows: megatron's fc1 is [gate; up] stacked (each half split over TP on dim 0), fc2
+    is down (split on dim 1). Dense MLPs, shared experts and routed experts all take this shape."""
+    return {
+        f"{mcore}linear_fc1.weight": ("gate_up", (gate, up), 0),
+        f"{mcore}linear_fc2.weight": ("copy", (down,), 1),
+    }
+
+
+def _hf_swiglu(mcore: str, hf: str) -> dict:
+    """`_swiglu` with HF's `gate_proj`/`up_proj`/`down_proj` names under `hf`."""
+    return _swiglu(mcore, f"{hf}gate_proj.weight", f"{hf}up_proj.weight", f"{hf}down_proj.weight")
+
+
+_DENSE_MLP = _hf_swiglu("mlp.", "mlp.")
+_ROUTER = {"mlp.router.weight": ("copy", ("mlp.gate.weight",), None)}
+_EXPERT = _hf_swiglu("", "mlp.experts.{e}.")  # {e} = global expert index
 
 # DeepSeek-V3's MoE block (also GLM-4.5's): router weight and its selection-only correction bias (an fp32
 # buffer in megatron), per-expert rows as Qwen3-MoE's, and the shared experts (one SwiGLU MLP of
 # n_shared_experts * moe_intermediate_size, split over TP like a dense MLP).
 _V3_MOE = {
-    "router": {"mlp.router.weight": ("copy", ("mlp.gate.weight",), None)},
+    "router": _ROUTER,
     "router_bias": {"mlp.router.expert_bias": ("copy", ("mlp.gate.e_score_correction_bias",), None)},
-    "shared": {
-        "mlp.shared_experts.linear_fc1.weight": (
-            "gate_up",
-            ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
-            0,
-        ),
-        "mlp.shared_experts.linear_fc2.weight": ("copy", ("mlp.shared_experts.down_proj.weight",), 1),
-    },
-    "expert": {
-        "linear_fc1.weight": (
-            "gate_up",
-            ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-            0,
-        ),
-        "linear_fc2.weight": ("copy", ("mlp.experts.{e}.down_proj.weight",), 1),
-    },
+    "shared": _hf_swiglu("mlp.shared_experts.", "mlp.shared_experts."),
+    "expert": _EXPERT,
 }
 
-# MoE block per family: router rows, then per-expert rows ({e} = global expert index); optional
-# "router_bias" / "shared" rows where the family has them (enabled by the arch's description).
+# MoE block per family: router rows, then per-expert rows; optional "router_bias" / "shared" rows where the
+# family has them (enabled by the arch's description).
+_MIXTRAL_EXPERT = "block_sparse_moe.experts.{e}."
 _MOE = {
-    "qwen3_moe": {
-        "router": {"mlp.router.weight": ("copy", ("mlp.gate.weight",), None)},
-        "expert": {
-            "linear_fc1.weight": (
-                "gate_up",
-                ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-                0,
-            ),
-            "linear_fc2.weight": ("copy", ("mlp.experts.{e}.down_proj.weight",), 1),
-        },
-    },
+    "qwen3_moe": {"router": _ROUTER, "expert": _EXPERT},
     "mixtral": {
         "router": {"mlp.router.weight": ("copy", ("block_sparse_moe.gate.weight",), None)},
-        "expert": {
-            "linear_fc1.weight": (
-                "gate_up",
-                ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight"),
-                0,
-            ),
-            "linear_fc2.weight": ("copy", ("block_sparse_moe.experts.{e}.w2.weight",), 1),
-        },
+        "expert": _swiglu(
+            "", f"{_MIXTRAL_EXPERT}w1.weight", f"{_MIXTRAL_EXPERT}w3.weight", f"{_MIXTRAL_EXPERT}w2.weight"
+        ),
     },
     "deepseek_v3": _V3_MOE,
     "glm4_moe": _V3_MOE,

@@ -6,7 +6,7 @@
 `engine` is also the workload `megagrpo bundle trace engine` traces: start the engine on a tiny Qwen3-MoE
 built here (on the CPU through the compat layer, or on CUDA), generate with token logprobs and routes,
 release and resume its memory, generate again, shut down; and import SGLang's HTTP server, which a
-disaggregated engine rank serves (`rollout.server`), so that its imports are in the closure too. It prints one JSON line (`{"smoke": ...}`) and
+disaggregated engine rank serves (`rollout.engines.server`), so that its imports are in the closure too. It prints one JSON line (`{"smoke": ...}`) and
 exits non-zero if any part failed. Only the standard library is imported before the work starts, so a
 node without the bundle still gets a report rather than a traceback: a part that raises ends the check with
 one line on stderr naming the part and the error (`--verbose` adds the traceback), and the JSON line
@@ -24,7 +24,9 @@ import time
 import traceback
 from pathlib import Path
 
-SERVER = "sglang.srt.entrypoints.http_server"  # what a disaggregated engine rank runs (`rollout.server`)
+SERVER = (
+    "sglang.srt.entrypoints.http_server"  # what a disaggregated engine rank runs (`rollout.engines.server`)
+)
 
 
 def check_imports(modules: list[str]) -> dict[str, str]:

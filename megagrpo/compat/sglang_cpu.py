@@ -65,6 +65,13 @@ What is patched, and why (each through `megagrpo.compat.patching.replace`, which
   softmax-weighted sum of the same value column, so the result is upstream's (to fp32 round-off of a
   different kernel). Any other value buffer goes to upstream unchanged.
 
+* `rotary_embedding.factory.get_rope_cpu`: multi-latent attention's rotary embedding on the CPU platform.
+  SGLang's DeepSeek attention builds it through `get_rope_wrapper`, which on a CPU device goes to
+  `get_rope_cpu`, and that accepts only DeepSeek's YaRN (`assert scaling_type == "deepseek_yarn"`): an MLA
+  model with plain rope (`rope_scaling: null`, as Moonlight ships it) died at engine start on a `None`
+  subscript. Without scaling the replacement returns SGLang's own plain `RotaryEmbedding` (`get_rope`, what
+  every GQA family gets on the CPU, interleaved or not as the model asks); anything else goes to upstream.
+
 Subprocesses. `sglang.Engine` starts its scheduler (one per TP rank) with `multiprocessing` in `spawn` mode,
 so the child is a fresh interpreter: patches made in the parent are gone there. Two things make them
 active in the child without sitecustomize or an installed entry point:
@@ -321,6 +328,47 @@ def _patch_mla_sdpa() -> None:
         )
 
 
+def _plain_rope_too(upstream: Any) -> Any:
+    """`factory.get_rope_cpu` that serves an unscaled rope with SGLang's plain `RotaryEmbedding` (module doc)."""
+    from sglang.srt.layers.rotary_embedding import factory
+
+    def get_rope_cpu(
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: int,
+        is_neox_style: bool = True,
+        rope_scaling: dict[str, Any] | None = None,
+        dtype: torch.dtype | None = None,
+        partial_rotary_factor: float = 1.0,
+        device: str | None = None,
+    ) -> Any:
+        if rope_scaling is not None:
+            return upstream(
+                head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
+                partial_rotary_factor, device,
+            )  # fmt: skip
+        patching.hit("factory.get_rope_cpu")
+        return factory.get_rope(
+            head_size, rotary_dim, max_position, base, is_neox_style, None, dtype, partial_rotary_factor
+        )
+
+    return get_rope_cpu
+
+
+def _patch_plain_rope() -> None:
+    from sglang.srt.layers.rotary_embedding import factory
+
+    replace(
+        factory,
+        "get_rope_cpu",
+        _plain_rope_too(factory.get_rope_cpu),
+        reason="rotary_embedding.factory.get_rope_cpu: only DeepSeek's YaRN was accepted, so multi-latent "
+        "attention with plain rope (Moonlight's rope_scaling null) died at engine start; SGLang's plain rope",
+        count_hits=False,
+    )
+
+
 def _without_pynccl(upstream: Any) -> Any:
     """`parallel_state.init_model_parallel_group` with PyNccl off: there is no CUDA device to hold it."""
 
@@ -442,6 +490,7 @@ def apply() -> None:
         count_hits=False,
     )
     _patch_mla_sdpa()
+    _patch_plain_rope()
     _patch_tp_groups()
 
     from sglang.srt.entrypoints.engine import Engine

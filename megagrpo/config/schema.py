@@ -430,7 +430,7 @@ class MultiTurnConfig(Section):
     @property
     def rows_per_session(self) -> int:
         """The most learner rows one trajectory trains: 1, or an agent session's branches, each with at least
-        one model turn of the session's `max_turns` (`rollout.agent_session`)."""
+        one model turn of the session's `max_turns` (`rollout.agents.session`)."""
         a = self.agent
         if not self.enabled or not a.enabled or a.on_departure == "refuse":
             return 1

@@ -91,10 +91,10 @@ class PromptFormatter:
         self, chat: Any, prompt: Sequence[dict], trace: Sequence[dict]
     ) -> tuple[list[int], list[int], list[bool]]:
         """(prompt ids, response ids, response loss mask) of a multi-turn SFT row, built as the multi-turn
-        driver builds a trajectory (`megagrpo.rollout.multi_turn`), so that SFT trains on the ids the engine
+        driver builds a trajectory (`megagrpo.rollout.episodes.multi_turn`), so that SFT trains on the ids the engine
         will later generate and read.
 
-        `chat` is a fresh `ChatDeltas` (`megagrpo.rollout.chat_delta`) holding the environment's tools and
+        `chat` is a fresh `ChatDeltas` (`megagrpo.rollout.episodes.chat_delta`) holding the environment's tools and
         this formatter's template options, and
         `prompt` the environment's first messages (`env.reset(row)`). `trace` is the conversation after
         them: assistant turns and, between two of them, the environment's messages (tool results, user

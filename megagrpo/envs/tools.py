@@ -2,7 +2,7 @@
 that answers every tool call of an assistant message, whatever goes wrong.
 
 A tool call is the OpenAI dict `{"id", "type": "function", "function": {"name", "arguments"}}`, with
-`arguments` a JSON string (a dict is accepted too). `megagrpo.rollout.tool_calls` builds these from the
+`arguments` a JSON string (a dict is accepted too). `megagrpo.rollout.episodes.tool_calls` builds these from the
 generated text and marks a call it could not parse with a `"malformed"` reason.
 
 Failure policy: a malformed call (bad JSON, arguments that do not match the schema), an unknown tool, a tool

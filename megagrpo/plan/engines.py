@@ -1,10 +1,11 @@
 """Engines that span nodes: the fewest GPUs one SGLang engine needs to hold the model, and the nodes it takes.
 
 An engine holds the whole model split over its `rollout.engine_tp` GPUs (SGLang's tensor parallelism, with
-its expert parallelism inside the same ranks), and its KV cache must hold at least one sequence. When no
+its expert parallelism inside the same ranks; what SGLang replicates is whole on every rank:
+`plan/engine_rank.py`), and its KV cache must hold at least one sequence. When no
 node has enough GPUs for that, the engine spans nodes: SGLang's multi-node engine, one server process per
 node (`ServerArgs.nnodes`, `node_rank`, `dist_init_addr`), which megagrpo starts in the disaggregated
-placement (`config.mesh_rules.engine_nodes`, `engine_node_of`; `rollout/server.py`). DeepSeek-V3 (671B) in
+placement (`config.mesh_rules.engine_nodes`, `engine_node_of`; `rollout/engines/server.py`). DeepSeek-V3 (671B) in
 bf16 needs it on any 8-GPU node, in fp8 on 80 GB GPUs; Kimi-K2 (1T) anywhere.
 
 The plan names the smallest engine (a power of two GPUs, as TP sizes go) and the nodes it spans, and
@@ -14,64 +15,33 @@ which do not leave a node, while the disaggregated one broadcasts to every node'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from megagrpo.config.mesh_rules import engine_nodes
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
-from megagrpo.plan.memory import GIB, Workload, engine_weight_bytes, kv_bytes_per_token
-
-MAX_ENGINE_GPUS = 1 << 12  # past this no engine holds the model: the plan says so instead of searching on
+from megagrpo.plan.engine_rank import (
+    GIB,
+    MAX_ENGINE_GPUS,
+    EngineSpan,
+    engine_weight_bytes,
+    kv_bytes_per_token,
+)
+from megagrpo.plan.memory import Workload
 
 
 def min_engine_tp(arch: ModelArch, w: Workload, gpu_mem_gib: float) -> int | None:
     """The smallest power-of-two engine_tp whose static pool (rollout.mem_fraction_static of each GPU) holds
-    the engine's weight shard and one sequence (`w.seq_len` tokens) of KV cache; None past MAX_ENGINE_GPUS."""
+    the engine's weight shard and one sequence (`w.seq_len` tokens) of KV cache; None past MAX_ENGINE_GPUS
+    or the attention heads."""
     pool = int(w.engine_mem_fraction * gpu_mem_gib * GIB)
     dtype = "fp8" if w.engine_fp8 else w.engine_dtype
     tp = 1
-    while tp <= MAX_ENGINE_GPUS:
+    # SGLang splits attention by heads: a TP that does not divide them is no engine
+    while tp <= MAX_ENGINE_GPUS and arch.num_attention_heads % tp == 0:
         kv = w.seq_len * kv_bytes_per_token(arch, tp, w.engine_dtype)
         if engine_weight_bytes(arch, tp, dtype) + kv <= pool:
             return tp
         tp *= 2
     return None
-
-
-@dataclass(frozen=True)
-class EngineSpan:
-    """The configured engine's nodes and the smallest engine that holds the model."""
-
-    engine_tp: int
-    nodes: int  # nodes one configured engine spans (SGLang's nnodes)
-    gpus_per_node: int
-    min_engine_tp: int | None  # None: no engine of up to MAX_ENGINE_GPUS GPUs holds it
-    min_nodes: int | None
-    model_bytes: int  # the whole model in the rollout dtype
-    dtype: str
-    reasons: tuple[str, ...] = field(default=())
-
-    @property
-    def fits(self) -> bool:
-        return not self.reasons
-
-    def lines(self) -> list[str]:
-        where = (
-            f"{self.nodes} nodes (SGLang nnodes={self.nodes}: the first rank of each node starts node_rank "
-            "0.., node 0 serves HTTP)"
-            if self.nodes > 1
-            else "one node"
-        )
-        least = (
-            f"{self.min_engine_tp} GPU{'s' if self.min_engine_tp != 1 else ''} "
-            f"({self.min_nodes} node{'s' if self.min_nodes != 1 else ''})"
-            if self.min_engine_tp is not None
-            else f"more than {MAX_ENGINE_GPUS} GPUs"
-        )
-        return [
-            f"engine: engine_tp={self.engine_tp} on {where}; the model is {self.model_bytes / GIB:.0f} GiB in "
-            f"{self.dtype}, the smallest engine that holds it and one sequence: {least}"
-        ]
 
 
 def engine_span(

@@ -39,11 +39,12 @@ saves per token q and k of n(d_n+d_r)/tp, v and the output of n d_v/tp, the kv u
 n(d_n+d_v)/tp, and the latents (2 r_q + 2 r_kv + d_r) instead of the GQA attention term above.
 Multi-token-prediction layers are neither trained nor served: they count nowhere.
 
-Engine (SGLang): weights = all parameters x the rollout dtype / engine_tp; its static pool is
-mem_fraction_static x GPU memory, and the KV cache is that pool minus the weights. One KV token takes
-2 x layers x max(1, kv_heads / engine_tp) x head_dim x dtype bytes (kv heads are replicated when the
-engine TP exceeds them); with multi-latent attention layers x (kv_lora_rank + qk_rope_head_dim) x dtype
-bytes on every engine rank: the latent, not K and V.
+Engine (SGLang, `plan/engine_rank.py`): weights = each rank's shard of the parameters SGLang splits over
+engine_tp plus the ones it replicates (MLA's down projections, norms, routers) x the rollout dtype; its
+static pool is mem_fraction_static x GPU memory, and the KV cache is that pool minus the weights. One KV
+token takes 2 x layers x max(1, kv_heads / engine_tp) x head_dim x dtype bytes (kv heads are replicated
+when the engine TP exceeds them); with multi-latent attention layers x (kv_lora_rank + qk_rope_head_dim)
+x dtype bytes on every engine rank: the latent, not K and V.
 
 Phases (`trainer/samplers.py`): the learner and the engine take turns on the device. The engine
 releases its weights and KV cache before the learner reloads; the learner offloads all of its state to
@@ -67,12 +68,18 @@ from typing import TYPE_CHECKING, Any, Literal
 from megagrpo.config.mesh_rules import layers_of_stage, mesh_sizes, stage_layer_counts
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
+from megagrpo.plan.engine_rank import (  # re-exported: the engine's side of the plan, a room below this one
+    GIB,
+    EngineSpan,
+    dtype_bytes,
+    engine_weight_bytes,
+    gqa_numels,
+    kv_bytes_per_token,
+)
 
 if TYPE_CHECKING:
-    from megagrpo.plan.engines import EngineSpan
     from megagrpo.plan.host import HostPlan
 
-GIB = 1 << 30
 # Vocab padding unit; the same as `megagrpo.learner.model.VOCAB_MULTIPLE` (a unit test holds them equal).
 VOCAB_MULTIPLE = 128
 PARAM_ALIGN = 64  # megatron `pad_param_start`: each tensor starts on a 64-element boundary
@@ -85,16 +92,8 @@ LOGPROB_CHUNK_TOKENS = 1024  # learner.LearnerConfig.chunk_tokens: rows of fp32 
 ROWS_WIRE_CHUNK_BYTES = 64 << 20
 GROUP_SCALAR_BYTES = 512
 ROW_SCALAR_BYTES = 16
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 Recompute = Literal["none", "full"]
-
-
-def dtype_bytes(name: str) -> int:
-    try:
-        return DTYPE_BYTES[name]
-    except KeyError:
-        raise MegagrpoError(f"dtype {name!r}: use one of {', '.join(DTYPE_BYTES)}") from None
 
 
 # ------------------------------------------------------------------------------------------ the mesh
@@ -259,7 +258,7 @@ def attention_numels(arch: ModelArch, tp: int) -> list[int]:
     Engine's replicates them, which adds (r_q + r_kv + d_r)(1 - 1/tp)H per layer (< 8% of DeepSeek-V3's
     attention at TP8).
     """
-    H, n, g, d = arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim
+    H, n = arch.hidden_size, arch.num_attention_heads
     if arch.is_mla:
         qk, rq, rkv = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.q_lora_rank, arch.kv_lora_rank
         q = [n * qk // tp * H] if rq is None else [rq // tp * H, rq, n * qk // tp * rq]
@@ -269,13 +268,7 @@ def attention_numels(arch: ModelArch, tp: int) -> list[int]:
             n * (arch.qk_nope_head_dim + arch.v_head_dim) // tp * rkv,
         ]
         return [*q, *kv, H * n * arch.v_head_dim // tp]
-    qkv_rows = (n + 2 * g) * d // tp if g % tp == 0 else (n // tp + 2) * d
-    out = [qkv_rows * H]
-    if arch.qkv_bias:
-        out.append(qkv_rows)
-    if arch.qk_norm:
-        out += [d, d]
-    return [*out, H * n * d // tp]
+    return gqa_numels(arch, tp)
 
 
 # ---------------------------------------------------------------------------------- learner state
@@ -431,23 +424,6 @@ def _min_world(mesh: Any) -> int:
 
 
 # ----------------------------------------------------------------------------------------- engine
-
-
-def kv_bytes_per_token(arch: ModelArch, engine_tp: int, kv_dtype: str = "bfloat16") -> int:
-    """The KV cache of one token over all layers on one engine rank.
-
-    GQA: K and V of the rank's kv heads; kv heads replicate when TP exceeds them. Multi-latent attention:
-    the latent, kv_lora_rank + qk_rope_head_dim per layer (DeepSeek-V2 arXiv:2405.04434 section 2.1.2,
-    what SGLang's `MLATokenToKVPool` stores), the same on every TP rank (the latent is not split by head),
-    never full K and V. Multi-token-prediction layers hold no cache (no speculative decoding)."""
-    if arch.is_mla:
-        return arch.num_layers * (arch.kv_lora_rank + arch.qk_rope_head_dim) * dtype_bytes(kv_dtype)
-    heads = max(1, arch.num_kv_heads // engine_tp)
-    return 2 * arch.num_layers * heads * arch.head_dim * dtype_bytes(kv_dtype)
-
-
-def engine_weight_bytes(arch: ModelArch, engine_tp: int, dtype: str = "bfloat16") -> int:
-    return -(-model_numel(arch) * dtype_bytes(dtype) // engine_tp)
 
 
 def rows_wire_bytes(world_size: int, engines: int, groups: int, group_size: int, scores: int) -> int:

@@ -17,7 +17,7 @@ A learner GPU (the worst pipeline stage) must hold
                (`config.mesh_rules.engines_fed`)
 An engine GPU must hold
   serving:     SGLang's static pool, mem_fraction_static x GPU memory (here a share of the whole device:
-               nothing else is resident), i.e. the weight shard (all parameters / engine_tp) and the KV
+               nothing else is resident), i.e. the weight shard (`plan/engine_rank.py`) and the KV
                cache, + one bucket of received tensors (`update_weights_from_distributed` allocates
                them outside the static pool, one bucket at a time)
 each within the GPU memory minus `RESERVE_GIB` (CUDA context, NCCL buffers; on the engine GPU SGLang's
@@ -33,20 +33,17 @@ from typing import TYPE_CHECKING, Any
 from megagrpo.config.mesh_rules import Roles, engines_fed, rank_roles
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
+from megagrpo.plan.engine_rank import GIB, EngineSpan, engine_weight_bytes, kv_bytes_per_token
 from megagrpo.plan.memory import (
-    GIB,
     Workload,
     _stage,
     _worst_stage,
-    engine_weight_bytes,
-    kv_bytes_per_token,
     max_micro_batch,
     reference_bytes,
     workload_from_config,
 )
 
 if TYPE_CHECKING:
-    from megagrpo.plan.engines import EngineSpan
     from megagrpo.plan.host import HostPlan
 
 W = 36  # the label column of the tables

@@ -3,7 +3,7 @@
 from megagrpo.rollout.completion import NO_ROUTE, Completion, decode_routes
 from megagrpo.rollout.config import RolloutConfig, SamplingConfig
 from megagrpo.rollout.dynamic import DynamicBatch, DynamicSamplingConfig, check_group_size, dynamic_sample
-from megagrpo.rollout.engine import MEMORY_TAGS, RolloutEngine
+from megagrpo.rollout.engines.engine import MEMORY_TAGS, RolloutEngine
 
 __all__ = [
     "MEMORY_TAGS",

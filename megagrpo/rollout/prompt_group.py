@@ -4,7 +4,7 @@ A group is made when its prompt is drawn, gets its G completions on the engine t
 where the completions are, and its position in the learner batch when dynamic sampling keeps it.
 
 Sessions and rows. The G completions are the group's G samples (sessions): rewards, advantages, filters and
-dynamic sampling see those. An agent session that branched (`rollout.agent_session`) also trains its other
+dynamic sampling see those. An agent session that branched (`rollout.agents.session`) also trains its other
 branches, each a learner row of its own (`branches`); `rows()` lists every learner row with its session.
 """
 
@@ -18,7 +18,7 @@ import torch
 from megagrpo.rollout.completion import Completion
 
 if TYPE_CHECKING:
-    from megagrpo.rollout.multi_turn import MultiTurnStats
+    from megagrpo.rollout.episodes.multi_turn import MultiTurnStats
 
 
 @dataclass

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.net import advertised_host, free_port
-from megagrpo.rollout.remote import RemoteEngine
+from megagrpo.rollout.engines.remote import RemoteEngine
 from megagrpo.sync.buckets import NamedTensor
 from megagrpo.sync.checks import _Checker, check_announced, checkpoint_shapes
 from megagrpo.sync.checksums import _hash

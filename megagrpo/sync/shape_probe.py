@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from megagrpo.rollout.engine import EngineFailed
+from megagrpo.rollout.engines.engine import EngineFailed
 from megagrpo.sync.buckets import NamedTensor
 from megagrpo.sync.checks import _check_ok
 from megagrpo.sync.engine_state import _per_engine
 from megagrpo.sync.sglang_layout import FusedParam, sglang_plan
 
-# The probe of a CPU engine's real parameter shapes (`rollout.engine` names it in `custom_weight_loader`
+# The probe of a CPU engine's real parameter shapes (`rollout.engines.engine` names it in `custom_weight_loader`
 # beside `load_packed`). Layout of the probe's one uint8 tensor, both ways: 8 bytes little-endian length,
 # then that many bytes of JSON.
 SHAPES_PROBE = f"{__name__}.report_shape_mismatches"
@@ -75,7 +75,7 @@ def engine_held_shapes(eng: Any, shapes: Mapping[str, tuple[int, ...]]) -> dict[
     """{SGLang parameter name: the shape the engine holds} for the packing plan of checkpoint `shapes`
     (None where it lacks the parameter), asked of the engine once (`engine_shape_mismatches`, in a
     weight-update session of its own that loads nothing) and kept: its shapes are fixed for its lifetime.
-    Engines started without the probe (not by `rollout.engine` on a CPU) are not asked: {} (the planned
+    Engines started without the probe (not by `rollout.engines.engine` on a CPU) are not asked: {} (the planned
     shapes are taken as theirs). Cost, once per engine: the probe's one call (module doc of the probe)."""
     if SHAPES_PROBE not in (getattr(eng.server_args, "custom_weight_loader", None) or []):
         return {}

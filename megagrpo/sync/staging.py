@@ -65,7 +65,7 @@ def _staging_for(eng: Any) -> _Staging:
     return _STAGING.get(eng) or _STAGING.setdefault(eng, _Staging())
 
 
-# The custom weight loader of CPU engines (`rollout.engine` names it in `custom_weight_loader`).
+# The custom weight loader of CPU engines (`rollout.engines.engine` names it in `custom_weight_loader`).
 PACKED_LOADER = f"{__name__}.load_packed"
 _HELD: list[torch.UntypedStorage] = []  # in the scheduler process: the storages of the last packed load
 
@@ -111,7 +111,7 @@ def _derive_after_load(model: torch.nn.Module, names: list[str]) -> None:
 
 
 def packed_load_format(eng: Any) -> str:
-    """`load_packed` when the engine was started with it (`rollout.engine` does so on CPUs), else "direct"."""
+    """`load_packed` when the engine was started with it (`rollout.engines.engine` does so on CPUs), else "direct"."""
     return (
         PACKED_LOADER
         if PACKED_LOADER in (getattr(eng.server_args, "custom_weight_loader", None) or [])

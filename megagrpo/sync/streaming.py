@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.engine import EngineFailed
+from megagrpo.rollout.engines.engine import EngineFailed
 from megagrpo.sync.buckets import NamedTensor, tensor_bytes
 from megagrpo.sync.checks import _check_ok, _Checker
 from megagrpo.sync.stats import SyncStats

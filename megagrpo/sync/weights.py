@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.engine import EngineFailed
+from megagrpo.rollout.engines.engine import EngineFailed
 from megagrpo.sync.buckets import NamedTensor, tensor_bytes
 from megagrpo.sync.checks import _check_finite, _check_ok, _Checker, check_announced, checkpoint_shapes
 from megagrpo.sync.checksums import _verify_packed, verify_checksum
@@ -188,7 +188,9 @@ def _sync_weights(
                 else:
                     result = eng.update_weights_from_tensor(bucket, flush_cache=last)
             except (EngineFailed, RuntimeError) as e:  # RuntimeError: the failed engine stopped its loop
-                failed = getattr(engine, "failed", None)  # a RolloutEngine's (module doc of rollout.engine)
+                failed = getattr(
+                    engine, "failed", None
+                )  # a RolloutEngine's (module doc of rollout.engines.engine)
                 if failed is None:
                     raise
                 open_session = False  # no scheduler is left to end it: asking would wait forever

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from megagrpo.rollout.completion import NO_ROUTE, Completion
-from megagrpo.rollout.trajectory import Trajectory
+from megagrpo.rollout.episodes.trajectory import Trajectory
 
 
 def rollout_batch(

@@ -49,8 +49,8 @@ def serve_if_engine_rank(cfg: Config) -> int | None:
         return None
     from dataclasses import replace
 
-    from megagrpo.rollout.placement import disaggregated_cores, pin_engine
-    from megagrpo.rollout.server import serve
+    from megagrpo.rollout.engines.placement import disaggregated_cores, pin_engine
+    from megagrpo.rollout.engines.server import serve
     from megagrpo.trainer.components import rollout_config
 
     cores = disaggregated_cores(r.placement.engine_cores)

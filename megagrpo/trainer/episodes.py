@@ -40,11 +40,17 @@ from megagrpo.envs.registry import build_environment, resolve_environment
 from megagrpo.envs.sandbox import SandboxConfig, require_isolation
 from megagrpo.envs.tools import ToolExecutor, ToolSlots
 from megagrpo.rollout.completion import Completion
-from megagrpo.rollout.multi_turn import Episode, MultiTurnLimits, MultiTurnStats, Version, rollout_episodes
+from megagrpo.rollout.episodes.multi_turn import (
+    Episode,
+    MultiTurnLimits,
+    MultiTurnStats,
+    Version,
+    rollout_episodes,
+)
+from megagrpo.rollout.episodes.reasoning import check_reasoning_parser
+from megagrpo.rollout.episodes.tool_calls import check_parser_name
+from megagrpo.rollout.episodes.trajectory import Trajectory
 from megagrpo.rollout.prompt_group import PromptGroup
-from megagrpo.rollout.reasoning import check_reasoning_parser
-from megagrpo.rollout.tool_calls import check_parser_name
-from megagrpo.rollout.trajectory import Trajectory
 
 FIELD = "rollout.multi_turn"
 log = logging.getLogger(__name__)
@@ -99,8 +105,8 @@ def row_check(mt: MultiTurnConfig) -> Callable[[dict], None] | None:
 
 
 def agent_runner(mt: MultiTurnConfig):
-    """The configured agent (`rollout.agent_endpoint.AgentRunner`), checked; imported only when one is set."""
-    from megagrpo.rollout.agent_endpoint import AgentRunner
+    """The configured agent (`rollout.agents.endpoint.AgentRunner`), checked; imported only when one is set."""
+    from megagrpo.rollout.agents.endpoint import AgentRunner
 
     a = mt.agent
     return AgentRunner(a.function, a.command, a.options, a.env)
@@ -128,7 +134,7 @@ def episode_rows(e: Episode) -> list[Completion]:
 
 class EpisodeSampler:
     """The multi-turn replacement of `RolloutEngine.generate` for one engine owner: the environment driver
-    (`rollout.multi_turn`), or an external agent's sessions (`rollout.agent_endpoint`) when
+    (`rollout.multi_turn`), or an external agent's sessions (`rollout.agents.endpoint`) when
     `rollout.multi_turn.agent` names one."""
 
     def __init__(self, mt: MultiTurnConfig, template_kwargs: dict | None = None) -> None:
@@ -170,7 +176,7 @@ class EpisodeSampler:
         )
         rows = [p.sample for p in prompts]
         if self.agent is not None:
-            from megagrpo.rollout.agent_endpoint import EndpointOptions, rollout_sessions
+            from megagrpo.rollout.agents.endpoint import EndpointOptions, rollout_sessions
 
             a = self.cfg.agent
             opts = EndpointOptions(

@@ -31,7 +31,7 @@ from megagrpo.diagnostics.adaptive_cap import AdaptiveCap
 from megagrpo.diagnostics.mismatch import mismatch_metrics, token_ratio_quantiles
 from megagrpo.diagnostics.reduce import DistReducer, LocalReducer
 from megagrpo.rollout.dynamic import DynamicSamplingConfig, dynamic_sample
-from megagrpo.rollout.multi_turn import COUNT_PREFIX
+from megagrpo.rollout.episodes.multi_turn import COUNT_PREFIX
 from megagrpo.trainer import checkpointing
 from megagrpo.trainer.async_rollout import StepLag, lag_metrics
 from megagrpo.trainer.batch import response_mask, rollout_batch, select_rows, turn_index

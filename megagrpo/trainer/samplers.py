@@ -50,7 +50,7 @@ class SamplerMixin:
 
     @property
     def disaggregated(self) -> bool:
-        """rollout.placement.kind=disaggregated: the engines run on ranks of their own (`rollout.server`)."""
+        """rollout.placement.kind=disaggregated: the engines run on ranks of their own (`rollout.engines.server`)."""
         return self.needs_engine and self.cfg.rollout.placement.disaggregated
 
     @property
@@ -89,32 +89,31 @@ class SamplerMixin:
             if routes:
                 self.connect_stages(routes)
             if placement and (self.disaggregated or self.engine is None):
-                from megagrpo.rollout.placement import pin_learner
+                from megagrpo.rollout.engines.placement import pin_learner
 
                 pin_learner(placement)  # off the engines' cores (a colocated owner pinned itself on start)
 
     def start_local_engine(self, placement):
         """This owner's colocated engine, on its GPUs or its pinned cores."""
-        from megagrpo.rollout.engine import RolloutEngine
-        from megagrpo.rollout.placement import engine_cores
+        from megagrpo.rollout.engines.engine import RolloutEngine
+        from megagrpo.rollout.engines.placement import engine_cores
 
         rc = replace(rollout_config(self.cfg, self.model_path), base_gpu_id=self.engines.base_gpu_id())
-        with engine_cores(placement) if placement else contextlib.nullcontext():
-            engine = RolloutEngine(rc).start()
-        # one line per engine, so a job's log says where its samplers run
         where = f"cores {list(placement.engine)}" if placement else f"first GPU {rc.base_gpu_id}"
-        print(
-            f"engine {self.engines.engine} of {self.engines.num_engines}: rank {self.engines.rank} on "
-            f"{node_name()}, {where}",
-            flush=True,
+        engines = self.engines
+        name = (
+            f"engine {engines.engine} of {engines.num_engines}: rank {engines.rank} on {node_name()}, {where}"
         )
+        with engine_cores(placement) if placement else contextlib.nullcontext():
+            engine = RolloutEngine(rc, name=name).start()
+        print(name, flush=True)  # one line per engine, so a job's log says where its samplers run
         return engine
 
     def connect_engine(self, index: int):
         """This owner's disaggregated engine: its URL from the launch's store, once its server is up."""
         from megagrpo.learner.mesh import DistEnv
-        from megagrpo.rollout import rendezvous
-        from megagrpo.rollout.remote import RemoteEngine
+        from megagrpo.rollout.engines import rendezvous
+        from megagrpo.rollout.engines.remote import RemoteEngine
         from megagrpo.sync.broadcast import BroadcastTransport
 
         timeout = self.cfg.rollout.placement.engine_timeout_s
@@ -158,8 +157,8 @@ class SamplerMixin:
     def connect_stages(self, routes: list) -> None:
         """A weights group per engine this rank feeds with its stage (its URL from the launch's store)."""
         from megagrpo.learner.mesh import DistEnv
-        from megagrpo.rollout import rendezvous
-        from megagrpo.rollout.remote import RemoteEngine
+        from megagrpo.rollout.engines import rendezvous
+        from megagrpo.rollout.engines.remote import RemoteEngine
         from megagrpo.sync.broadcast import BroadcastTransport
 
         timeout = self.cfg.rollout.placement.engine_timeout_s
@@ -183,10 +182,10 @@ class SamplerMixin:
     def core_placement(self):
         """The CPU cores of the engines and the learners (`rollout.placement`), or None: on GPUs, and
         colocated without `engine_cores`. Disaggregated, the engine ranks pin themselves to the engine
-        cores (`rollout.server`) and the learner ranks take the others."""
+        cores (`rollout.engines.server`) and the learner ranks take the others."""
         r = self.cfg.rollout
         if self.disaggregated:
-            from megagrpo.rollout.placement import disaggregated_cores
+            from megagrpo.rollout.engines.placement import disaggregated_cores
 
             return disaggregated_cores(r.placement.engine_cores)
         if torch.cuda.is_available():
@@ -198,7 +197,7 @@ class SamplerMixin:
             return None
         if not self.asynchronous and r.placement.engine_cores is None:
             return None
-        from megagrpo.rollout.placement import core_placement
+        from megagrpo.rollout.engines.placement import core_placement
 
         return core_placement(r.placement.engine_cores)
 
@@ -348,7 +347,7 @@ class SamplerMixin:
         for _, t in self.stage_routes:
             t.close()
         if self.engine_store is not None:
-            from megagrpo.rollout import rendezvous
+            from megagrpo.rollout.engines import rendezvous
 
             rendezvous.request_stop(self.engine_store)  # the engine ranks exit 0: the learners' codes count
 

@@ -508,7 +508,7 @@ class Session(SamplerMixin):
                 print(f"report.png not written: {e}")
         self.learner.close(process_group=True)
         if self.placement is not None:
-            from megagrpo.rollout.placement import release
+            from megagrpo.rollout.engines.placement import release
 
             release(self.placement)
 

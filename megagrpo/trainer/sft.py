@@ -69,7 +69,7 @@ class TraceExamples:
 
     def __call__(self, samples: Sequence[dict]) -> tuple[list[tuple[list[int], list[int]]], list[list[bool]]]:
         """(prompt ids, response ids) per sample and each response's loss mask, for `sft_batch`."""
-        from megagrpo.rollout.chat_delta import ChatDeltas
+        from megagrpo.rollout.episodes.chat_delta import ChatDeltas
 
         envs = [self.env_cls(**self.mt.environment_options) for _ in samples]
 

@@ -36,7 +36,7 @@ OBSERVER = r"""
 import json, os, sys
 import torch
 from megagrpo.learner.learner import Learner
-from megagrpo.rollout.engine import RolloutEngine
+from megagrpo.rollout.engines.engine import RolloutEngine
 
 learners = []
 log = open(os.environ["MEGAGRPO_TEST_PHASES"], "a")

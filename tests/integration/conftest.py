@@ -22,10 +22,16 @@ import torch
 # checkpoint gives (8, 40, 64)): every engine test, and every weight sync of one, runs on padded expert
 # parameters (issue 37); the unpadded packed sync is covered by every trainer test.
 ENGINE_MODEL = dict(arch="qwen3_moe", experts=8, topk=2, moe_intermediate=20)
-# MLA with a q latent (DeepSeek-V3, Kimi-K2; q_lora_rank null is served in test_trainer_e2e's run), and
-# GLM-4.5's partial rotary, q/k/v biases and q/k norms; both with a sigmoid router, a correction bias,
-# group-limited top-k, a shared expert and a dense first layer.
-FAMILY_MODELS = {"deepseek_v3": dict(arch="deepseek_v3"), "glm4_moe": dict(arch="glm4_moe")}
+# MLA with DeepSeek-V3's q latent (whose down projection SGLang fuses with kv_a_proj_with_mqa at load, so
+# the sync's fused-group guarantee is proven on a real engine), plain rope (rope_scaling null, as Moonlight
+# ships it) and the config.json transformers' DeepseekV3Config writes, without the router fields SGLang
+# reads (issue 43; Moonlight's null q latent and DeepSeek-V3's YaRN are served in test_trainer_e2e's family
+# run); and GLM-4.5's partial rotary, q/k/v biases and q/k norms; both with a sigmoid router, a correction
+# bias, group-limited top-k, a shared expert and a dense first layer.
+FAMILY_MODELS = {
+    "deepseek_v3": dict(arch="deepseek_v3", yarn=False),
+    "glm4_moe": dict(arch="glm4_moe"),
+}
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +92,7 @@ def family_engine(request, tiny_model, tmp_path_factory):
     from megagrpo.compat.sglang_cpu import HITS_DIR_ENV
 
     model_dir = tiny_model(**FAMILY_MODELS[request.param])
-    # SIGQUIT has one handler per process and an engine's start takes it over (rollout.engine, "SIGQUIT");
+    # SIGQUIT has one handler per process and an engine's start takes it over (rollout.engines.engine, "SIGQUIT");
     # the session engine's is put back, which tests of that engine check (one engine per trainer process).
     session_handler = signal.getsignal(signal.SIGQUIT)
     hits_dir = tmp_path_factory.mktemp(f"{request.param}_compat_hits")

@@ -15,7 +15,7 @@ from pathlib import Path
 class EnginePool:
     """SGLang engines shared by the cases of this module, keyed by architecture and engine settings.
 
-    Stands in for `megagrpo.rollout.engine.RolloutEngine` while the cases run: the trainer's
+    Stands in for `megagrpo.rollout.engines.engine.RolloutEngine` while the cases run: the trainer's
     `RolloutEngine(cfg).start()` gets a started engine, whose weights (and tokenizer, with its chat
     template) are reloaded from the case's model directory when it served an earlier case, and its
     `shutdown()` leaves the engine running for the next case. `close()` shuts every engine down for real.
@@ -25,7 +25,7 @@ class EnginePool:
     start by it."""
 
     def __init__(self, one_live: bool = False) -> None:
-        from megagrpo.rollout.engine import RolloutEngine
+        from megagrpo.rollout.engines.engine import RolloutEngine
 
         self.cls = RolloutEngine
         self.engines: dict[tuple, RolloutEngine] = {}

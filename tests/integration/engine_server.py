@@ -1,7 +1,7 @@
 """One disaggregated engine server in a subprocess, for tests of the weight path without learners.
 
 `engine_server(model_dir, log)` plays the launch's part: this process hosts the TCP store (as learner rank 0
-does under srun/mpirun), and a child runs `megagrpo.rollout.server.serve` for engine 0 with the rollout
+does under srun/mpirun), and a child runs `megagrpo.rollout.engines.server.serve` for engine 0 with the rollout
 settings the CPU tests use (fp32, 4096 KV tokens, routes on as the trainer asks), then publishes its URL in
 that store. The context yields the URL; on exit it asks the server to stop (`rendezvous.request_stop`) and
 kills what is left only if it did not exit within the deadline. The child is `python -m
@@ -42,14 +42,14 @@ class EngineServer:
     store: Any  # the launch's store, under rendezvous.PREFIX
     url: str
     where: str
-    key: str  # the bearer key the server requires (`rollout.server`, "Access")
+    key: str  # the bearer key the server requires (`rollout.engines.server`, "Access")
     log: Path
     nodes: tuple[subprocess.Popen, ...] = ()  # the further nodes of an engine over several (nnodes > 1)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """Ask the server to stop, as the learners do at the end of a run; its exit code (the worst of
         its nodes')."""
-        from megagrpo.rollout import rendezvous
+        from megagrpo.rollout.engines import rendezvous
 
         if any(p.poll() is None for p in (self.proc, *self.nodes)):
             rendezvous.request_stop(self.store)
@@ -67,7 +67,7 @@ def engine_server(
     published, stop it at the end. Node k > 0 logs to `log` with the suffix `.node<k>`."""
     import torch.distributed as dist
 
-    from megagrpo.rollout import rendezvous
+    from megagrpo.rollout.engines import rendezvous
 
     master = dist.TCPStore(
         "127.0.0.1",
@@ -122,7 +122,7 @@ def rollout_config(model_dir: Path | str, tp_size: int = 1) -> Any:
 
 def _wait_for_url(store: Any, procs: list[subprocess.Popen], log: Path, timeout_s: float) -> Any:
     from megagrpo.errors import MegagrpoError
-    from megagrpo.rollout import rendezvous
+    from megagrpo.rollout.engines import rendezvous
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from megagrpo.compat import apply_cpu_compat
 
     apply_cpu_compat(megatron=False, sglang=True)  # before sglang.srt is imported, as trainer.entry does
-    from megagrpo.rollout.server import serve
+    from megagrpo.rollout.engines.server import serve
 
     return serve(
         rollout_config(a.model_dir, tp_size=a.nnodes),  # one rank per node

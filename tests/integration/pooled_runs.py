@@ -34,7 +34,7 @@ def run_pooled(*runs: str, timeout: float = 1500) -> subprocess.CompletedProcess
 
 
 def main(argv: list[str]) -> int:
-    import megagrpo.rollout.engine as engine_module
+    import megagrpo.rollout.engines.engine as engine_module
     from megagrpo.compat import apply_cpu_compat
     from tests.integration.engine_pool import EnginePool
 

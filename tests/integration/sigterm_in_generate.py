@@ -14,7 +14,7 @@ import sys
 def sigterm_at_first_output() -> None:
     """Wrap `RolloutEngine.start` so that the engine's tokenizer manager, once started (after megagrpo's
     CPU compat and SGLang's imports), signals this process at its first output."""
-    from megagrpo.rollout.engine import RolloutEngine
+    from megagrpo.rollout.engines.engine import RolloutEngine
 
     start = RolloutEngine.start
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,9 +23,10 @@ import psutil
 import pytest
 import yaml
 
+from tests.fixtures.doc_commands import commands
 from tests.integration.run_metrics import last_record_per_step
 from tests.integration.test_option_matrix import data_overrides, reward_override, size_overrides
-from tests.integration.test_trainer_e2e import REPO, cli
+from tests.integration.test_trainer_e2e import MEGAGRPO, REPO, cli
 
 DEADLINE_S = 60  # rollout.placement.engine_timeout_s of the fault run
 SHIPPED = REPO / "configs" / "disaggregated_qwen3_moe.yaml"
@@ -88,12 +88,15 @@ def fault_runs(tmp_path_factory):
     ]
     ckpt = tmp / "ckpt"
     log = tmp / "killed.log"
+    # README's `megagrpo train CONFIG --nproc 3 rollout.placement.kind=disaggregated`, through the clone's
+    # console script (tests/fixtures/doc_commands.py)
+    (doc,) = commands("train --nproc disaggregated")
+    train = [str(MEGAGRPO), *doc.argv({"CONFIG": SHIPPED})[1:], *overrides]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "megagrpo.cli", "train", str(SHIPPED), *overrides, "schedule.steps=200",
-             "--nproc", "3"],
+            [*train, "schedule.steps=200"],
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
             stdout=out,
             stderr=subprocess.STDOUT,
             text=True,
@@ -112,9 +115,7 @@ def fault_runs(tmp_path_factory):
                 p.kill()
             proc.kill()
     reached = max(int(p.name.split("_")[1]) for p in ckpt.glob("step_*") if (p / "meta.json").exists())
-    resumed = cli(
-        "train", str(SHIPPED), *overrides, f"schedule.steps={reached + 2}", "--nproc", "3", "--resume", "auto"
-    )
+    resumed = cli(*train[1:], f"schedule.steps={reached + 2}", "--resume", "auto")
     return {
         "killed": (proc.returncode, ended_after, log.read_text()),
         "reached": reached,

@@ -1,7 +1,10 @@
 """Issue 15: the package stands on its own. A wheel built from the clone is installed (not editable) into a
 fresh venv, and every command that used to reach into the repository by path runs from a directory
 outside the clone: `megagrpo convert` both ways, `megagrpo probe`, `megagrpo submit --dry-run` and
-`megagrpo train --nproc 2` for one step.
+`megagrpo train --nproc 2` for one step. Those of them README.md shows are its own commands, read from its
+text (tests/fixtures/doc_commands.py, issue 43), as is docs/slurm.md's `make setup` of the two-clones test.
+The installed console script (pyproject's [project.scripts], written by the installer with its `__main__`
+guard) starts the probe's SGLang engine in its own process: the spawn start method runs it again there.
 
 The probe run here is also the mismatch probe's end-to-end test (formerly test_mismatch_probe.py's own
 run of the same `megagrpo.probe.main` through tools/mismatch_probe.py): one SGLang engine start and one
@@ -32,7 +35,8 @@ import yaml
 from safetensors.torch import load_file
 
 from megagrpo.tiny_model import make_tiny_model
-from tests.integration.test_trainer_e2e import EP2_ASYNC, TWO_PROCESS_RUN, check_two_process_run, write_config
+from tests.fixtures.doc_commands import commands
+from tests.integration.test_trainer_e2e import ASYNC_K1, TWO_PROCESS_RUN, check_two_process_run, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 # The site-packages that holds the dependencies (torch's): the shared venv's, whether .venv is this clone's
@@ -97,15 +101,15 @@ def test_the_installed_package_is_the_one_imported(installed):
 
 
 def test_convert_round_trip_from_outside_the_clone(installed, tiny_model):
+    """README's two `megagrpo convert` commands, one after the other."""
     bin_dir, work, env = installed
     model = tiny_model("qwen3_moe")
-    _run(
-        [bin_dir / "megagrpo", "convert", "hf-to-megatron", model, work / "ckpt", "--no-progress"],
-        work,
-        env,
-        600,
-    )
-    _run([bin_dir / "megagrpo", "convert", "megatron-to-hf", work / "ckpt", work / "hf"], work, env, 600)
+    convert = {c.words[2]: c for c in commands("convert")}
+    assert sorted(convert) == ["hf-to-megatron", "megatron-to-hf"], [c.text for c in commands("convert")]
+    to_megatron = convert["hf-to-megatron"].argv({"HF_DIR": model, "OUT_DIR": work / "ckpt"})
+    _run([bin_dir / "megagrpo", *to_megatron[1:], "--no-progress"], work, env, 600)
+    to_hf = convert["megatron-to-hf"].argv({"CKPT_DIR": work / "ckpt", "OUT_DIR": work / "hf"})
+    _run([bin_dir / "megagrpo", *to_hf[1:]], work, env, 600)
     want = load_file(str(model / "model.safetensors"))
     got = {}
     for f in sorted((work / "hf").glob("*.safetensors")):
@@ -168,8 +172,9 @@ def test_two_clones_side_by_side_each_run_their_own_code(tmp_path):
         text = cli.read_text()
         assert CLI_DESCRIPTION in text
         cli.write_text(text.replace(CLI_DESCRIPTION, f"{CLI_DESCRIPTION} (clone {name})"))
+    (setup,) = commands("make setup")  # docs/slurm.md's, with the cache of this test
     for clone in clones.values():  # b last: it must not take a's `megagrpo`
-        _run(["make", "--no-print-directory", "setup", f"CACHE_DIR={cache}"], clone, env, 300)
+        _run([*setup.words, "--no-print-directory", f"CACHE_DIR={cache}"], clone, env, 300)
     work = tmp_path / "work"  # outside both clones
     work.mkdir()
     probe = "import json, sys, megagrpo; print(json.dumps([megagrpo.__file__, sys.executable, sys.prefix]))"
@@ -204,18 +209,20 @@ def _session_procs(sid: int, grace_s: float = 15.0) -> list[int]:
 # SGLang engine sampling clean and with an fp8 round trip of the sampler's weights, the learner on layouts
 # 1, tp2 and ep2 (one torchrun each), the table (md + json) and the dlogp plot.
 PROBE_PROMPTS = [[5, 17, 33, 2, 90, 14], [1, 307, 260, 202], [44, 45, 46, 47, 48, 49, 50, 51]]
-PROBE_LAYOUTS = ["1", "tp2", "ep2"]
+(PROBE,) = commands("probe")  # README's `megagrpo probe HF_DIR --layouts ... --inject ...`
+PROBE_LAYOUTS = PROBE.words[PROBE.words.index("--layouts") + 1].split(",")
 
 
 @pytest.fixture(scope="module")
 def probe(installed, sglang_model_dir):
-    """`megagrpo probe` from the installed package, run from outside the clone; (out dir, the JSON table)."""
+    """README's `megagrpo probe` from the installed package, run from outside the clone, on a few prompts
+    and groups of 2; (out dir, the JSON table)."""
     bin_dir, work, env = installed
     prompts, out, log = work / "prompts.jsonl", work / "probe", work / "probe.log"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROBE_PROMPTS))
     cmd = [
-        bin_dir / "megagrpo", "probe", sglang_model_dir, "--prompts", prompts, "--group-size", "2",
-        "--layouts", ",".join(PROBE_LAYOUTS), "--inject", "none,fp8", "--out", out, "--no-progress",
+        bin_dir / "megagrpo", *PROBE.argv({"HF_DIR": sglang_model_dir})[1:],
+        "--prompts", prompts, "--group-size", "2", "--out", out, "--no-progress",
     ]  # fmt: skip
     with open(log, "w") as sink:
         # own session: the engine's and torchrun's processes are findable (and killable) by session id
@@ -286,9 +293,9 @@ def test_probe_fp8_sampler_is_further_from_every_layout(probe):
 
 
 def test_train_two_processes_expert_parallel_async_with_a_users_reward_module(installed, tmp_path):
-    """`megagrpo train --nproc 2` from the installed package on an EP2 mesh with async sampling (k = 1),
-    scored by a reward module in the user's own directory (on PYTHONPATH, outside the clone): the checks of
-    test_trainer_e2e's two-process runs."""
+    """README's `megagrpo train CONFIG --nproc 2 mesh.ep=2` from the installed package, with async sampling
+    (k = 1), scored by a reward module in the user's own directory (on PYTHONPATH, outside the clone): the
+    checks of test_trainer_e2e's two-process runs."""
     bin_dir, work, env = installed
     model = make_tiny_model(tmp_path / "model", "qwen3_moe", seed=1)
     rewards = work / "user_rewards"
@@ -304,8 +311,9 @@ def test_train_two_processes_expert_parallel_async_with_a_users_reward_module(in
             {"name": "my_rewards:always_raises", "weight": 0.5},
         ],
     )
+    (doc,) = commands("train --nproc 2")
     _run(
-        [bin_dir / "megagrpo", "train", cfg, *EP2_ASYNC, "--nproc", "2"],
+        [bin_dir / "megagrpo", *doc.argv({"CONFIG": cfg})[1:], *ASYNC_K1],
         work,
         {**env, "PYTHONPATH": str(rewards)},
         2400,

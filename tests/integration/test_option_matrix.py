@@ -15,6 +15,11 @@ replay mode, ...). `test_cases_cover_every_option_value` checks, from the valida
 that the union of cases covers every allowed value of every option in `OPTIONS`, with the allowed
 values read from the schema's Literal/bool types: a new value in the schema without a case fails it.
 
+README.md's and docs/'s one-process `megagrpo train` commands are cases too (`doc_<file>:<line>`, issue 43),
+read from the text (tests/fixtures/doc_commands.py) and run as written after the size overrides, on their
+config's pooled engine; their `megagrpo sft` commands are the SFT stages' own words. What such a run must
+show is `doc_problems`: the options it writes are the docs' choice, not a covering design's.
+
 What each run must show is derived from its own validated config (`run_problems`): two logged steps
 that trained with a finite loss, and for each active option its signature in metrics.jsonl (the TIS/MIS
 fractions of its level and mode, the adaptive cap, the KL term, replay counters, RSPO gamma, ...).
@@ -33,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -46,6 +53,7 @@ from safetensors.torch import load_file
 from megagrpo.bridge.hf_io import HFCheckpoint, mtp_layer_prefixes
 from megagrpo.config.loader import load_config
 from megagrpo.config.schema import Config
+from tests.fixtures.doc_commands import DocCommand, commands
 from tests.fixtures.qwen3 import qwen3_model_dir
 from tests.integration.engine_pool import EnginePool
 
@@ -63,6 +71,7 @@ class Case:
     config: str  # a file under configs/
     family: str  # tiny model family standing in for the config's model
     options: tuple[str, ...] = ()  # dotted overrides that select options (beyond the size overrides)
+    doc: DocCommand | None = None  # a command of the docs: its own overrides and options, after the sizes
 
 
 # SGLang's FP8 kernels need CUDA: the engine refuses rollout.fp8 on the CPU (`RolloutEngine`).
@@ -197,6 +206,52 @@ CASES = (
         ),
     ),
 )
+
+
+# The one-process `megagrpo train` commands of README.md and docs/*.md (tests/fixtures/doc_commands.py), each a
+# case on its config's pooled engine, as written but for the size overrides (issue 43). Where a command
+# writes CONFIG, README's own example configs stand in: the calculator's for an agent, else the demo's.
+# Their `megagrpo sft` commands are the SFT stages below (`sft_stages`).
+AGENT = "rollout.multi_turn.agent."
+DOC_FAMILY = {"demo_qwen3_moe.yaml": "qwen3_moe", "agentic_calculator.yaml": "deepseek_v3"}  # as the cases
+
+
+def doc_config(cmd: DocCommand) -> str:
+    return (
+        "configs/agentic_calculator.yaml"
+        if any(AGENT in w for w in cmd.words)
+        else "configs/demo_qwen3_moe.yaml"
+    )
+
+
+def doc_argv(cmd: DocCommand) -> list[str]:
+    """The command's words after `megagrpo`, placeholders replaced (`PLACEHOLDERS`)."""
+    return cmd.argv({"CONFIG": doc_config(cmd), "my_pkg.agent": "tests.integration.command_agent"})[1:]
+
+
+def doc_family(cmd: DocCommand) -> str:
+    """The tiny model family of a doc command's config: the one its config's own case runs on."""
+    config = Path(doc_argv(cmd)[1]).name
+    assert config in DOC_FAMILY, f"{cmd.where}: {config} has no family in DOC_FAMILY (add its case's)"
+    return DOC_FAMILY[config]
+
+
+DOC_SFT = {Path(doc_argv(c)[1]).name: c for c in commands("one process") if c.words[1] == "sft"}
+# An agent's reward is the calculator's, 0 for every sample of a model that never learned the task: no group
+# would survive dynamic sampling, and no step would train.
+DOC_OPTIONS = {"agentic_calculator.yaml": ("algo.dynamic_sampling=false",)}
+DOC_CASES = tuple(
+    Case(
+        f"doc_{c.where}",
+        Path(doc_argv(c)[1]).name,
+        doc_family(c),
+        DOC_OPTIONS.get(Path(doc_argv(c)[1]).name, ()),
+        doc=c,
+    )
+    for c in commands("one process")
+    if c.words[1] == "train"
+)
+CASES += DOC_CASES
 
 
 def engine_of(case: Case) -> str:
@@ -377,7 +432,25 @@ def case_overrides(case: Case, tmp: Path, model: Path) -> list[str]:
         *data_overrides(shipped, tmp),
         reward_override(shipped),
         *case.options,
+        *(doc_args(case.doc).overrides if case.doc else ()),
     ]
+
+
+def doc_args(cmd: DocCommand):
+    """The doc command's arguments as the CLI parses them (its config, overrides, --resume)."""
+    from megagrpo.cli import build_parser
+
+    args = build_parser().parse_args(doc_argv(cmd))
+    assert (REPO / args.config).resolve() == (CONFIGS / Path(args.config).name).resolve(), args.config
+    return args
+
+
+def case_argv(case: Case, tmp: Path, model: Path) -> list[str]:
+    """`megagrpo train` of a case: its config and overrides; a doc command's own options too."""
+    flags = []
+    if case.doc and doc_args(case.doc).resume:
+        flags = ["--resume", doc_args(case.doc).resume]
+    return ["train", str(CONFIGS / case.config), *case_overrides(case, tmp, model), *flags]
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -497,6 +570,28 @@ def run_problems(cfg: Config, recs: list[dict]) -> list[str]:
     return bad
 
 
+def doc_problems(cfg: Config, recs: list[dict]) -> list[str]:
+    """What a doc command's run must show, whatever options it writes: every step logged and trained with
+    a finite loss; with an agent, every session answered (none raised, timed out or sent no request)."""
+    steps = [r["step"] for r in recs]
+    if steps != list(range(1, STEPS + 1)):
+        return [f"logged steps {steps}, expected 1..{STEPS}"]
+    bad = []
+    for r in recs:
+        if not (_finite(r.get("loss/total")) and r.get("loss/tokens", 0) > 0):
+            bad.append(
+                f"step {r['step']}: loss/total={r.get('loss/total')} loss/tokens={r.get('loss/tokens')}"
+            )
+        agent = cfg.rollout.multi_turn.agent
+        if agent.function or agent.command:
+            failed = {
+                k: r.get(f"rollout/{k}") for k in ("agent_errors", "agent_timeouts", "agent_no_request")
+            }
+            if set(failed.values()) != {0.0}:
+                bad.append(f"step {r['step']}: agent sessions {failed}")
+    return bad
+
+
 def _correction_problems(name: str, spec, r: dict) -> list[str]:
     """TIS/MIS signature: fractions that match the level and mode, and the cap rule."""
     p = f"mismatch/{'is' if name == 'tis' else 'mis'}_"
@@ -536,13 +631,15 @@ def _correction_problems(name: str, spec, r: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pool():
-    import megagrpo.rollout.engine as engine_module
+    import megagrpo.rollout.engines.engine as engine_module
     from megagrpo.compat import apply_cpu_compat
 
     apply_cpu_compat(megatron=True, sglang=True)
     p = EnginePool(one_live=True)  # CASES come grouped by family
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_module, "RolloutEngine", p)
+        # the PATH of a user who types `megagrpo`: the venv's commands first (a command agent's `python`)
+        mp.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         yield p
     p.drop_all()
 
@@ -585,9 +682,14 @@ def sft_stages(tmp_path_factory, models, pool):
         if config not in done:
             tmp = tmp_path_factory.mktemp(f"sft_{Path(config).stem}")
             out = tmp / "sft_model"
+            doc = DOC_SFT.get(config)  # README's `megagrpo sft` of this config: its words
+            head = (
+                [doc_args(doc).cmd, str(CONFIGS / config), *doc_args(doc).overrides]
+                if doc
+                else ["sft", str(CONFIGS / config)]
+            )
             argv = [
-                "sft",
-                str(CONFIGS / config),
+                *head,
                 f"model.hf_path={out}",
                 f"sft.base_path={models[SFT_CONFIGS[config]]}",
                 f"sft.output_dir={out}",
@@ -643,6 +745,9 @@ def _assert_mtp_carried(source: Path, got: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("config", SFT_CONFIGS)
 def test_sft_stage_of_a_shipped_config(config, sft_stages, models):
+    assert set(DOC_SFT) <= set(SFT_CONFIGS), (
+        f"docs' `megagrpo sft` of configs no SFT stage runs: {set(DOC_SFT)}"
+    )
     tmp, out, rc = sft_stages(config)
     assert rc == 0
     recs = records(tmp / "run" / "sft")
@@ -667,11 +772,10 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
         _, sft_out, sft_rc = sft_stages(case.config)
         assert sft_rc == 0, "the SFT stage this case starts from failed"
         model = sft_out
-    overrides = case_overrides(case, tmp_path, model)
-    cfg = load_config(CONFIGS / case.config, overrides)
-    rc = run_cli(pool, "train", str(CONFIGS / case.config), *overrides)
+    cfg = load_config(CONFIGS / case.config, case_overrides(case, tmp_path, model))
+    rc = run_cli(pool, *case_argv(case, tmp_path, model))
     assert rc == 0
-    problems = run_problems(cfg, records(tmp_path / "run"))
+    problems = (doc_problems if case.doc else run_problems)(cfg, records(tmp_path / "run"))
     assert not problems, "\n".join(problems)
     # schedule.save_every=0 means "end only": the finished run is checkpointed.
     ckpt = tmp_path / "ckpt" / f"step_{STEPS:08d}"

@@ -82,8 +82,8 @@ class RecordingEngine:
 def _multi_turn_batch(engine, tmp: Path, name: str, seed: int) -> tuple[Path, dict]:
     """3-turn trajectories on the engine -> the learner batch (saved), and the routes facts checked here."""
     from megagrpo.rollout.config import SamplingConfig
-    from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes
-    from megagrpo.rollout.trajectory import route_rows_from_b64
+    from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits, rollout_episodes
+    from megagrpo.rollout.episodes.trajectory import route_rows_from_b64
     from megagrpo.trainer.batch import trajectory_batch
 
     rec = RecordingEngine(engine)
@@ -136,7 +136,7 @@ async def _turn(engine, trajs, sampling, turn: int, version: int) -> None:
     """One turn of every trajectory, concurrently, through `generate_turn` (the read-back included)."""
     import asyncio
 
-    from megagrpo.rollout.multi_turn import turn_seed
+    from megagrpo.rollout.episodes.multi_turn import turn_seed
 
     env = [] if turn == 0 else EVICT_ENV
     outs = await asyncio.gather(*(
@@ -161,7 +161,7 @@ def _flush(engine, timeout_s: float = 120.0) -> None:
 def _evicted_turn_one(engine):
     """Turn 1 of one trajectory per prompt, under the engine's current (fp8-router) weights: version 0."""
     from megagrpo.rollout.config import SamplingConfig
-    from megagrpo.rollout.trajectory import Trajectory
+    from megagrpo.rollout.episodes.trajectory import Trajectory
 
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, ignore_eos=True, seed=3)
     trajs = [
@@ -174,7 +174,7 @@ def _evicted_turn_one(engine):
 
 def _evicted_turns_two_three(engine, turn_one, tmp: Path) -> tuple[Path, dict]:
     """Turns 2 and 3 after the cache was flushed, under the restored weights (version 1): the batch and facts."""
-    from megagrpo.rollout.multi_turn import Episode, MultiTurnStats
+    from megagrpo.rollout.episodes.multi_turn import Episode, MultiTurnStats
     from megagrpo.trainer.batch import trajectory_batch
 
     trajs, sampling, rows_one = turn_one

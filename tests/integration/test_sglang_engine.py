@@ -4,6 +4,11 @@ and the CPU-compat patches are the code paths actually hit (in this process and 
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import signal
+
 import psutil
 import pytest
 import torch
@@ -160,8 +165,15 @@ def test_the_families_generate_as_transformers_does(family_engine):
     """DeepSeek-V3 (MLA through the torch-native path of compat/sglang_cpu.py) and GLM-4.5 served on this
     CPU in fp32: greedy output equal to transformers' argmax, the sampler's logprob of every token equal to
     transformers' to fp32 round-off, and routes for every MoE layer (issue 37, part 2). Before the
-    torch-native MLA path, DeepSeek-V3's prefill attended over the latent KV pool: off by 0.55 nats."""
+    torch-native MLA path, DeepSeek-V3's prefill attended over the latent KV pool: off by 0.55 nats.
+    DeepSeek-V3's model is saved as transformers saves it (issue 43), with Moonlight's plain rope, which
+    SGLang's CPU rope refused, and no `topk_method`/`scoring_func`/`moe_layer_freq`, without which SGLang's model
+    raised AttributeError; either way the engine's start killed this process (exit 137)."""
     engine, hf = family_engine.engine, family_engine.reference
+    saved = json.loads((family_engine.model_dir / "config.json").read_text())
+    if family_engine.family == "deepseek_v3":
+        assert not {"topk_method", "scoring_func", "moe_layer_freq"} & saved.keys()
+        assert saved["q_lora_rank"] and saved["rope_parameters"]["rope_type"] == "default"
     prompts = [[5, 17, 33, 2, 90, 14], [1, 307, 260, 202, 44, 45, 46, 47, 48, 49, 50, 51]]
     groups = engine.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=10, ignore_eos=True), 1)
     layers, topk = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
@@ -183,3 +195,43 @@ def test_the_families_generate_as_transformers_does(family_engine):
     sdpa = {f"TorchNativeAttnBackend._run_sdpa_forward_{m}" for m in ("extend", "decode")}
     assert (sdpa <= hits.keys()) == (family_engine.family == "deepseek_v3"), (family_engine.family, hits)
     assert not sdpa & hits.keys() or family_engine.family == "deepseek_v3"
+    # MLA's plain rope is SGLang's own plain RotaryEmbedding (GLM-4.5's GQA never asks the MLA factory)
+    assert ("factory.get_rope_cpu" in hits) == (family_engine.family == "deepseek_v3"), hits
+
+
+def test_an_engine_that_cannot_start_is_an_error_naming_it_and_the_cause(tiny_model, tmp_path):
+    """Issue 43: a scheduler that fails while it builds the model (here SGLang's DeepSeek MoE refuses a
+    non-SiLU activation) signals its parent, whose SGLang handler killed its whole process tree: the
+    trainer ended with exit 137 at start and no word of the cause. Now the start raises `EngineFailed`,
+    naming the engine, the model and the scheduler's exception, and leaves none of its processes."""
+    from megagrpo.compat import apply_cpu_compat
+
+    apply_cpu_compat(megatron=False, sglang=True)
+    from megagrpo.rollout import RolloutConfig, RolloutEngine
+    from megagrpo.rollout.engines.engine import EngineFailed, _is_mp_helper
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("deepseek_v3", yarn=False), model)  # the family engine's
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "hidden_act": "relu"}))
+    name = "engine 3 of 4: rank 6 on node-x, cores [0, 1]"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    handler = signal.getsignal(signal.SIGQUIT)  # a session engine's, put back (one handler per process)
+    try:
+        with pytest.raises(EngineFailed) as e:
+            RolloutEngine(
+                RolloutConfig(str(model), dtype="float32", max_total_tokens=1024), name=name
+            ).start()
+    finally:
+        signal.signal(signal.SIGQUIT, handler)
+    msg = str(e.value)
+    assert msg.startswith(
+        f"{name}: SGLang could not start on {model} (tp_size=1): its scheduler failed with "
+    ), msg
+    assert "ValueError: Unsupported activation: relu. Only silu is supported for now. (at File " in msg, msg
+    assert re.search(r'models/deepseek_v2\.py", line \d+, in __init__\)$', msg), msg  # where SGLang raised
+    left = [
+        p for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and not _is_mp_helper(p) and p.status() != psutil.STATUS_ZOMBIE
+    ]  # fmt: skip
+    assert not left, left

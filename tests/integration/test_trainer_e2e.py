@@ -1,7 +1,9 @@
 """`megagrpo train` end to end: real SGLang engine, real megatron learner, tiny Qwen3-MoE, through the CLI.
 
 The runs are module-scoped and shared by the assertions, because each one starts an engine (tens of
-seconds here).
+seconds here). `cli` runs the command a user types after `make setup`: this clone's `.venv/bin/megagrpo`
+(tools/clone_venv.py), one process starting its own engine, as the files that import it do too (issue 43: that
+script killed every single-process engine start, while the tests ran `python -m megagrpo.cli`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fixtures.doc_commands import commands
 from tests.integration.run_metrics import last_record_per_step, step_differences
 
 REPO = Path(__file__).resolve().parents[2]
+MEGAGRPO = REPO / ".venv" / "bin" / "megagrpo"  # the clone's console script, as `make setup` writes it
 GROUPS = ("rollout/", "reward/", "adv/", "loss/", "mismatch/", "moe/", "sync/", "perf/", "eval/")
 
 
@@ -64,9 +68,12 @@ def write_config(tmp: Path, model: Path, **over) -> Path:
 
 
 def cli(*args: str, timeout: float = 900, env: dict | None = None, **popen) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+    """`megagrpo ARGS` as a user runs it: the clone's console script, whose `.pth` puts the clone (and so
+    `tests.*` reward functions) on the path; no PYTHONPATH."""
+    assert MEGAGRPO.is_file(), f"{MEGAGRPO} is missing: `make setup` writes it"
+    env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", *args],
+        [str(MEGAGRPO), *args],
         cwd=REPO,
         env=env,
         text=True,
@@ -178,12 +185,15 @@ def test_console_shows_the_steps_without_the_known_library_noise(full_run):
 
 
 def test_eval_of_a_checkpoint_repeats_the_runs_own_evaluation(full_run):
-    """`megagrpo eval --resume step_3` scores the held-out set greedily with the step-3 weights: the same
-    numbers the training run logged at step 3, written under run/eval/ without touching the run's log."""
+    """`megagrpo eval --resume step_3`, README's command with this run's config and checkpoint, scores the
+    held-out set greedily with the step-3 weights: the same numbers the training run logged at step 3,
+    written under run/eval/ without touching the run's log."""
     tmp, res = full_run
     assert res.returncode == 0
     before = (tmp / "run" / "metrics.jsonl").read_text()
-    ev = cli("eval", str(tmp / "config.yaml"), "--resume", str(tmp / "ckpt" / "step_00000003"))
+    (doc,) = commands("eval")
+    step_3 = tmp / "ckpt" / "step_00000003"
+    ev = cli(*doc.argv({"CONFIG": tmp / "config.yaml", "outputs/demo/checkpoints/step_00000100": step_3})[1:])
     assert ev.returncode == 0, ev.stderr[-3000:]
     (rec,) = records(tmp / "run" / "eval")
     train3 = records(tmp / "run")[-1]
@@ -294,7 +304,8 @@ def test_bad_config_fails_fast_without_traceback(tmp_path, moe_model):
 
 
 TWO_PROCESS_RUN = {"schedule__steps": 2, "schedule__eval_every": 2, "schedule__save_every": 2, "replay": "R3"}
-EP2_ASYNC = ("mesh.ep=2", "rollout.mode=async", "rollout.max_staleness=1")  # run by test_install.py
+# Async sampling (k = 1) on README's `megagrpo train CONFIG --nproc 2 mesh.ep=2`: run by test_install.py
+ASYNC_K1 = ("rollout.mode=async", "rollout.max_staleness=1")
 
 
 def check_two_process_run(tmp: Path, is_async: bool) -> None:
@@ -335,12 +346,14 @@ FAMILY_MESHES = {"deepseek_v3": (), "glm4_moe": ("mesh.ep=2",)}
 
 @pytest.mark.parametrize("family", sorted(FAMILY_MESHES))
 def test_the_families_train_with_gspo_r3_and_tis(tmp_path, family):
-    """`megagrpo train` on DeepSeek-V3 (MLA with q_lora_rank null, as Moonlight ships it) on DP2 and GLM-4.5
+    """`megagrpo train` on DeepSeek-V3 (MLA as Moonlight ships it, without a q latent, with DeepSeek-V3's
+    YaRN; the q latent and plain rope are served against transformers by test_sglang_engine's family engine) on DP2 and GLM-4.5
     on EP2, GSPO + R3 + TIS with the sampler in fp32 (issue 37, part 4): every step's learner logprobs equal
     the sampler's to fp32 round-off, also after a weight sync (MLA, shared experts, dense layer, correction
     bias; under EP2 gathered from both ranks), the learner routes as the sampler did, nothing falls back."""
     from megagrpo.tiny_model import make_tiny_model
 
+    # q_lora_rank 0 writes Moonlight's null q latent (deepseek_v3 only; GLM-4.5 has none)
     model = make_tiny_model(
         tmp_path / "model", family, seed=1, **({"q_lora_rank": 0} if family == "deepseek_v3" else {})
     )

@@ -72,7 +72,7 @@ def served(tmp_path_factory):
     from megagrpo.compat import apply_cpu_compat
 
     apply_cpu_compat(megatron=False, sglang=True)  # BroadcastTransport imports sglang.srt
-    from megagrpo.rollout.remote import RemoteEngine
+    from megagrpo.rollout.engines.remote import RemoteEngine
     from megagrpo.sync.broadcast import BroadcastTransport
     from megagrpo.tiny_model import make_tiny_model
 
@@ -220,7 +220,7 @@ def test_only_this_launch_drives_the_engine(served):
     admin_api_key); only the health probe answers."""
     from urllib.parse import urlsplit
 
-    from megagrpo.rollout.remote import EngineUnreachable, RemoteEngine
+    from megagrpo.rollout.engines.remote import EngineUnreachable, RemoteEngine
 
     where = urlsplit(served.server.url)
     listening = {
@@ -260,7 +260,7 @@ class OverNodes:
 @pytest.fixture(scope="module")
 def over_nodes(served, tmp_path_factory):
     """The same checkpoint on an engine of tp_size 2 over two nodes of one rank each (module doc)."""
-    from megagrpo.rollout.remote import RemoteEngine
+    from megagrpo.rollout.engines.remote import RemoteEngine
     from megagrpo.sync.broadcast import BroadcastTransport
 
     model = served.engine.cfg.model_path

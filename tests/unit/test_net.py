@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megagrpo import net
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout import rendezvous, server
 from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.engines import rendezvous, server
 
 
 @pytest.fixture

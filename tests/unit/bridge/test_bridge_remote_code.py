@@ -114,8 +114,8 @@ def test_preflight_passes_with_trust_remote_code_or_without_remote_code(kimi, ti
 
 @pytest.mark.parametrize("trust", [False, True])
 def test_trust_remote_code_reaches_the_tokenizer_loads_and_sglang(kimi, trust):
-    from megagrpo.rollout.engine import RolloutEngine
-    from megagrpo.rollout.remote import RemoteEngine
+    from megagrpo.rollout.engines.engine import RolloutEngine
+    from megagrpo.rollout.engines.remote import RemoteEngine
     from megagrpo.trainer.components import load_tokenizer, rollout_config
 
     cfg = config_from_dict({"model": {"hf_path": str(kimi), "trust_remote_code": trust}})
@@ -145,7 +145,7 @@ def test_trust_remote_code_reaches_the_tokenizer_loads_and_sglang(kimi, trust):
 
 
 def test_the_remote_servers_arguments_carry_it(kimi):
-    from megagrpo.rollout.server import server_args
+    from megagrpo.rollout.engines.server import server_args
     from megagrpo.trainer.components import rollout_config
 
     cfg = config_from_dict({"model": {"hf_path": str(kimi), "trust_remote_code": True}})

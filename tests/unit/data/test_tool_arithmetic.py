@@ -12,7 +12,7 @@ from megagrpo.data.sources import RowError
 from megagrpo.data.synthetic import generate
 from megagrpo.data.template import PromptFormatter
 from megagrpo.envs.calculator import evaluate
-from megagrpo.rollout.chat_delta import ChatDeltas
+from megagrpo.rollout.episodes.chat_delta import ChatDeltas
 from megagrpo.tiny_model import train_tokenizer
 
 

@@ -24,7 +24,7 @@ from megagrpo.envs.python_tool import PythonEnv
 from megagrpo.envs.sandbox import SandboxConfig
 from megagrpo.envs.tools import ToolCounters
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.multi_turn import MultiTurnStats
+from megagrpo.rollout.episodes.multi_turn import MultiTurnStats
 
 ROOT = os.geteuid() == 0
 # Small limits keep each case short; the wall limits leave room for a loaded 2-core machine.

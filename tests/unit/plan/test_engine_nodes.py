@@ -175,9 +175,9 @@ def test_the_ranks_of_an_engine_over_two_nodes_start_its_nodes(tmp_path, monkeyp
     SGLang nodes 0 and 1 of the engine; node 1 meets node 0 where node 0's rank published it."""
     import torch
 
-    import megagrpo.rollout.server as server
+    import megagrpo.rollout.engines.server as server
     from megagrpo.config import config_from_dict
-    from megagrpo.rollout.engine import RolloutEngine
+    from megagrpo.rollout.engines.engine import RolloutEngine
     from megagrpo.trainer.entry import serve_if_engine_rank
 
     (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 2}))
@@ -218,7 +218,7 @@ def test_the_cpu_engine_starts_its_node_of_an_engine_over_nodes(tmp_path):
     """On the CPU too, node 1 of an engine over 2 nodes meets node 0 at dist_init_addr; SGLang's custom
     all-reduce (CUDA IPC) is switched off by its own server argument."""
     from megagrpo.rollout import RolloutConfig
-    from megagrpo.rollout.engine import RolloutEngine
+    from megagrpo.rollout.engines.engine import RolloutEngine
 
     (tmp_path / "config.json").write_text("{}")
     rc = RolloutConfig(str(tmp_path), tp_size=2, nnodes=2, node_rank=1, dist_init_addr="h:1")
@@ -239,7 +239,7 @@ def test_a_cpu_engine_of_two_ranks_gets_its_threads_bind(tmp_path, monkeypatch):
     """Unset, SGLang asserts one NUMA node per CPU rank ("SGLANG_CPU_OMP_THREADS_BIND is not set ..."), so
     a TP 2 engine on one socket failed as its schedulers started; the engine sets it from its cores."""
     from megagrpo.rollout import RolloutConfig
-    from megagrpo.rollout.engine import THREADS_BIND_ENV, RolloutEngine, cpu_threads_bind
+    from megagrpo.rollout.engines.engine import THREADS_BIND_ENV, RolloutEngine, cpu_threads_bind
 
     assert cpu_threads_bind(2, 1, [3, 0, 1, 2]) == "0,1|2,3"  # one node: a run for each rank
     assert cpu_threads_bind(4, 2, range(8)) == "0,1,2,3|4,5,6,7"  # each node holds 2 of the 4 ranks
@@ -255,3 +255,27 @@ def test_a_cpu_engine_of_two_ranks_gets_its_threads_bind(tmp_path, monkeypatch):
     monkeypatch.setenv(THREADS_BIND_ENV, "5|6")  # the user's own
     RolloutEngine(RolloutConfig(str(tmp_path), tp_size=2)).export_cpu_threads_bind()
     assert os.environ[THREADS_BIND_ENV] == "5|6"
+
+
+def test_the_plan_modules_import_in_one_direction():
+    """Issue 43 part 5: `plan/engines.py` imported `plan/memory.py`, which imported it back (for
+    `EngineSpan`); the engine's side of the plan now lives in `plan/engine_rank.py`, below both. Every
+    import between the plan's modules, the type-checking ones included, runs one way."""
+    import ast
+
+    plan = REPO / "megagrpo" / "plan"
+    edges = {}
+    for path in plan.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megagrpo.plan."):
+                found.add(node.module.rsplit(".", 1)[1])
+        edges[path.stem] = found
+
+    def reaches(start, goal, seen=()):
+        return any(
+            n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in edges.get(start, ())
+        )
+
+    assert edges["memory"] and "engine_rank" in edges["engines"]
+    assert not [m for m in edges if reaches(m, m)], edges

@@ -126,6 +126,54 @@ def test_mla_attention_tensors_by_hand():
     assert sum(dense) == 2 * 129280 // 8 * H + H + layers + 58 * (256 * H + shared)
 
 
+# How SGLang 0.5.23 holds each HF tensor of a DeepSeek-V3-shaped model on one of `tp` ranks
+# (sglang/srt/models/deepseek_v2.py, attention TP = engine TP): ReplicatedLinear (MLA's down projections),
+# RMSNorm and MoEGate (the router and its correction bias) whole; ColumnParallelLinear /
+# MergedColumnParallelLinear (q_b_proj, q_proj, kv_b_proj, gate/up, experts' w13) split by output rows;
+# RowParallelLinear (o_proj, down, experts' w2) by input columns; VocabParallelEmbedding / ParallelLMHead
+# by vocab rows padded to 64 (64 x tp when 64 rows do not split).
+SGLANG_WHOLE = ("norm.weight", "q_a_proj.weight", "kv_a_proj_with_mqa.weight", "mlp.gate.weight",
+                "mlp.gate.e_score_correction_bias")  # fmt: skip
+SGLANG_ROWS = ("q_b_proj.weight", "q_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight")
+SGLANG_COLUMNS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+def sglang_shard_numel(name: str, shape: tuple[int, ...], tp: int) -> int:
+    numel = math.prod(shape)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        pad = 64 if -(-shape[0] // 64) * 64 % tp == 0 else 64 * tp
+        return -(-shape[0] // pad) * pad // tp * shape[1]
+    if name.endswith(SGLANG_WHOLE):
+        return numel
+    split = {"experts.gate_up_proj": shape[1]}.get(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1])
+    if split is None:
+        split = shape[0] if name.endswith(SGLANG_ROWS) else shape[-1] if name.endswith(SGLANG_COLUMNS) else 0
+    assert split, f"{name}: no SGLang layout listed for it"
+    assert split % tp == 0, (name, shape, tp)
+    return numel // tp
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3", "Moonlight-16B-A3B"])
+def test_engine_rank_weights_are_sglangs_shards_on_the_meta_device(name):
+    """Issue 43: the plan's weight bytes of one engine rank at TP 8 are the sum of the shards SGLang holds,
+    counted from transformers' own model built on the meta device. SGLang replicates MLA's down
+    projections, the norms and the routers; the plan divided them by TP, 1.8 GB per rank short on
+    DeepSeek-V3 (and Moonlight's kv down projection)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megagrpo.plan.engine_rank import engine_weight_bytes
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MODELS / name))
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    held = sum(sglang_shard_numel(n, tuple(t.shape), 8) for n, t in tensors if ".rotary_emb." not in n)
+    assert engine_weight_bytes(arch_from_hf(MODELS / name), 8) == 2 * held
+    if name == "DeepSeek-V3":
+        replicated = sum(t.numel() for n, t in tensors if n.endswith(SGLANG_WHOLE))
+        assert 2 * replicated * 7 / 8 / 1e9 == pytest.approx(1.80, abs=0.01)  # what an even split missed
+
+
 def test_mla_kv_cache_is_the_latent_not_k_and_v():
     # kv_lora_rank + qk_rope_head_dim per token and layer, on every engine rank (the latent has no heads);
     # full K and V of the 16 heads an engine_tp 8 rank holds, 2 x 16 x 192 x 61 x 2 bytes, are 11x more

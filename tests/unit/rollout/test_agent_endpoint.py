@@ -1,4 +1,4 @@
-"""The OpenAI-compatible agent endpoint (`rollout.agent_endpoint`, `rollout.agent_session`) against the
+"""The OpenAI-compatible agent endpoint (`rollout.agents.endpoint`, `rollout.agents.session`) against the
 scripted fake engine of test_multi_turn, with agents written against the real `openai` client:
 
 * the calculator agent records, token for token, the trajectory the built-in driver records for the same
@@ -26,8 +26,8 @@ from megagrpo.envs.calculator import DEFAULT_SYSTEM_PROMPT, CalculatorEnv
 from megagrpo.envs.calculator_agent import run as calculator_agent
 from megagrpo.envs.calculator_agent import tool_schema
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.agent_endpoint import AgentRunner, EndpointOptions, rollout_sessions
-from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes
+from megagrpo.rollout.agents.endpoint import AgentRunner, EndpointOptions, rollout_sessions
+from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits, rollout_episodes
 from megagrpo.trainer.batch import rollout_batch
 from megagrpo.trainer.episodes import episode_completion
 from tests.unit.rollout.test_multi_turn import Q1, SAMPLING, SCRIPT1, ScriptedEngine, _call
@@ -502,7 +502,7 @@ def test_the_episode_sampler_gives_a_branching_session_a_row_per_branch(tok):
 
 
 def test_an_agent_s_return_is_its_reward():
-    from megagrpo.rollout.agent_endpoint import AgentFailed, agent_reward
+    from megagrpo.rollout.agents.endpoint import AgentFailed, agent_reward
 
     assert agent_reward(None) == (None, {})  # left to rewards.functions, or unscored
     assert agent_reward(True) == (1.0, {}) and agent_reward(2) == (2.0, {})

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from megagrpo.rollout.agent_endpoint import AgentRunner, EndpointOptions, rollout_sessions
-from megagrpo.rollout.multi_turn import MultiTurnLimits
+from megagrpo.rollout.agents.endpoint import AgentRunner, EndpointOptions, rollout_sessions
+from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits
 from tests.unit.rollout.test_multi_turn import SAMPLING, ScriptedEngine
 
 REPO = Path(__file__).resolve().parents[3]
@@ -189,8 +189,8 @@ UNDER_ULIMIT = """
 import json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 from megagrpo.tiny_model import train_tokenizer
-from megagrpo.rollout.agent_endpoint import AgentRunner, EndpointOptions, rollout_sessions
-from megagrpo.rollout.multi_turn import MultiTurnLimits
+from megagrpo.rollout.agents.endpoint import AgentRunner, EndpointOptions, rollout_sessions
+from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits
 from tests.unit.rollout.test_multi_turn import SAMPLING, ScriptedEngine
 
 tok = train_tokenizer(1024)

@@ -28,8 +28,8 @@ import httpx
 import openai
 import pytest
 
-from megagrpo.rollout.agent_endpoint import AgentRunner, EndpointOptions, rollout_sessions
-from megagrpo.rollout.multi_turn import MultiTurnLimits
+from megagrpo.rollout.agents.endpoint import AgentRunner, EndpointOptions, rollout_sessions
+from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits
 from megagrpo.trainer.episodes import episode_rows
 from tests.unit.rollout.test_multi_turn import SAMPLING, ScriptedEngine
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.chat_delta import ChatDeltas, TemplateBreak
-from megagrpo.rollout.trajectory import Trajectory
+from megagrpo.rollout.episodes.chat_delta import ChatDeltas, TemplateBreak
+from megagrpo.rollout.episodes.trajectory import Trajectory
 from tests.fixtures.qwen3 import qwen3_tokenizer
 
 # Qwen2.5's tool layout, cut down: tools in the system turn, consecutive tool results grouped in one user turn

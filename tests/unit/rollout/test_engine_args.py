@@ -8,7 +8,7 @@ import pytest
 
 from megagrpo.config import config_from_dict
 from megagrpo.rollout import RolloutConfig
-from megagrpo.rollout.engine import RolloutEngine
+from megagrpo.rollout.engines.engine import RolloutEngine
 from megagrpo.trainer.components import rollout_config
 
 
@@ -74,7 +74,7 @@ WARN = "-Wignore:resource_tracker:UserWarning:multiprocessing.resource_tracker" 
 def test_only_multiprocessing_helpers_are_left_out_of_the_engines_processes(cmdline, helper):
     """An engine's processes are recorded at start and killed by shutdown; a child misread as the shared
     resource tracker was never killed and hung the trainer's exit (multiprocessing joins live children)."""
-    from megagrpo.rollout.engine import _is_mp_helper
+    from megagrpo.rollout.engines.engine import _is_mp_helper
 
     assert _is_mp_helper(_Proc(cmdline)) is helper
 
@@ -82,7 +82,7 @@ def test_only_multiprocessing_helpers_are_left_out_of_the_engines_processes(cmdl
 def test_gpu_engine_runs_triton_attention_without_fa3_and_eager_prefill(model_dir, monkeypatch):
     """The bundle's sglang-kernel has no FlashAttention-3 (trimmed to sm_90): SGLang's Hopper default would
     fail, so the engine asks for Triton attention; prefill CUDA graphs are off (seen failing on an H200)."""
-    import megagrpo.rollout.engine as eng
+    import megagrpo.rollout.engines.engine as eng
 
     cfg = rollout_config(config_from_dict({"model": {"hf_path": model_dir}}), model_dir)
     engine = RolloutEngine(cfg)
@@ -133,7 +133,7 @@ def test_the_disaggregated_server_s_key_is_redacted_from_sglang_s_logs(tiny_mode
     from sglang.srt.entrypoints import engine as sgl_engine
     from sglang.srt.entrypoints import http_server
 
-    import megagrpo.rollout.server as server
+    import megagrpo.rollout.engines.server as server
 
     rc = RolloutConfig(str(tiny_model()), log_level="info")
     out, logged, keys = io.StringIO(), threading.Event(), []

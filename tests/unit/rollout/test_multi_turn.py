@@ -23,8 +23,8 @@ from megagrpo.envs.tools import Tool, ToolExecutor
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import NO_ROUTE, completion_from_output
 from megagrpo.rollout.config import SamplingConfig
-from megagrpo.rollout.multi_turn import MultiTurnLimits, MultiTurnStats, rollout_episodes, turn_seed
-from megagrpo.rollout.trajectory import PREFIX_REREAD, EnvSegment, ModelSegment, Trajectory
+from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits, MultiTurnStats, rollout_episodes, turn_seed
+from megagrpo.rollout.episodes.trajectory import PREFIX_REREAD, EnvSegment, ModelSegment, Trajectory
 from megagrpo.trainer.batch import rollout_batch, trajectory_batch
 from tests.fixtures.qwen3 import qwen3_tokenizer
 

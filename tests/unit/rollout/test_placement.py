@@ -10,7 +10,7 @@ import torch
 
 from megagrpo.config.schema import Config
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.placement import CorePlacement, core_placement, engine_cores, release
+from megagrpo.rollout.engines.placement import CorePlacement, core_placement, engine_cores, release
 
 
 def test_the_engine_gets_the_last_core_and_the_learner_the_rest_by_default():
@@ -98,7 +98,7 @@ def test_async_on_gpus_is_refused_before_anything_starts():
 
 
 def test_disaggregated_engine_ranks_take_the_engine_cores_and_learners_the_rest(monkeypatch):
-    from megagrpo.rollout.placement import disaggregated_cores
+    from megagrpo.rollout.engines.placement import disaggregated_cores
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     p = disaggregated_cores(None)

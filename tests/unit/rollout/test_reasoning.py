@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.reasoning import (
+from megagrpo.rollout.episodes.reasoning import (
     ReasoningSplitter,
     SplitTurn,
     check_reasoning_parser,

@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout import rendezvous
 from megagrpo.rollout.config import RolloutConfig
-from megagrpo.rollout.remote import EngineUnreachable, RemoteEngine
+from megagrpo.rollout.engines import rendezvous
+from megagrpo.rollout.engines.remote import EngineUnreachable, RemoteEngine
 
 
 def store() -> dist.Store:

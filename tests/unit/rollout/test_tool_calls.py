@@ -11,7 +11,7 @@ import pytest
 from megagrpo.envs.calculator import calculator_tool
 from megagrpo.envs.tools import ToolCounters, ToolExecutor
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.tool_calls import ToolCallParser
+from megagrpo.rollout.episodes.tool_calls import ToolCallParser
 
 TOOLS = [calculator_tool().schema()]
 

@@ -11,7 +11,7 @@ import torch
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import NO_ROUTE, completion_from_output
-from megagrpo.rollout.trajectory import PrefixRecompute, Trajectory, route_dtype
+from megagrpo.rollout.episodes.trajectory import PrefixRecompute, Trajectory, route_dtype
 
 L, K, E = 3, 2, 8
 
@@ -265,7 +265,7 @@ def slot_engine(tmp_path):
     import json
 
     from megagrpo.rollout import RolloutConfig
-    from megagrpo.rollout.engine import RolloutEngine
+    from megagrpo.rollout.engines.engine import RolloutEngine
 
     (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": K}))
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import megagrpo.sync.broadcast as broadcast
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.remote import EngineUnreachable
+from megagrpo.rollout.engines.remote import EngineUnreachable
 
 NAME = "engine 0 (http://127.0.0.1:1, rank 2 on n2)"
 REFUSAL = (

@@ -204,7 +204,7 @@ def test_a_scheduler_that_dies_mid_sync_is_an_error_naming_the_engine_and_its_te
     """The safety net under the shape probe: any failure of the engine's loader (before, SGLang's SIGQUIT
     handler killed the trainer's whole process tree: exit 137, no checkpoint, no line naming anything)."""
     from megagrpo.rollout import RolloutConfig, RolloutEngine
-    from megagrpo.rollout.engine import EngineFailed
+    from megagrpo.rollout.engines.engine import EngineFailed
 
     model_dir, tensors = checkpoint
     (model_dir / "config.json").write_text("{}")

@@ -8,7 +8,7 @@ import torch
 
 from megagrpo.config import config_from_dict
 from megagrpo.envs.calculator import CalculatorEnv
-from megagrpo.rollout.multi_turn import MultiTurnLimits, MultiTurnStats, rollout_episodes
+from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits, MultiTurnStats, rollout_episodes
 from megagrpo.rollout.prompt_group import PromptGroup
 from megagrpo.trainer.batch import response_mask, rollout_batch, turn_index
 from megagrpo.trainer.episodes import EpisodeSampler, episode_completion, multi_turn_metrics

@@ -63,9 +63,9 @@ def log() -> list[str]:
 
 @pytest.fixture
 def session(log, monkeypatch) -> Session:
-    import megagrpo.rollout.engine as engine_module
+    import megagrpo.rollout.engines.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "RolloutEngine", lambda cfg: FakeEngine(log, cfg))
+    monkeypatch.setattr(engine_module, "RolloutEngine", lambda cfg, name="engine": FakeEngine(log, cfg))
     monkeypatch.setattr(samplers_module, "rollout_config", lambda cfg, path: RolloutConfig(model_path=path))
     s = object.__new__(Session)
     s.cfg = SimpleNamespace(

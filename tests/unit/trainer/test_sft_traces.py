@@ -14,7 +14,7 @@ from megagrpo.data.synthetic import tool_arithmetic_problem
 from megagrpo.data.template import PromptFormatter
 from megagrpo.envs.calculator import DEFAULT_SYSTEM_PROMPT, CalculatorEnv
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.multi_turn import MultiTurnLimits, rollout_episodes
+from megagrpo.rollout.episodes.multi_turn import MultiTurnLimits, rollout_episodes
 from megagrpo.trainer.batch import sft_batch
 from megagrpo.trainer.sft import TraceExamples
 from tests.fixtures.qwen3 import qwen3_tokenizer

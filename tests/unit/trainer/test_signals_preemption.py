@@ -24,7 +24,7 @@ import pytest
 import uvloop
 
 from megagrpo.rollout.config import RolloutConfig, SamplingConfig
-from megagrpo.rollout.engine import RolloutEngine
+from megagrpo.rollout.engines.engine import RolloutEngine
 from megagrpo.trainer.session import Session
 from megagrpo.trainer.signals import REQUEUE_EXIT_CODE, StopRequest
 
@@ -75,6 +75,10 @@ class FakeTokenizerManager:
 class FakeSGLangEngine:
     """`sglang.Engine` as `RolloutEngine` uses it; each request is SIGTERMed while it is in flight."""
 
+    run_scheduler_process_func = staticmethod(
+        print
+    )  # wrapped by `rollout.engines.engine.engine_class`, never run
+
     def __init__(self, **kwargs) -> None:
         self.loop = uvloop.new_event_loop()
         self.tokenizer_manager = FakeTokenizerManager()
@@ -103,9 +107,10 @@ class FakeSGLangEngine:
 @pytest.fixture
 def engine(tmp_path, monkeypatch, process_signals):
     (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 0}))
-    fake = types.ModuleType("sglang")
-    fake.Engine = FakeSGLangEngine
-    monkeypatch.setitem(sys.modules, "sglang", fake)
+    for name in ("sglang", "sglang.srt", "sglang.srt.entrypoints", "sglang.srt.entrypoints.engine"):
+        fake = types.ModuleType(name)
+        fake.Engine = FakeSGLangEngine
+        monkeypatch.setitem(sys.modules, name, fake)
     eng = RolloutEngine(RolloutConfig(model_path=str(tmp_path))).start()
     yield eng
     inner, eng._engine = eng._engine, None

@@ -1,7 +1,7 @@
 """A disaggregated engine seen from the learner rank that owns it: the engine's requests over HTTP.
 
-The engine runs on ranks of its own (`rollout.server`); its owner sends the same requests a colocated
-engine gets (`rollout.engine.EngineRequests`: `generate`, `generate_turn`, `score` build them, one code
+The engine runs on ranks of its own (`rollout.engines.server`); its owner sends the same requests a colocated
+engine gets (`rollout.engines.engine.EngineRequests`: `generate`, `generate_turn`, `score` build them, one code
 path for seeds, checks and the decoding of logprobs and routes) as JSON to SGLang's `/generate`, on an
 aiohttp session bound to this object's own event loop, so a multi-turn rollout's coroutines share one
 connection pool.
@@ -11,7 +11,7 @@ Deadlines. Every call waits at most `rollout.placement.engine_timeout_s`; a refu
 and what was asked, and the owner's failure stops every rank (`dist.agree`, or the launcher).
 
 Access. Every request carries the launch's key for this engine (`rendezvous.Endpoint.key`) as
-`Authorization: Bearer <key>`, the header SGLang's `api_key`/`admin_api_key` check (`rollout.server`).
+`Authorization: Bearer <key>`, the header SGLang's `api_key`/`admin_api_key` check (`rollout.engines.server`).
 
 Memory. The engine owns its devices: it never releases any (no `release`/`resume`; the session's memory
 phases skip an engine with devices of its own), and the learner is never offloaded.
@@ -29,7 +29,7 @@ from typing import Any
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.config import RolloutConfig
-from megagrpo.rollout.engine import EngineRequests
+from megagrpo.rollout.engines.engine import EngineRequests
 
 FAILURE_POLL_S = 1.0
 

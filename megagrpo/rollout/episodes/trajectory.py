@@ -188,7 +188,7 @@ class Trajectory:
 
     def snapshot(self) -> Trajectory:
         """A copy that later turns do not change (segments and route blocks are appended or replaced,
-        never written in place), to take a turn back (`rollout.agent_session`)."""
+        never written in place), to take a turn back (`rollout.agents.session`)."""
         return dataclasses.replace(self, segments=list(self.segments), route_blocks=list(self.route_blocks))
 
     @property

@@ -1,5 +1,5 @@
 """Bring your own agent: an OpenAI-compatible endpoint on the rollout's engine, one session per trajectory,
-whose requests are recorded token for token (`rollout.agent_session`).
+whose requests are recorded token for token (`rollout.agents.session`).
 
 `rollout_sessions(engine, rows, agent, sampling, limits, ...)` is the endpoint's `rollout_episodes`: the same
 `[n_rows][G]` episodes and counters, the same global indices and seeds, but each trajectory is driven by an
@@ -12,7 +12,7 @@ agent (`AgentRunner`) instead of an environment. On the engine's own loop it
   is answered 404;
   runs the sessions' agents, at most `options.max_concurrent` at once (the others wait to start; a session's
   budget `options.timeout_s` starts with its agent): a Python callable on a daemon thread, or a command
-  under `rollout.agent_launcher` (a subreaper that ends the agent's whole process tree with it), with its
+  under `rollout.agents.launcher` (a subreaper that ends the agent's whole process tree with it), with its
   data row in a private file that is also its standard input, its output in files, and as its whole
   environment the trainer's variables named in `AgentRunner.env` plus the session's URL and its own key
   (the session's token), never the trainer's credentials;
@@ -78,8 +78,8 @@ from aiohttp import web
 from megagrpo.config.schema import AGENT_ENV_DEFAULT as DEFAULT_ENV
 from megagrpo.errors import MegagrpoError
 from megagrpo.rewards.registry import import_object
-from megagrpo.rollout import agent_launcher
-from megagrpo.rollout.agent_session import (
+from megagrpo.rollout.agents import launcher as agent_launcher
+from megagrpo.rollout.agents.session import (
     AgentSession,
     BadRequest,
     ChatRequest,
@@ -89,7 +89,7 @@ from megagrpo.rollout.agent_session import (
     SessionContext,
 )
 from megagrpo.rollout.config import SamplingConfig
-from megagrpo.rollout.multi_turn import (
+from megagrpo.rollout.episodes.multi_turn import (
     Episode,
     MultiTurnLimits,
     MultiTurnStats,
@@ -98,9 +98,9 @@ from megagrpo.rollout.multi_turn import (
     Version,
     new_trajectory,
 )
-from megagrpo.rollout.reasoning import ReasoningSplitter
-from megagrpo.rollout.tool_calls import check_parser_name
-from megagrpo.rollout.trajectory import Trajectory
+from megagrpo.rollout.episodes.reasoning import ReasoningSplitter
+from megagrpo.rollout.episodes.tool_calls import check_parser_name
+from megagrpo.rollout.episodes.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 FIELD = "rollout.multi_turn.agent"
@@ -151,7 +151,7 @@ class AgentCall:
 
 class AgentRunner:
     """The configured agent: `function` ('pkg.module:run', called as run(base_url, row, **options)) or `command` (run
-    per session through `rollout.agent_launcher`, with `MEGAGRPO_BASE_URL`, `OPENAI_BASE_URL`, `OPENAI_API_KEY`
+    per session through `rollout.agents.launcher`, with `MEGAGRPO_BASE_URL`, `OPENAI_BASE_URL`, `OPENAI_API_KEY`
     (the session's own key), `MEGAGRPO_ROW_FILE` and the trainer's variables named in `env` as its whole
     environment). Resolved, and checked, when built: `MegagrpoError` naming the field."""
 
@@ -242,7 +242,7 @@ class AgentRunner:
         return env
 
     async def _exec(self, call: AgentCall, timeout_s: float) -> Any:
-        """The command under the launcher (`rollout.agent_launcher`): its row a file (also its stdin), its
+        """The command under the launcher (`rollout.agents.launcher`): its row a file (also its stdin), its
         output files, and its exit status read by waiting on the launcher, never on a pipe's end, so a child
         that kept the agent's output open neither delays its return nor outlives it."""
         assert call.folder is not None

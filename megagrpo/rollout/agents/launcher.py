@@ -1,7 +1,7 @@
-"""The launcher of one command agent (`rollout.agent_endpoint`): runs the agent, and ends its whole process
+"""The launcher of one command agent (`rollout.agents.endpoint`): runs the agent, and ends its whole process
 tree when it ends, whatever the agent left running.
 
-    python -I -S agent_launcher.py <owner pid> -- <agent argv...>
+    python -I -S launcher.py <owner pid> -- <agent argv...>
 
 run by the engine owner with the agent's environment and standard streams (files: the data row, its
 output). The launcher is a child subreaper (prctl PR_SET_CHILD_SUBREAPER, Linux 3.4): every process the

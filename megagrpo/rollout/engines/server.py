@@ -4,7 +4,7 @@
 samplers (`config.mesh_rules.rank_roles`). The first rank of each engine runs SGLang's own HTTP server
 (`sglang.srt.entrypoints.http_server.launch_server`, the server slime and miles drive) on its devices,
 with the same engine arguments a colocated engine gets (`RolloutEngine.engine_kwargs`), and publishes its
-URL in the launch's store (`rollout.rendezvous`) once it is ready; the other ranks of a TP group only
+URL in the launch's store (`rollout.engines.rendezvous`) once it is ready; the other ranks of a TP group only
 wait (their GPUs are the server's). An engine over several nodes (`config.mesh_rules.engine_nodes`,
 GPUs or CPU ranks) is started by its first rank on each node: node 0's rank publishes where the nodes meet
 (`dist_init_addr`, a free port on its host) and runs the HTTP server; the first rank on node k starts
@@ -17,7 +17,7 @@ URL: SGLang's `api_key` guards its ordinary endpoints (`/generate`, `/server_inf
 `/init_weights_update_group`, `/weights_checker`, ...), which accept only the admin key once it is set;
 both are this one key, sent as `Authorization: Bearer <key>` by every client of the launch
 (`RemoteEngine`). Only `/health*`, `/ready*` and `/metrics*` answer without it (SGLang's rule). The learner rank that owns the engine talks to it over HTTP
-(`rollout.remote.RemoteEngine`) and sends weights over a broadcast group (`sync.broadcast`).
+(`rollout.engines.remote.RemoteEngine`) and sends weights over a broadcast group (`sync.broadcast`).
 
 Signals. The server runs on a worker thread, so neither uvicorn nor SGLang installs its SIGTERM handler
 (both do so on the main thread only): a preemption's SIGTERM reaches every rank of the job, and the engine
@@ -33,11 +33,14 @@ server's processes are killed and the rank exits 0: the learners' exit codes are
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -45,8 +48,8 @@ from typing import Any
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.net import advertised_host, free_port
-from megagrpo.rollout import rendezvous
 from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.engines import rendezvous
 
 POLL_S = 0.5
 
@@ -57,7 +60,7 @@ def server_args(rc: RolloutConfig, host: str, port: int, key: str) -> Any:
     `extra_engine_args`). No warm-up request: the first rollout warms it."""
     from sglang.srt.server_args import ServerArgs
 
-    from megagrpo.rollout.engine import RolloutEngine
+    from megagrpo.rollout.engines.engine import RolloutEngine
 
     kw = RolloutEngine(rc).engine_kwargs()
     kw.pop("enable_memory_saver", None)  # the engine owns its devices: nothing is ever released
@@ -150,12 +153,22 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
     from sglang.srt.entrypoints import http_server
     from sglang.srt.entrypoints.engine import Engine
 
-    from megagrpo.rollout.engine import RolloutEngine
-    from megagrpo.rollout.startup import DISABLED_ARCHS_ENV, skipped_model_modules
+    from megagrpo.rollout.engines.engine import RolloutEngine, engine_class
+    from megagrpo.rollout.engines.startup import (
+        DISABLED_ARCHS_ENV,
+        FAILURE_DIR_ENV,
+        failure_cause,
+        skipped_model_modules,
+    )
 
     skipped = skipped_model_modules(rc.model_path)
     if skipped and not os.environ.get(DISABLED_ARCHS_ENV):
         os.environ[DISABLED_ARCHS_ENV] = ",".join(skipped)  # this process serves one model for its life
+    # where its schedulers leave the cause of their death (`rollout.engines.startup`), for the owner's error
+    failures = os.environ[FAILURE_DIR_ENV] = tempfile.mkdtemp(prefix=f"megagrpo-engine{engine}-")
+    atexit.register(shutil.rmtree, failures, True)
+    what = f"{rc.model_path}, tp_size={rc.tp_size}, {where}"
+
     port, key = free_port(host), secrets.token_urlsafe(32)
     redact_in_logs(key)
     RolloutEngine(rc).export_cpu_threads_bind()  # inherited by the schedulers
@@ -181,18 +194,21 @@ def _start_server(rc: RolloutConfig, store: Any, engine: int, where: str, host: 
         try:
             http_server.launch_server(
                 sa,
-                run_scheduler_process_func=Engine.run_scheduler_process_func,
+                run_scheduler_process_func=engine_class(Engine).run_scheduler_process_func,
                 run_detokenizer_process_func=Engine.run_detokenizer_process_func,
                 launch_callback=ready,
             )
         except BaseException as e:  # noqa: BLE001 - the main thread reports it
-            rendezvous.publish_failure(store, engine, f"its server stopped: {type(e).__name__}: {e}")
+            cause = failure_cause(failures)
+            said = f"its scheduler failed with {cause}" if cause else f"{type(e).__name__}: {e}"
+            rendezvous.publish_failure(store, engine, f"its server ({what}) stopped: {said}")
             traceback.print_exc()
 
     def child_failed(signum: int, frame: Any) -> None:
         # Reported through the store, where the owner's waiting request looks; this rank stays until the
         # learner stops it, so the learner's error (naming the engine), not the launcher's, ends the run.
-        message = f"an SGLang process of the server died ({where})"
+        cause = failure_cause(failures)
+        message = f"an SGLang process of the server ({what}) died" + (f" with {cause}" if cause else "")
         print(f"megagrpo: error: engine {engine}: {message}", file=sys.stderr, flush=True)
         rendezvous.publish_failure(store, engine, message)
         _kill_children()
@@ -216,6 +232,6 @@ def _wait_for_stop(store: Any, engine: int, where: str) -> int:
 def _kill_children() -> None:
     import psutil
 
-    from megagrpo.rollout.engine import _kill_pids
+    from megagrpo.rollout.engines.engine import _kill_pids
 
     _kill_pids([p.pid for p in psutil.Process().children()], timeout=30)

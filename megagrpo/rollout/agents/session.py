@@ -1,4 +1,4 @@
-"""One agent session of the OpenAI-compatible endpoint (`rollout.agent_endpoint`): the chat requests an
+"""One agent session of the OpenAI-compatible endpoint (`rollout.agents.endpoint`): the chat requests an
 external agent sends for one trajectory, recorded as the built-in driver records its turns, token for token.
 
 Per request (`AgentSession.complete`), under the session's lock (requests of one session take turns):
@@ -55,9 +55,9 @@ from typing import Any, Literal
 
 from megagrpo.envs.tools import ToolCounters
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.chat_delta import ChatDeltas, TemplateBreak
 from megagrpo.rollout.config import SamplingConfig
-from megagrpo.rollout.multi_turn import (
+from megagrpo.rollout.episodes.chat_delta import ChatDeltas, TemplateBreak
+from megagrpo.rollout.episodes.multi_turn import (
     Episode,
     MultiTurnLimits,
     ParserCache,
@@ -66,9 +66,9 @@ from megagrpo.rollout.multi_turn import (
     new_trajectory,
     turn_seed,
 )
-from megagrpo.rollout.reasoning import ReasoningSplitter, SplitTurn
-from megagrpo.rollout.tool_calls import ParsedTurn, ToolCallParser
-from megagrpo.rollout.trajectory import Trajectory
+from megagrpo.rollout.episodes.reasoning import ReasoningSplitter, SplitTurn
+from megagrpo.rollout.episodes.tool_calls import ParsedTurn, ToolCallParser
+from megagrpo.rollout.episodes.trajectory import Trajectory
 
 Departure = Literal["branch", "refuse"]
 Deliver = Callable[["Reply"], Awaitable[None]]

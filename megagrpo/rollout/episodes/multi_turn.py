@@ -10,7 +10,7 @@ trajectory:
     engine.generate_turn(ids so far + the environment's ids, routed_experts_start_len = the rows held)
       -> Trajectory.add_engine_output: the model segment (ids as generated, sampler logprobs, the policy
          version, the new route rows only; and, when the engine recomputed an evicted prefix, the rows of
-         that recompute in place of the held ones, counted: `rollout.trajectory` module doc)
+         that recompute in place of the held ones, counted: `rollout.episodes.trajectory` module doc)
     ChatDeltas.close_model_turn -> the turn's text; ReasoningSplitter (SGLang's reasoning parser) -> its
       reasoning and content; ToolCallParser (SGLang's) on the content -> the assistant message
     env.step(assistant message) -> done / reward, or messages -> ChatDeltas.append -> the next environment ids
@@ -18,8 +18,8 @@ trajectory:
   until the environment says done, `max_turns` model turns, or `max_tokens`.
 
 The recorder (`Trajectory`) knows nothing of this loop: anything that can say "these ids were inserted, then
-the engine returned this" can build one; the OpenAI-compatible session endpoint (`rollout.agent_endpoint`,
-`rollout.agent_session`) drives it from an external agent's requests instead of an environment.
+the engine returned this" can build one; the OpenAI-compatible session endpoint (`rollout.agents.endpoint`,
+`rollout.agents.session`) drives it from an external agent's requests instead of an environment.
 
 Limits (`MultiTurnLimits`). `max_tokens` bounds a trajectory's tokens after its prompt (model and environment
 tokens: the learner row's response length); each turn asks for at most `min(sampling.max_new_tokens, what is
@@ -29,7 +29,7 @@ inside a model turn (the cut turn is not sent to the environment, whose reward s
 environment's next messages would not leave one token for the model (they are not appended). A model turn cut
 by `sampling.max_new_tokens` alone is not a truncation: the environment answers it, like any other.
 
-Reasoning (`reasoning_parser`, `rollout.reasoning` module doc). The environment reads the turn's content
+Reasoning (`reasoning_parser`, `rollout.episodes.reasoning` module doc). The environment reads the turn's content
 only: a tool call or an `<answer>` inside the reasoning is neither run nor scored, and a turn cut inside its
 reasoning has no content. The ids train whole. Counted: turns cut at their token limit
 (`rollout/cut_turns_frac`) and those cut inside their reasoning (`rollout/cut_in_reasoning_frac`).
@@ -40,7 +40,7 @@ Seeds. Turn k of the trajectory with global index i (`index_offset + row * G + s
 
 Failure policy. What the model writes (bad calls, unknown tools, failing tools, cut or odd reasoning) is
 answered by the environment and counted, never raised; the model's text never goes through the chat
-template (`rollout.chat_delta`). A chat template that is not append-only for an environment step's messages
+template (`rollout.episodes.chat_delta`). A chat template that is not append-only for an environment step's messages
 ends that trajectory there, truncated and counted (`rollout/template_breaks`, with one warning per template
 naming it): it may depend on what the tools returned. An environment that breaks its protocol and an engine
 error are raised; the other trajectories of the batch finish first, so that no request is left running on
@@ -60,11 +60,11 @@ from typing import Any, Protocol
 from megagrpo.envs.base import Environment
 from megagrpo.envs.tools import ToolCounters
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.chat_delta import ChatDeltas, TemplateBreak
 from megagrpo.rollout.config import SamplingConfig
-from megagrpo.rollout.reasoning import ReasoningSplitter, SplitTurn
-from megagrpo.rollout.tool_calls import ParsedTurn, ToolCallParser, check_parser_name
-from megagrpo.rollout.trajectory import Trajectory
+from megagrpo.rollout.episodes.chat_delta import ChatDeltas, TemplateBreak
+from megagrpo.rollout.episodes.reasoning import ReasoningSplitter, SplitTurn
+from megagrpo.rollout.episodes.tool_calls import ParsedTurn, ToolCallParser, check_parser_name
+from megagrpo.rollout.episodes.trajectory import Trajectory
 
 Version = int | Callable[[], int]
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Episode:
     final_text: str = ""
     cut_turns: int = 0
     cut_in_reasoning: int = 0
-    # an agent session's (`rollout.agent_session`): branches past the first, departures refused, requests
+    # an agent session's (`rollout.agents.session`): branches past the first, departures refused, requests
     # answered 400, how the agent failed ("timeout", "error", "no_request", "start"), and whether its row is dropped
     branches: int = 0
     branch_refusals: int = 0
@@ -175,11 +175,13 @@ class MultiTurnStats:
     route_bytes_received: int = 0
     route_rows_received: int = 0
     route_rows_if_resent: int = 0
-    r3_prefix_recomputed: int = 0  # turns whose held prefix the engine recomputed (`rollout.trajectory`)
+    r3_prefix_recomputed: int = (
+        0  # turns whose held prefix the engine recomputed (`rollout.episodes.trajectory`)
+    )
     r3_prefix_recomputed_rows: int = 0  # held route rows those turns replaced
     r3_prefix_inexact: int = 0  # turns whose recomputed rows could not be read back as the turn used them
     unscored: int = 0  # episodes whose environment gave no reward
-    branches: int = 0  # agent sessions: branches past the first (`rollout.agent_session`)
+    branches: int = 0  # agent sessions: branches past the first (`rollout.agents.session`)
     branch_refusals: int = 0
     agent_bad_requests: int = 0
     agent_undelivered: int = 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megagrpo.errors import MegagrpoError
-from megagrpo.rollout.tool_calls import sglang_names
+from megagrpo.rollout.episodes.tool_calls import sglang_names
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ def _published(store: dist.Store, engine: int) -> Endpoint | None:
 
 def request_stop(store: dist.Store) -> None:
     """Tell the engine ranks to stop. A store already gone needs no word (and must not hide the error
-    that ends the run): the engine ranks stop when it goes (`rollout.server`)."""
+    that ends the run): the engine ranks stop when it goes (`rollout.engines.server`)."""
     with contextlib.suppress(dist.DistError):
         store.set("stop", "1")
 

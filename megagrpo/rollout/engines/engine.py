@@ -29,7 +29,15 @@ does): the engine is marked failed and its own processes are stopped; a request 
 loop ends (the loop is stopped), and `wait` (generate, score) and the weight sync, which also names the
 bucket it was loading, raise `EngineFailed`; arriving between requests, it is raised in the main thread.
 Every later use of the engine raises `EngineFailed` at once instead of waiting for a scheduler that is
-gone.
+gone. The error names the engine (`name`: its index, rank, host and devices where the trainer gives them)
+and the cause its scheduler left (`rollout.engines.startup`, "Cause of death").
+
+A failed start. SGLang's own SIGQUIT handler during `sglang.Engine(...)` kills this process's whole tree
+too (a scheduler that fails while loading the model signals its parent): exit 137 at start, with no word
+of the cause. `start` passes SGLang a handler of its own (`custom_sigquit_handler`, which only takes the
+signal), waits for SGLang to find the scheduler dead, stops the engine's processes and raises
+`EngineFailed`: the engine's name, the model, and the scheduler's exception. A failure in this process
+(a port taken, a bad argument) raises the same error with SGLang's exception.
 """
 
 from __future__ import annotations
@@ -39,9 +47,13 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import functools
+import json
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,8 +64,14 @@ import torch
 from megagrpo.errors import MegagrpoError
 from megagrpo.rollout.completion import Completion, completion_from_output
 from megagrpo.rollout.config import DTYPES, RolloutConfig, SamplingConfig
-from megagrpo.rollout.startup import only_the_served_model_imported
-from megagrpo.rollout.trajectory import PREFIX_REREAD
+from megagrpo.rollout.engines.startup import (
+    failure_cause,
+    failures_reported_to,
+    only_the_served_model_imported,
+    reporting_failure,
+    sglang_config_fill,
+)
+from megagrpo.rollout.episodes.trajectory import PREFIX_REREAD
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +145,25 @@ class EngineFailed(MegagrpoError):
     """A process of the in-process SGLang engine died (module doc, "SIGQUIT"): the engine cannot serve."""
 
 
+def _signal_taken_at_start(signum: int, frame: Any) -> None:
+    """SIGQUIT while `sglang.Engine` starts (module doc, "A failed start"): SGLang finds the scheduler dead
+    and raises, and `RolloutEngine.start` reports it. A module function: SGLang pickles it with its
+    server arguments into every scheduler."""
+
+
+def engine_class(sglang_engine: type) -> type:
+    """`sglang_engine` whose scheduler processes leave the cause of their death (`rollout.engines.startup`): its
+    scheduler entry as it is now (SGLang's, or the CPU compat's) wrapped in `reporting_failure`."""
+    entry = functools.partial(reporting_failure, sglang_engine.run_scheduler_process_func)
+    namespace = {"run_scheduler_process_func": staticmethod(entry), "__module__": __name__}
+    return type(sglang_engine.__name__, (sglang_engine,), namespace)
+
+
 class EngineRequests(abc.ABC):
     """The requests every engine transport sends, built and decoded in one place: prompt checks, sampling
     parameters and seeds, the layout of SGLang's `GenerateReqInput`, and the decoding of the answers
     (`generate`, `generate_turn`, `score`). Two transports carry them: `RolloutEngine`, an in-process
-    `sglang.Engine`, and `rollout.remote.RemoteEngine`, SGLang's HTTP server on ranks of its own. A
+    `sglang.Engine`, and `rollout.engines.remote.RemoteEngine`, SGLang's HTTP server on ranks of its own. A
     transport provides `_request`, `loop` and `routes_num_experts`, and sets the model's dimensions
     (`_read_dims`, `context_len`, `tokenizer`) when it starts.
 
@@ -147,8 +179,6 @@ class EngineRequests(abc.ABC):
         return bool(self._released)
 
     def _hf_config(self) -> dict[str, Any]:
-        import json
-
         with open(os.path.join(self.cfg.model_path, "config.json")) as f:
             return json.load(f)
 
@@ -304,7 +334,7 @@ class EngineRequests(abc.ABC):
     ) -> dict[str, Any]:
         """One request, awaited on `self.loop`: SGLang's raw result for `input_ids` (output ids, sampler
         logprobs, finish reason and, when the engine returns routes, the route rows of sequence positions
-        `[routed_experts_start_len, len(input_ids) + new tokens - 1)`; `rollout.trajectory` decodes them).
+        `[routed_experts_start_len, len(input_ids) + new tokens - 1)`; `rollout.episodes.trajectory` decodes them).
 
         One turn of a multi-turn trajectory: each trajectory sends its own requests, because SGLang takes one
         `routed_experts_start_len` per call. `max_new_tokens` overrides `sampling.max_new_tokens` (the
@@ -313,7 +343,7 @@ class EngineRequests(abc.ABC):
 
         When the engine recomputed part of the held prefix (`meta_info["cached_tokens"]` below the start: the
         radix cache evicted it since the last turn), the routes of that recompute are read back at once and
-        added under `trajectory.PREFIX_REREAD` (`_reread_prefix_routes`; `rollout.trajectory` module doc)."""
+        added under `trajectory.PREFIX_REREAD` (`_reread_prefix_routes`; `rollout.episodes.trajectory` module doc)."""
         if self.asleep:
             raise MegagrpoError(
                 f"the rollout engine has released {sorted(self._released)}; call resume() first"
@@ -407,10 +437,13 @@ class EngineRequests(abc.ABC):
 class RolloutEngine(EngineRequests):
     """One in-process SGLang engine. Use as a context manager, or call `start()` and `shutdown()`."""
 
-    def __init__(self, cfg: RolloutConfig) -> None:
+    def __init__(self, cfg: RolloutConfig, *, name: str | None = None) -> None:
+        """`name`: how errors name this engine (its index and placement); default "the rollout engine"."""
         super().__init__(cfg)
+        self.name = name or "the rollout engine"
         self._engine: Any = None
         self._child_pids: list[int] = []
+        self._failure_dir: str | None = None  # where its schedulers leave their cause of death
         self.failed: str | None = (
             None  # why the engine stopped serving (module doc, "SIGQUIT"); None = it serves
         )
@@ -502,7 +535,11 @@ class RolloutEngine(EngineRequests):
         # SGLang's multi-node engine: tp_size devices (GPUs, or CPU ranks) over nnodes nodes
         if cfg.nnodes > 1:
             kw.update(nnodes=cfg.nnodes, node_rank=cfg.node_rank, dist_init_addr=cfg.dist_init_addr)
+        fill = sglang_config_fill(cfg.model_path)  # fields SGLang reads that config.json lacks
         kw.update(cfg.extra_engine_args)
+        if fill:
+            given = kw.get("json_model_override_args") or "{}"
+            kw["json_model_override_args"] = json.dumps({**fill, **json.loads(given)})  # the user's win
         return kw
 
     def export_cpu_threads_bind(self) -> None:
@@ -528,19 +565,25 @@ class RolloutEngine(EngineRequests):
     def start(self) -> RolloutEngine:
         if self._engine is not None:
             return self
-        import sglang
+        from sglang.srt.entrypoints.engine import Engine  # the class (`sglang.Engine` is a lazy stand-in)
 
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         self.export_cpu_threads_bind()
+        self._failure_dir = tempfile.mkdtemp(prefix="megagrpo-engine-")
+        kw = self.engine_kwargs()
+        kw.setdefault("custom_sigquit_handler", _signal_taken_at_start)
         try:
-            with only_the_served_model_imported(self.cfg.model_path):
-                self._engine = sglang.Engine(**self.engine_kwargs())
+            with only_the_served_model_imported(self.cfg.model_path), failures_reported_to(self._failure_dir):
+                self._engine = engine_class(Engine)(**kw)
+        except Exception as e:  # noqa: BLE001 - every cause of a failed start, named with the engine
+            raise EngineFailed(self._start_failure(e)) from e
         finally:
             after = psutil.Process().children(recursive=True)
             # multiprocessing's resource tracker is started by the first spawn but is shared, not the engine's
             self._child_pids = [p.pid for p in after if p.pid not in before and not _is_mp_helper(p)]
             if self._engine is None:
                 _kill_pids(self._child_pids)
+                self._remove_failure_dir()
         hf = self._engine.tokenizer_manager.model_config.hf_config
         self._read_dims(lambda key: getattr(hf, key, None))
         self.context_len = int(self._engine.tokenizer_manager.context_len)
@@ -548,6 +591,22 @@ class RolloutEngine(EngineRequests):
         self._keep_sigterm()
         self._catch_child_failure()
         return self
+
+    def _start_failure(self, e: Exception) -> str:
+        """The error of a failed start (module doc, "A failed start"): the engine, the model, the cause."""
+        where = f"tp_size={self.cfg.tp_size}" + ("" if self.on_cpu else f", first GPU {self.cfg.base_gpu_id}")
+        if self.cfg.nnodes > 1:
+            where += f", SGLang node {self.cfg.node_rank} of {self.cfg.nnodes}"
+        cause = failure_cause(self._failure_dir)
+        said = f"{type(e).__name__}: {e}"
+        return f"{self.name}: SGLang could not start on {self.cfg.model_path} ({where}): " + (
+            f"its scheduler failed with {cause}" if cause else said
+        )
+
+    def _remove_failure_dir(self) -> None:
+        if self._failure_dir is not None:
+            shutil.rmtree(self._failure_dir, ignore_errors=True)
+            self._failure_dir = None
 
     def _catch_child_failure(self) -> None:
         """SIGQUIT to `_child_failed` (module doc, "SIGQUIT"); signal handlers live on the main thread only."""
@@ -559,10 +618,11 @@ class RolloutEngine(EngineRequests):
         `EngineFailed` here, in the main thread, once (both senders may signal the same death)."""
         if self.failed is not None or self._engine is None:
             return
+        cause = failure_cause(self._failure_dir)
         self.failed = (
-            f"the SGLang engine serving {self.cfg.model_path} stopped: one of its processes failed (SGLang "
-            "logged its traceback above); the run cannot go on with this engine. Resume from the last "
-            "checkpoint once the cause is fixed"
+            f"the SGLang engine serving {self.cfg.model_path} stopped: one of its processes failed"
+            + (f" with {cause}" if cause else " (SGLang logged its traceback above)")
+            + f"; the run cannot go on with {self.name}. Resume from the last checkpoint once the cause is fixed"
         )
         watchdog = getattr(self._engine.tokenizer_manager, "_subprocess_watchdog", None)
         if watchdog is not None:
@@ -634,6 +694,7 @@ class RolloutEngine(EngineRequests):
             engine_module.kill_process_tree = upstream
             atexit.unregister(engine.shutdown)
             _kill_pids(pids)
+            self._remove_failure_dir()
 
     @property
     def pids(self) -> list[int]:

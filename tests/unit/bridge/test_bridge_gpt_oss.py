@@ -86,7 +86,7 @@ def test_absent_fields_mean_gpt_oss_config_defaults():
         ({"swiglu_limit": 0.0}, "swiglu_limit"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.quant_method"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 32.0}}, "original_max_position_embeddings"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 32.0}}, "rope_scaling.type"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 32.0}}, "rope_scaling.rope_type"),
         ({"num_key_value_heads": 7}, "num_key_value_heads"),
     ],
 )

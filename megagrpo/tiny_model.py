@@ -12,6 +12,9 @@ Moonlight ships it) and `--arch glm4_moe` (partial rotary, q/k/v biases,
 q/k norms) have DeepSeek-V3's router: sigmoid scores, a non-zero correction bias, group-limited top-k
 (2 groups), one shared expert, and a dense first layer; `--mtp-layers 1` adds a multi-token-prediction
 layer after the main ones (`num_nextn_predict_layers`), as DeepSeek-V3/R1 and GLM-4.5 ship it.
+`--arch gpt_oss` alternates sliding-window (4 tokens, so short tests cross it) and full attention, with
+learned sinks, q/k/v/o biases and YaRN without truncation (factor 4 over a quarter of the positions), and a
+biased router over experts with biases and gpt-oss's clamped SwiGLU; every bias and sink is random.
 """
 
 from __future__ import annotations
@@ -171,6 +174,29 @@ def make_config(
         )
     if arch == "glm4_moe":
         common.update(head_dim=head_dim, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True)
+    if arch == "gpt_oss":
+        ffn = moe_intermediate or hidden
+        common.update(
+            head_dim=head_dim,
+            intermediate_size=ffn,
+            num_local_experts=experts,
+            num_experts_per_tok=topk,
+            sliding_window=4,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            attention_bias=True,
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+            output_router_logits=False,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": max_pos // 4,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        )
+        common["rope_theta"] = 150000.0  # gpt-oss's
     return AutoConfig.for_model(arch, **common)
 
 
@@ -186,6 +212,19 @@ def _randomise_v3_extras(model, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith("_proj.bias"):
             p.data.copy_(0.02 * torch.randn(p.shape, generator=g))
+
+
+def _randomise_gpt_oss_extras(model, seed: int) -> None:
+    """Random sinks and biases (attention, router, experts), so that a dropped or misplaced one changes
+    the logits; sinks of the size of an attention logit, so that they take a real share of each softmax."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if name.endswith("sinks"):
+            p.data.copy_(torch.randn(p.shape, generator=g))
+        elif name.endswith(("_proj.bias", "router.bias", "gate_up_proj_bias", "down_proj_bias")):
+            p.data.copy_(0.05 * torch.randn(p.shape, generator=g))
 
 
 def _mtp_tensors(cfg, mtp_layers: int, seed: int) -> dict:
@@ -293,6 +332,8 @@ def make_tiny_model(
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if arch in V3_ARCHS:
         _randomise_v3_extras(model, seed)
+    if arch == "gpt_oss":
+        _randomise_gpt_oss_extras(model, seed)
     model.generation_config = GenerationConfig(
         eos_token_id=cfg.eos_token_id,
         pad_token_id=cfg.pad_token_id,

@@ -116,7 +116,12 @@ class _StreamingPlanner(DefaultSavePlanner):
             full = self._produce(c.source)
             if full.dtype != c.dtype:
                 full = full.to(c.dtype)
-            self._cache = (c.source, full.contiguous())
+            full = full.contiguous()
+            if full.storage_offset() or full.untyped_storage().nbytes() != full.numel() * full.element_size():
+                # a view into a larger tensor (one expert's slice of a stacked HF tensor): the chunk views
+                # below index storage from its start
+                full = full.clone()
+            self._cache = (c.source, full)
         size, stride, offset = c.view
         out = self._cache[1].as_strided(size, stride, offset)
         if out.numel() != c.numel:

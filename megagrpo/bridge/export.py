@@ -128,7 +128,7 @@ def _units(maps: list[ParamMap], arch: ModelArch, ep_size: int) -> list[list[Par
             pending.clear()
             units.append([pm])
             continue
-        leaf = pm.mcore.rsplit(".", 2)[-2]
+        leaf = pm.mcore.split(f"local_experts.{pm.expert}.", 1)[1]  # e.g. linear_fc1.weight
         key = (pm.expert % n_local, leaf)
         pending.setdefault(key, []).append(pm)
     units.extend(pending.values())
@@ -215,6 +215,9 @@ def iter_hf_buckets(
     receivers = [s for s, inf in enumerate(infos) if inf["receive"]]
     out_dtype = dtype
     filler = BucketFiller(bucket_bytes, together)
+    # stacked HF expert tensors (gpt-oss), per name: each expert's slice until the last one arrives; at
+    # most one layer's experts are held
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
 
     for unit in _units(maps, arch, place.ep_size):
         pm0 = unit[0]
@@ -257,6 +260,13 @@ def iter_hf_buckets(
             for name, t in zip(pm.hf, to_hf(pm, full, arch), strict=True):
                 keep = out_dtype is None or t.dtype == out_dtype or pm.mcore.endswith(BUFFER_SUFFIXES)
                 t = t if keep else t.to(out_dtype)
+                if pm.stacked:
+                    slices = stacks.setdefault(name, {})
+                    slices[pm.expert] = t
+                    if len(slices) < arch.num_experts:
+                        continue
+                    t = torch.stack([slices[e] for e in range(arch.num_experts)])
+                    del stacks[name]
                 ready = filler.add(name, t.contiguous())
                 if ready is not None:
                     yield ready
@@ -272,4 +282,6 @@ def _full_shape(pm: ParamMap, arch: ModelArch, padded_vocab: int) -> tuple[int, 
         return (padded_vocab, *shapes[0][1:])
     if pm.kind in ("qkv", "gate_up"):
         return (sum(s[0] for s in shapes), *shapes[0][1:])
+    if pm.kind in ("gate_up_interleaved", "transpose"):
+        return tuple(reversed(shapes[0]))
     return shapes[0]

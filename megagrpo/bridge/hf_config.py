@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_v3_family, rope_fields, rope_from_hf
+from megagrpo.bridge.hf_config_oss import hf_fields_gpt_oss, parse_gpt_oss
+from megagrpo.bridge.hf_config_v3 import V3_FAMILIES, hf_fields_v3, parse_rope, parse_v3_family, rope_fields
 from megagrpo.bridge.hf_fields import require, unsupported
 from megagrpo.config.model import FAMILIES, MODEL_TYPE_ALIASES, ModelArch
 from megagrpo.errors import MegagrpoError
@@ -26,6 +27,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -64,6 +66,8 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
         )
     if family in V3_FAMILIES:
         return ModelArch(**parse_v3_family(cfg, where, family))
+    if family == "gpt_oss":
+        return ModelArch(**parse_gpt_oss(cfg, where))
     hidden = int(require(cfg, "hidden_size", where))
     heads = int(require(cfg, "num_attention_heads", where))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -100,7 +104,7 @@ def arch_from_hf(config: dict[str, Any] | str | Path) -> ModelArch:
         head_dim=head_dim,
         ffn_hidden_size=int(require(cfg, "intermediate_size", where)),
         max_position_embeddings=int(require(cfg, "max_position_embeddings", where)),
-        rope_theta=rope_from_hf(cfg, where, yarn=False, partial=False)["rope_theta"],
+        rope_theta=parse_rope(cfg, where, yarn=False, partial=False)["rope_theta"],
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         qkv_bias=qkv_bias,
@@ -164,6 +168,9 @@ def hf_config_from_arch(
         if kw["head_dim"] is None:
             del kw["head_dim"]
         return _finish(arch, kw, base, dtype)
+    if f == "gpt_oss":
+        kw.update(hf_fields_gpt_oss(arch))
+        return _finish(arch, kw, base, dtype)
     if f in ("qwen2", "qwen3", "qwen3_moe"):
         kw["use_sliding_window"] = False
     if f == "qwen3_moe":
@@ -198,6 +205,9 @@ def _finish(
     for k in (
         "rope_theta", "rope_scaling", "partial_rotary_factor", "num_experts", "num_local_experts",
         "n_routed_experts", "head_dim", "architectures",
+        # the export's tensors are in `dtype` (an MXFP4 source's experts read dequantised): a kept
+        # quantization_config would have loaders look for quantised tensors that are not there
+        "quantization_config",
     ):  # fmt: skip
         cfg.pop(k, None)
     cfg.update(kw)

@@ -49,9 +49,12 @@ _YARN_KEYS = {
 }
 
 
-def rope_from_hf(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) -> dict[str, Any]:
+def parse_rope(
+    cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool, fractional_yarn: bool = False
+) -> dict[str, Any]:
     """rope_theta, partial rotary and YaRN fields, from `rope_parameters` (transformers >= 5) or the
-    legacy `rope_theta` / `rope_scaling` / `partial_rotary_factor`: the one reader of every family's rope
+    legacy `rope_theta` / `rope_scaling` / `partial_rotary_factor`. fractional_yarn: the family's learner
+    keeps YaRN's correction range unrounded (`truncate: false`). The one reader of every family's rope
     (`yarn` / `partial`: whether the family's learner computes YaRN / a partial rotary; else refused)."""
     params = cfg.get("rope_parameters")
     src = "rope_scaling" if params is None else "rope_parameters"  # errors name the field the file has
@@ -79,10 +82,12 @@ def rope_from_hf(cfg: dict[str, Any], where: str, *, yarn: bool, partial: bool) 
         if params.get("attention_factor") is not None:
             raise unsupported(where, f"{src}.attention_factor", params["attention_factor"],
                         "megatron derives the YaRN attention factor from mscale/mscale_all_dim")  # fmt: skip
-        if params.get("truncate", True) is not True:
-            raise unsupported(where, f"{src}.truncate", params["truncate"], "megatron rounds the YaRN range")
+        truncate = params.pop("truncate", True)
+        if truncate not in (True, False) or (truncate is False and not fractional_yarn):
+            raise unsupported(where, f"{src}.truncate", truncate, "megatron rounds the YaRN range")
+        if truncate is False:
+            out["rope_truncate"] = False
         params.pop("attention_factor", None)
-        params.pop("truncate", None)
         if "factor" not in params or "original_max_position_embeddings" not in params:
             raise MegagrpoError(
                 f"{where}: {src} of type yarn needs factor and original_max_position_embeddings"
@@ -250,7 +255,7 @@ def parse_v3_family(cfg: dict[str, Any], where: str, family: str) -> dict[str, A
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope,
             v_head_dim=v_dim,
-            **rope_from_hf(cfg, where, yarn=True, partial=False),
+            **parse_rope(cfg, where, yarn=True, partial=False),
         )
     else:
         if heads % kv_heads:
@@ -262,7 +267,7 @@ def parse_v3_family(cfg: dict[str, Any], where: str, family: str) -> dict[str, A
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             qkv_bias=bias,  # GLM's attention_bias: q, k, v only (o_proj has none)
             qk_norm=bool(cfg.get("use_qk_norm", False)),
-            **rope_from_hf(cfg, where, yarn=False, partial=True),
+            **parse_rope(cfg, where, yarn=False, partial=True),
         )
     fields.update(_moe(cfg, where, layers, hidden))
     return fields
@@ -295,7 +300,7 @@ def hf_fields_v3(arch: Any) -> dict[str, Any]:
     )
     rope: dict[str, Any] = {"rope_theta": arch.rope_theta, "rope_type": arch.rope_type}
     if arch.rope_type == "yarn":
-        rope.update({key: getattr(arch, field) for key, field in _YARN_KEYS.items()})
+        rope.update(yarn_fields(arch))
     if arch.is_mla:
         kw.update(
             head_dim=None,
@@ -316,6 +321,14 @@ def hf_fields_v3(arch: Any) -> dict[str, Any]:
         )
     kw.update(rope_fields(rope))
     return kw
+
+
+def yarn_fields(arch: Any) -> dict[str, Any]:
+    """The YaRN keys of `rope_parameters` for `arch` (the inverse of `parse_rope`'s YaRN branch)."""
+    out: dict[str, Any] = {key: getattr(arch, field) for key, field in _YARN_KEYS.items()}
+    if not arch.rope_truncate:
+        out["truncate"] = False
+    return out
 
 
 def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:

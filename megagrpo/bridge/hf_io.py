@@ -22,7 +22,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megagrpo.bridge.hf_config import arch_from_hf
-from megagrpo.bridge.maps import ParamMap, param_maps
+from megagrpo.bridge.maps import ParamMap, hf_shapes, param_maps
+from megagrpo.bridge.mxfp4 import dequantize_mxfp4
 from megagrpo.bridge.transforms import check_hf_shapes, to_megatron
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
@@ -98,6 +99,15 @@ class HFCheckpoint:
         self.maps: list[ParamMap] = param_maps(self.arch)
         self.file_of: dict[str, str] = self._index()
         self._handles: dict[str, object] = {}
+        # stacked expert tensors the checkpoint ships as MXFP4 (`name_blocks` + `name_scales`, gpt-oss's
+        # release), read dequantised to bf16 (`bridge.mxfp4`, exact)
+        self.mxfp4: set[str] = {
+            n
+            for m in self.maps
+            if m.stacked
+            for n in m.hf
+            if n not in self.file_of and all(n + s in self.file_of for s in ("_blocks", "_scales"))
+        }
         self._validate()
 
     def _index(self) -> dict[str, str]:
@@ -126,17 +136,30 @@ class HFCheckpoint:
             self._handles[fname] = open_safetensors(self.dir / fname)
         return self._handles[fname]
 
-    def shape(self, name: str) -> tuple[int, ...]:
+    def _raw_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.mxfp4:  # blocks [E, rows, G, 16] dequantise to [E, 32 G, rows]
+            *lead, rows, groups, _ = self._raw_shape(name + "_blocks")
+            return (*lead, 32 * groups, rows)
+        return self._raw_shape(name)
+
     def dtype(self, name: str) -> torch.dtype:
+        if name in self.mxfp4:
+            for part in ("_blocks", "_scales"):
+                code = self._handle(self.file_of[name + part]).get_slice(name + part).get_dtype()
+                if code != "U8":
+                    raise MegagrpoError(f"tensor {name + part!r}: MXFP4 {part[1:]} must be U8, got {code}")
+            return torch.bfloat16
         code = self._handle(self.file_of[name]).get_slice(name).get_dtype()
         if code not in _DTYPES:
             raise MegagrpoError(f"tensor {name!r}: dtype {code} is not supported (float tensors only)")
         return _DTYPES[code]
 
     def _validate(self) -> None:
-        wanted = [n for m in self.maps for n in m.hf]
+        wanted = [n for m in self.maps for n in m.hf if n not in self.mxfp4]
+        wanted += [n + part for n in sorted(self.mxfp4) for part in ("_blocks", "_scales")]
         missing = [n for n in wanted if n not in self.file_of]
         if missing:
             raise MegagrpoError(
@@ -156,15 +179,15 @@ class HFCheckpoint:
                 f"{self.dir}: tensor {extra[0]!r} (and {len(extra) - 1} more) is not part of a "
                 f"{self.arch.family} model with this config.json; the checkpoint and config disagree"
             )
-        for m in self.maps:
-            for name, want in zip(m.hf, m.hf_shapes, strict=True):
-                got = self.shape(name)
-                if got != want:
-                    raise MegagrpoError(
-                        f"{self.dir / self.file_of[name]}: tensor {name!r} has shape {got} but config.json "
-                        f"implies {want}; the checkpoint and its config.json disagree"
-                    )
-                self.dtype(name)
+        for name, want in hf_shapes(self.arch).items():
+            got = self.shape(name)
+            if got != want:
+                file = self.file_of.get(name) or self.file_of[name + "_blocks"]
+                raise MegagrpoError(
+                    f"{self.dir / file}: tensor {name!r} has shape {got} but config.json "
+                    f"implies {want}; the checkpoint and its config.json disagree"
+                )
+            self.dtype(name)
 
     def mtp_names(self) -> list[str]:
         """The multi-token-prediction layers' tensors (`model.layers.{num_layers + i}.*`, i below the
@@ -204,12 +227,31 @@ class HFCheckpoint:
         return names
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self.mxfp4:
+            return dequantize_mxfp4(*(self._raw(name + part) for part in ("_blocks", "_scales")))
+        return self._raw(name)
+
+    def _raw(self, name: str) -> torch.Tensor:
         return self._handle(self.file_of[name]).get_tensor(name)
 
     def tensors(self, pm: ParamMap) -> list[torch.Tensor]:
-        ts = [self.get(n) for n in pm.hf]
+        """`pm`'s HF sources; of stacked expert tensors only its expert's slice is read."""
+        if pm.stacked:
+            ts = [self._expert_slice(n, pm.expert) for n in pm.hf]
+        else:
+            ts = [self.get(n) for n in pm.hf]
         check_hf_shapes(pm, ts)
         return ts
+
+    def _expert_slice(self, name: str, expert: int) -> torch.Tensor:
+        """Slice [expert] of a stacked tensor, reading only that expert (of its blocks and scales)."""
+        if name in self.mxfp4:
+            parts = [
+                self._handle(self.file_of[name + p]).get_slice(name + p)[expert]
+                for p in ("_blocks", "_scales")
+            ]
+            return dequantize_mxfp4(*parts)
+        return self._handle(self.file_of[name]).get_slice(name)[expert]
 
     def megatron_tensor(
         self, pm: ParamMap, padded_vocab: int, dtype: torch.dtype | None = None

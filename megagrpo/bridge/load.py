@@ -37,6 +37,9 @@ def iter_local_shards(
     group (etp_*), everything else over TP. Shapes are those of `GPTModel.state_dict()` on that rank.
     """
     place = place or Placement()
+    # stacked HF expert tensors (gpt-oss) are read once per layer, not once per expert
+    layer_cache: dict[str, torch.Tensor] = {}
+    cached_layer: int | None = None
     for pm in param_maps(arch):
         if pm.layer is None:
             if pm.mcore.startswith("embedding.") and not first_stage:
@@ -48,6 +51,15 @@ def iter_local_shards(
         name = megatron_name(pm, arch, place)
         if name is None:
             continue  # an expert of another EP rank
-        full = to_megatron(pm, [get_hf(n) for n in pm.hf], arch, padded_vocab)
+        if pm.stacked:
+            if pm.layer != cached_layer:
+                layer_cache, cached_layer = {}, pm.layer
+            for n in pm.hf:
+                if n not in layer_cache:
+                    layer_cache[n] = get_hf(n)
+            sources = [layer_cache[n][pm.expert] for n in pm.hf]
+        else:
+            sources = [get_hf(n) for n in pm.hf]
+        full = to_megatron(pm, sources, arch, padded_vocab)
         rank, size = (etp_rank, etp_size) if pm.is_expert else (tp_rank, tp_size)
         yield name, tp_shard(pm, full, rank, size)

@@ -12,6 +12,11 @@ Megatron layouts that the transforms reproduce (megatron-core 0.19, verified by 
 - `word_embeddings` / `output_layer` [padded_vocab, H]: rows beyond the HF vocab are zero padding.
 - experts: SequentialMLP `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` (local index i), TE grouped
   `mlp.experts.linear_fc{1,2}.weight{i}`; both save under the same dist-checkpoint keys.
+
+Stacked HF experts (gpt-oss): one HF tensor holds every expert of a layer on its first axis, and each
+expert's map reads its own slice (`ParamMap.stacked`): `gate_up_proj` [E, H, 2F] with gate and up
+interleaved on the last axis (`[..., ::2]` / `[..., 1::2]`), `down_proj` [E, F, H] (transposed against a
+Linear), and their biases [E, 2F] / [E, H].
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from dataclasses import dataclass
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 
-KINDS = ("copy", "qkv", "gate_up", "vocab")
+KINDS = ("copy", "qkv", "gate_up", "vocab", "gate_up_interleaved", "transpose")
+# kinds whose megatron tensor is cat(gate, up) on axis 0, split over TP half by half
+GATE_UP_KINDS = ("gate_up", "gate_up_interleaved")
 LAYER_PREFIX = "decoder.layers."
 
 
@@ -43,6 +50,9 @@ class ParamMap:
     hf_shapes: tuple[tuple[int, ...], ...]
     layer: int | None = None
     expert: int | None = None
+    # the HF tensors stack every expert on axis 0 and this map is slice [expert] of them; hf_shapes are
+    # the slice's shapes
+    stacked: bool = False
 
     @property
     def is_expert(self) -> bool:
@@ -133,7 +143,25 @@ _MOE = {
     },
     "deepseek_v3": _V3_MOE,
     "glm4_moe": _V3_MOE,
+    # gpt-oss: a router with a bias, stacked experts with biases (see the module contract)
+    "gpt_oss": {
+        "router": {
+            "mlp.router.weight": ("copy", ("mlp.router.weight",), None),
+            "mlp.router.bias": ("copy", ("mlp.router.bias",), None),
+        },
+        "expert": {
+            "linear_fc1.weight": ("gate_up_interleaved", ("mlp.experts.gate_up_proj",), 0),
+            "linear_fc1.bias": ("gate_up_interleaved", ("mlp.experts.gate_up_proj_bias",), 0),
+            "linear_fc2.weight": ("transpose", ("mlp.experts.down_proj",), 1),
+            "linear_fc2.bias": ("copy", ("mlp.experts.down_proj_bias",), None),
+        },
+        "stacked": True,
+    },
 }
+# attention rows beyond `_ATTN` / `_QKV_BIAS`, keyed by the ModelArch flag that enables them
+_ATTN_OUT_BIAS = {"self_attention.linear_proj.bias": ("copy", ("self_attn.o_proj.bias",), None)}
+# megatron's learnable softmax offset (`softmax_type='learnable'`), one per head, split over TP with them
+_SINKS = {"self_attention.core_attention.softmax_offset": ("copy", ("self_attn.sinks",), 0)}
 MAPPED_FAMILIES = ("llama", "qwen2", "qwen3", *_MOE)
 
 # TE spec fuses the pre-attention norm into linear_qkv and (dense layers only) the pre-MLP norm into fc1;
@@ -156,6 +184,21 @@ def _hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
         f = arch.moe_shared_expert_ffn_hidden_size
     if kind == "e_score_correction_bias":
         return (arch.num_experts,)
+    if arch.family == "gpt_oss":
+        f = arch.moe_ffn_hidden_size
+        oss = {
+            "gate_up_proj": (h, 2 * f),  # one expert's slice of the stacked tensors
+            "gate_up_proj_bias": (2 * f,),
+            "down_proj": (f, h),
+            "down_proj_bias": (h,),
+            "sinks": (arch.num_attention_heads,),
+        }
+        if kind in oss:
+            return oss[kind]
+        if mod == "router":
+            return (arch.num_experts, h) if kind == "weight" else (arch.num_experts,)
+        if mod == "o_proj" and kind == "bias":
+            return (h,)
     if arch.is_mla:
         n, qk = arch.num_attention_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
         mla = {
@@ -194,7 +237,13 @@ def _hf_shape(arch: ModelArch, hf_name: str) -> tuple[int, ...]:
 
 
 def _rows(
-    arch: ModelArch, table: dict, mcore_prefix: str, hf_prefix: str, layer: int, expert: int | None = None
+    arch: ModelArch,
+    table: dict,
+    mcore_prefix: str,
+    hf_prefix: str,
+    layer: int,
+    expert: int | None = None,
+    stacked: bool = False,
 ):
     out = []
     for suffix, (kind, hf_suffixes, tp_axis) in table.items():
@@ -208,6 +257,7 @@ def _rows(
                 hf_shapes=tuple(_hf_shape(arch, n) for n in hf),
                 layer=layer,
                 expert=expert,
+                stacked=stacked,
             )
         )
     return out
@@ -239,6 +289,10 @@ def param_maps(arch: ModelArch) -> list[ParamMap]:
             maps += _rows(arch, _ATTN, mp, hp, layer)
         if arch.qkv_bias:
             maps += _rows(arch, _QKV_BIAS, mp, hp, layer)
+        if arch.attn_out_bias:
+            maps += _rows(arch, _ATTN_OUT_BIAS, mp, hp, layer)
+        if arch.attention_sinks:
+            maps += _rows(arch, _SINKS, mp, hp, layer)
         if arch.qk_norm:
             maps += _rows(arch, _QK_NORM, mp, hp, layer)
         if layer in moe_layers:
@@ -248,8 +302,10 @@ def param_maps(arch: ModelArch) -> list[ParamMap]:
                 maps += _rows(arch, _need(moe, "router_bias", arch), mp, hp, layer)
             if arch.moe_shared_expert_ffn_hidden_size:
                 maps += _rows(arch, _need(moe, "shared", arch), mp, hp, layer)
+            stacked = moe.get("stacked", False)
             for e in range(arch.num_experts):
-                maps += _rows(arch, moe["expert"], f"{mp}mlp.experts.local_experts.{e}.", hp, layer, e)
+                prefix = f"{mp}mlp.experts.local_experts.{e}."
+                maps += _rows(arch, moe["expert"], prefix, hp, layer, e, stacked)
         else:
             maps += _rows(arch, _DENSE_MLP, mp, hp, layer)
     maps.append(
@@ -264,13 +320,17 @@ def param_maps(arch: ModelArch) -> list[ParamMap]:
 
 
 def hf_names(arch: ModelArch) -> list[str]:
-    """All HF tensor names of `arch` (the key set of its safetensors checkpoint)."""
-    return [n for m in param_maps(arch) for n in m.hf]
+    """All HF tensor names of `arch` (the key set of its safetensors checkpoint), each once."""
+    return list(dict.fromkeys(n for m in param_maps(arch) for n in m.hf))
 
 
 def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """{HF tensor name: shape} of `arch`'s checkpoint: what a full export yields."""
-    return {n: shape for m in param_maps(arch) for n, shape in zip(m.hf, m.hf_shapes, strict=True)}
+    """{HF tensor name: shape} of `arch`'s checkpoint: what a full export yields (stacked experts whole)."""
+    return {
+        n: (arch.num_experts, *shape) if m.stacked else shape
+        for m in param_maps(arch)
+        for n, shape in zip(m.hf, m.hf_shapes, strict=True)
+    }
 
 
 @dataclass(frozen=True)

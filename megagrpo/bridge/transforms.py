@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megagrpo.bridge.maps import ParamMap
+from megagrpo.bridge.maps import GATE_UP_KINDS, ParamMap
 from megagrpo.config.model import ModelArch
 from megagrpo.errors import MegagrpoError
 
@@ -41,6 +41,13 @@ def to_megatron(
         return out
     if pm.kind == "gate_up":
         return torch.cat(list(tensors), dim=0)
+    if pm.kind == "gate_up_interleaved":
+        # gpt-oss: [H, 2F] (or a [2F] bias) with gate and up alternating on the last axis
+        t = tensors[0]
+        gate, up = t[..., ::2], t[..., 1::2]
+        return torch.cat([gate.transpose(0, -1), up.transpose(0, -1)], dim=0).contiguous()
+    if pm.kind == "transpose":
+        return tensors[0].transpose(0, 1).contiguous()
     if pm.kind == "qkv":
         q, k, v = tensors
         groups, hd = arch.num_kv_heads, arch.head_dim
@@ -60,6 +67,12 @@ def to_hf(pm: ParamMap, full: torch.Tensor, arch: ModelArch) -> list[torch.Tenso
         return [full[: arch.vocab_size]]
     if pm.kind == "gate_up":
         return list(torch.chunk(full, 2, dim=0))
+    if pm.kind == "gate_up_interleaved":
+        gate, up = torch.chunk(full, 2, dim=0)
+        pairs = torch.stack([gate.transpose(0, -1), up.transpose(0, -1)], dim=-1)  # [..., F, 2]
+        return [pairs.reshape(*pairs.shape[:-2], -1)]
+    if pm.kind == "transpose":
+        return [full.transpose(0, 1).contiguous()]
     if pm.kind == "qkv":
         groups, hd = arch.num_kv_heads, arch.head_dim
         per_group = arch.num_attention_heads // groups * hd
@@ -74,7 +87,7 @@ def tp_shard(pm: ParamMap, full: torch.Tensor, rank: int, size: int) -> torch.Te
     """This TP rank's shard of the full megatron tensor (the whole tensor if replicated)."""
     if pm.tp_axis is None or size == 1:
         return full
-    if pm.kind == "gate_up":
+    if pm.kind in GATE_UP_KINDS:
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([_split(pm, gate, size, 0)[rank], _split(pm, up, size, 0)[rank]], dim=0)
     return _split(pm, full, size, pm.tp_axis)[rank].contiguous()
@@ -84,7 +97,7 @@ def tp_unshard(pm: ParamMap, shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """Inverse of `tp_shard`: the full tensor from every TP rank's shard, in rank order."""
     if pm.tp_axis is None or len(shards) == 1:
         return shards[0]
-    if pm.kind == "gate_up":
+    if pm.kind in GATE_UP_KINDS:
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(list(shards), dim=pm.tp_axis)

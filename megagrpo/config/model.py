@@ -10,11 +10,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 # Published `model_type`s that are one of FAMILIES under another name: the checkpoint ships its own
 # configuration class (`auto_map`), but the architecture is the family's, field for field. Accepted as
 # the family; an export keeps the source's name, so the exported directory looks like the original.
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2: configuration_deepseek.DeepseekV3Config
+# Families the bridge and the learner build but `megagrpo train/sft/eval` cannot run yet, and what is
+# missing: refused by name before anything starts (trainer/preflight.py).
+NOT_TRAINABLE = {
+    "gpt_oss": (
+        "its SGLang engine side (serving, weight sync, the harmony response format) is not in megagrpo yet; "
+        "the HF <-> megatron conversion and the learner read it"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,30 @@ class ModelArch:
     # Multi-token-prediction layers the checkpoint ships after the main ones (HF num_nextn_predict_layers,
     # model.layers.{num_layers + i}.*): not built, not trained; counted so that their tensors are known.
     mtp_layers: int = 0
+    # YaRN's correction range: True rounds it to whole dims (floor/ceil, as DeepSeek-V3 computes it), False
+    # keeps it fractional (gpt-oss, transformers' `truncate: false`).
+    rope_truncate: bool = True
+    # Attention per layer (HF `layer_types`): "full_attention" or "sliding_attention" (a query attends to
+    # itself and the `sliding_window - 1` keys before it, as transformers' sliding-window mask); empty = all
+    # full. gpt-oss alternates them, starting with a sliding layer.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    # Learned attention sinks (gpt-oss): one logit per head joins each query's softmax and takes its share
+    # of the probability, then is dropped (no value).
+    attention_sinks: bool = False
+    # A bias on the attention output projection too (gpt-oss's attention_bias: q, k, v and o).
+    attn_out_bias: bool = False
+    # A bias on the router's logits (gpt-oss): unlike `moe_router_expert_bias` it enters the combine
+    # weights as well as the selection.
+    moe_router_bias: bool = False
+    # Biases on every expert's fc1 (gate and up) and fc2 (gpt-oss).
+    moe_expert_bias: bool = False
+    # gpt-oss's clamped SwiGLU: gate clamped above at `swiglu_limit`, up clamped to [-limit, limit], then
+    # gate * sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset). limit 0 = no clamp (plain SwiGLU:
+    # alpha 1, offset 0).
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+    swiglu_up_offset: float = 0.0
 
     @property
     def is_mla(self) -> bool:
@@ -99,6 +131,10 @@ class ModelArch:
             return list(range(self.num_layers))
         return [i for i, m in enumerate(self.moe_layer_pattern) if m]
 
+    def sliding_layers(self) -> list[int]:
+        """The layers with sliding-window attention (`layer_types`)."""
+        return [i for i, t in enumerate(self.layer_types) if t == "sliding_attention"]
+
     def padded_vocab_size(self, multiple: int) -> int:
         """Vocab rounded up to a multiple (e.g. 128 * TP) so the embedding splits evenly."""
         return -(-self.vocab_size // multiple) * multiple
@@ -109,6 +145,7 @@ class ModelArch:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArch:
         d = dict(d)
-        if "moe_layer_pattern" in d:
-            d["moe_layer_pattern"] = tuple(d["moe_layer_pattern"])
+        for key in ("moe_layer_pattern", "layer_types"):
+            if key in d:
+                d[key] = tuple(d[key])
         return cls(**d)

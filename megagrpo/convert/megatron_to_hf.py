@@ -36,6 +36,7 @@ from megagrpo.bridge.hf_io import (
     write_hf_checkpoint,
 )
 from megagrpo.bridge.maps import hf_names
+from megagrpo.bridge.mxfp4 import QUANTIZATION_CONFIG, mxfp4_buckets, mxfp4_names
 from megagrpo.config.model import ModelArch
 from megagrpo.convert.hf_to_megatron import DTYPES, build_model, init_single_process, read_checkpoint_info
 from megagrpo.errors import MegagrpoError
@@ -101,14 +102,17 @@ def export(
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     mtp_from: str | Path | None = None,
+    mxfp4: bool = False,
 ) -> dict | None:
     """Export on the current mesh; rank 0 returns a summary, other ranks None. Multi-token-prediction
-    tensors (not trained) are written unchanged from beside the checkpoint or from `mtp_from`."""
+    tensors (not trained) are written unchanged from beside the checkpoint or from `mtp_from`. `mxfp4`:
+    the stacked expert weights (gpt-oss) in the MXFP4 layout the release ships (`bridge.mxfp4`)."""
     import torch.distributed as dist
 
     ckpt = Path(ckpt_dir)
     meta = read_checkpoint_info(ckpt)  # refuse foreign directories before touching anything
     arch = ModelArch.from_dict(meta["arch"])
+    quantised = mxfp4_names(arch) if mxfp4 else []  # refuses a family without stacked experts
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise MegagrpoError(
@@ -147,11 +151,16 @@ def export(
             pass
         return None
     mtp_names, mtp = _mtp_source(ckpt, arch, mtp_from, max_shard_bytes)
+    names = hf_names(arch)
+    if quantised:
+        buckets = mxfp4_buckets(buckets, quantised)
+        names = [n for n in names if n not in quantised]
+        names += [n + part for n in quantised for part in ("_blocks", "_scales")]
     with atomic_output_dir(out) as tmp:
-        weight_map = write_hf_checkpoint(
-            tmp, itertools.chain(buckets, mtp), expected_names=hf_names(arch) + mtp_names
-        )
+        weight_map = write_hf_checkpoint(tmp, itertools.chain(buckets, mtp), expected_names=names + mtp_names)
         cfg = exported_config(arch, ckpt, dtype=str(out_dtype).removeprefix("torch."))
+        if quantised:
+            cfg["quantization_config"] = dict(QUANTIZATION_CONFIG)
         if arch.mtp_layers and not mtp_names:
             # a config that promises MTP layers without their tensors loads nowhere that uses them
             log.warning(
@@ -185,6 +194,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "carries unchanged; default: those stored beside a converted checkpoint (a learner checkpoint has "
         "none: pass the model its run started from)",
     )
+    p.add_argument(
+        "--mxfp4",
+        action="store_true",
+        help="write gpt-oss's expert weights in the MXFP4 layout the release ships (_blocks/_scales): exact "
+        "for weights that are MXFP4 numbers (read from MXFP4, untrained), otherwise rounded (OCP MX v1.0)",
+    )
     for axis in ("tp", "pp", "ep", "etp"):
         p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size of the torchrun mesh")
     for end in ("first", "last"):
@@ -206,6 +221,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             dtype=a.dtype,
             max_shard_bytes=a.max_shard_bytes,
             mtp_from=a.mtp_from,
+            mxfp4=a.mxfp4,
         )
     except MegagrpoError as e:
         print(f"error: {e}", file=sys.stderr)

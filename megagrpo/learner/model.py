@@ -1,10 +1,12 @@
 """megatron-core `TransformerConfig` and `GPTModel` chunks from a framework-neutral `ModelArch`.
 
-Covers the Llama, Qwen2 (qkv bias), Qwen3 (qk-norm), Qwen3-MoE, Mixtral, DeepSeek-V3 and GLM-4.5 shapes:
-GQA (partial rotary) or multi-latent attention (megatron's `MLASelfAttention`, YaRN), RoPE theta, RMSNorm
-eps, SwiGLU, tied or untied embeddings, routed experts with top-k (softmax or sigmoid scores, renormalised
-top-k or not, a selection-only expert bias held frozen, group-limited top-k, a scaling factor), optional
-shared experts and dense layers, optional routing replay (issue 7). All of it is read off `ModelArch`.
+Covers the Llama, Qwen2 (qkv bias), Qwen3 (qk-norm), Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5 and gpt-oss
+shapes: GQA (partial rotary; learned sinks, sliding windows per layer, YaRN) or multi-latent attention
+(megatron's `MLASelfAttention`, YaRN), RoPE theta, RMSNorm eps, SwiGLU (or gpt-oss's clamped one), biases
+on every linear layer (gpt-oss), tied or untied embeddings, routed experts with top-k (softmax or sigmoid
+scores, renormalised top-k or not, a selection-only expert bias held frozen, group-limited top-k, a scaling
+factor), optional shared experts and dense layers, optional routing replay (issue 7). All of it is read
+off `ModelArch`.
 
 Backends: on the CPU the local spec in fp32 (with `attention.TorchCoreAttention`, so packed THD
 batches work without Transformer Engine); on a GPU the Transformer Engine spec in bf16, optionally
@@ -21,6 +23,8 @@ E experts, tp/etp/ep the mesh sizes). The bridge maps Hugging Face names onto th
     decoder.layers.{i}.self_attention.q_layernorm.weight     [d]             (qwen3, qwen3_moe)
     decoder.layers.{i}.self_attention.k_layernorm.weight     [d]
     decoder.layers.{i}.self_attention.linear_proj.weight     [H, n*d/tp]
+    decoder.layers.{i}.self_attention.linear_proj.bias       [H]             (gpt-oss; and every bias below)
+    decoder.layers.{i}.self_attention.core_attention.softmax_offset  [n/tp]  (gpt-oss's sinks)
   multi-latent attention instead (r_q/r_kv latent ranks, d_n/d_r/d_v nope/rope/value head dims):
     decoder.layers.{i}.self_attention.linear_q_down_proj.weight  [r_q/tp, H]    (gathered after; or
     decoder.layers.{i}.self_attention.q_layernorm.weight         [r_q]           linear_q_proj [n*(d_n+d_r)/tp, H]
@@ -36,8 +40,10 @@ E experts, tp/etp/ep the mesh sizes). The bridge maps Hugging Face names onto th
   MoE layer (local spec: SequentialMLP, one module per local expert):
     decoder.layers.{i}.mlp.router.weight                     [E, H]          (replicated)
     decoder.layers.{i}.mlp.router.expert_bias                [E] fp32 BUFFER (sigmoid routers; frozen)
+    decoder.layers.{i}.mlp.router.bias                       [E]             (gpt-oss: on the logits)
     decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight   [2*F_e/etp, H]  [gate; up]
     decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight   [H, F_e/etp]
+    decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc{1,2}.bias [2*F_e/etp] / [H]  (gpt-oss)
         j is the LOCAL expert index; the global expert is ep_rank * (E/ep) + j.
     decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight / linear_fc2.weight / gate_weight (if any)
     decoder.final_layernorm.weight                           [H]             (last stage)
@@ -67,6 +73,7 @@ from megagrpo.errors import MegagrpoError
 from megagrpo.learner.mesh import MeshConfig
 
 VOCAB_MULTIPLE = 128  # vocab padding unit; lcm with tp keeps it TP-independent for tp | 128
+QUICK_GELU_ALPHA = 1.702  # megatron's quick_gelu: x * sigmoid(1.702 x) (Hendrycks & Gimpel, arXiv:1606.08415)
 
 Recompute = Literal["full", "selective"] | None
 
@@ -89,10 +96,47 @@ def _check_arch(arch: ModelArch, mesh: MeshConfig) -> None:
             f"v_head_dim={arch.v_head_dim} is wider than the query head (qk_nope_head_dim + qk_rope_head_dim = "
             f"{arch.qk_nope_head_dim + arch.qk_rope_head_dim}), which megatron-core's multi-latent attention cuts"
         )
-    if arch.rope_type not in ("default", "yarn") or (arch.rope_type == "yarn" and not arch.is_mla):
+    if arch.rope_type not in ("default", "yarn") or (
+        arch.rope_type == "yarn" and not arch.is_mla and arch.rotary_percent != 1.0
+    ):
         raise MegagrpoError(
-            f"rope_type={arch.rope_type!r}: YaRN is implemented with multi-latent attention only"
+            f"rope_type={arch.rope_type!r} with rotary_percent={arch.rotary_percent}: YaRN is implemented "
+            "with multi-latent attention or with whole heads rotated"
         )
+    if (
+        arch.rope_type == "yarn"
+        and not arch.is_mla
+        and (arch.rope_mscale, arch.rope_mscale_all_dim) != (1, 0)
+    ):
+        raise MegagrpoError(
+            f"rope_mscale={arch.rope_mscale}, rope_mscale_all_dim={arch.rope_mscale_all_dim}: YaRN without "
+            "multi-latent attention is implemented with the default attention factor (0.1 ln(factor) + 1)"
+        )
+    biases = {"qkv_bias": arch.qkv_bias, "attn_out_bias": arch.attn_out_bias}
+    if arch.is_moe:
+        biases.update(moe_router_bias=arch.moe_router_bias, moe_expert_bias=arch.moe_expert_bias)
+    # megatron's add_bias_linear puts a bias on every linear layer at once (qkv, proj, router, fc1/fc2)
+    if (arch.attn_out_bias or arch.moe_router_bias or arch.moe_expert_bias) and (
+        not all(biases.values()) or len(arch.moe_layers()) != arch.num_layers
+    ):
+        raise MegagrpoError(
+            f"biases {biases} in {arch.family}: megatron-core biases every linear layer or none (and dense "
+            "MLP layers would get biases the checkpoint lacks)"
+        )
+    if arch.swiglu_limit > 0 and arch.swiglu_alpha != QUICK_GELU_ALPHA:
+        raise MegagrpoError(
+            f"swiglu_alpha={arch.swiglu_alpha}: megatron's clamped SwiGLU uses quick_gelu, whose sigmoid gain "
+            f"is {QUICK_GELU_ALPHA}"
+        )
+    if arch.swiglu_limit <= 0 and (arch.swiglu_alpha != 1.0 or arch.swiglu_up_offset != 0.0):
+        raise MegagrpoError(
+            f"swiglu_alpha={arch.swiglu_alpha}, swiglu_up_offset={arch.swiglu_up_offset} without a clamp "
+            "(swiglu_limit) are not implemented"
+        )
+    if arch.layer_types and len(arch.layer_types) != arch.num_layers:
+        raise MegagrpoError(f"layer_types has {len(arch.layer_types)} entries for {arch.num_layers} layers")
+    if arch.sliding_layers() and arch.sliding_window < 1:
+        raise MegagrpoError("sliding_attention layers need sliding_window >= 1")
     if arch.num_attention_heads % arch.num_kv_heads:
         raise MegagrpoError(
             f"num_attention_heads={arch.num_attention_heads} is not a multiple of num_kv_heads="
@@ -166,7 +210,17 @@ def use_transformer_engine(
     TE, and refuses what it cannot build."""
     fp8 = None if fp8 in (None, "none") else fp8
     mla = arch is not None and arch.is_mla
+    # gpt-oss's sinks and expert biases on TE: names the bridge does not map, and TE's grouped experts lack
+    # the local spec's expert-bias fixes (attention.ExpertBiasRowParallelLinear); unproven, so kept local
+    oss = arch is not None and (arch.attention_sinks or arch.moe_expert_bias)
     if layer_spec == "local":
+        return False
+    if oss:
+        if layer_spec == "transformer_engine" or fp8:
+            raise MegagrpoError(
+                f"{arch.family}: attention sinks and expert biases on the Transformer Engine spec are not "
+                "mapped yet; set model.layer_spec=local" + (" and model.fp8=null" if fp8 else "")
+            )
         return False
     if layer_spec == "transformer_engine":
         if importlib.util.find_spec("transformer_engine") is None:
@@ -268,6 +322,26 @@ def transformer_config_from_arch(
         # models because TransformerConfig rejects the default "allgather" with variable_seq_lengths.
         moe_token_dispatcher_type="alltoall",
     )
+    if arch.attn_out_bias:
+        kw["add_bias_linear"] = True  # q/k/v, o, router and experts (checked in _check_arch)
+    if arch.swiglu_limit > 0:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        # gpt-oss's clamped SwiGLU: megatron's glu() clamps the gate above and the linear half both ways
+        kw.update(
+            activation_func=quick_gelu,
+            activation_func_clamp_value=arch.swiglu_limit,
+            glu_linear_offset=arch.swiglu_up_offset,
+        )
+    if arch.attention_sinks:
+        kw["softmax_type"] = "learnable"  # one sink logit per head: megatron's softmax_offset
+    if arch.sliding_layers():
+        # megatron's window (left, right): keys i - left .. i; transformers' sliding window counts the
+        # query itself, so left = window - 1. window_attn_skip_freq as a list marks the sliding layers.
+        kw.update(
+            window_size=(arch.sliding_window - 1, 0),
+            window_attn_skip_freq=[int(t == "sliding_attention") for t in arch.layer_types],
+        )
     if arch.is_mla:
         # megatron's MLASelfAttention: its latent norms are the q/kv "layernorms", RoPE on interleaved
         # pairs of the rotary dims (DeepSeek's layout), YaRN with DeepSeek's mscale in the softmax scale.
@@ -345,9 +419,20 @@ def transformer_config_from_arch(
         raise MegagrpoError(f"recompute={recompute!r}; use null, 'full' or 'selective'")
     kw.update(overrides)
     try:
-        return (MLATransformerConfig if arch.is_mla else TransformerConfig)(**kw)
+        config = (MLATransformerConfig if arch.is_mla else TransformerConfig)(**kw)
     except (AssertionError, ValueError) as e:
         raise MegagrpoError(f"megatron-core rejected the model/mesh combination: {e}") from e
+    if arch.rope_type == "yarn" and not arch.is_mla:
+        # GPTModel's YarnRotaryEmbedding and SelfAttention's rotary mscale read these attributes, which
+        # TransformerConfig does not declare (MLATransformerConfig has its own names)
+        config.yarn_rotary_scaling_factor = arch.rope_scaling_factor
+        config.yarn_original_max_position_embeddings = arch.rope_original_max_position_embeddings
+        config.yarn_beta_fast = arch.rope_beta_fast
+        config.yarn_beta_slow = arch.rope_beta_slow
+        config.yarn_mscale = arch.rope_mscale
+        config.yarn_mscale_all_dim = arch.rope_mscale_all_dim
+        config.yarn_correction_range_round_to_int = arch.rope_truncate
+    return config
 
 
 def _local_block_spec(config: Any, vp_stage: int | None, pp_rank: int | None) -> Any:
@@ -366,7 +451,28 @@ def _local_block_spec(config: Any, vp_stage: int | None, pp_rank: int | None) ->
         if config.multi_latent_attention:
             attn = dataclasses.replace(attn, module=local_mla_self_attention())
         layer.submodules.self_attention = attn
+        if config.add_bias_linear and config.num_moe_experts:
+            layer.submodules.mlp = _with_expert_fc2(layer.submodules.mlp)
     return spec
+
+
+def _with_expert_fc2(mlp: Any) -> Any:
+    """The MoE layer spec `mlp` (partial(MoELayer, submodules=...)) with `ExpertBiasRowParallelLinear` as
+    the experts' fc2; a dense layer's spec unchanged."""
+    import functools
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megagrpo.learner.attention import ExpertBiasRowParallelLinear
+
+    if not isinstance(mlp, functools.partial) or mlp.func is not MoELayer:
+        return mlp
+    subs = mlp.keywords["submodules"]
+    experts = subs.experts
+    inner = dataclasses.replace(experts.keywords["submodules"], linear_fc2=ExpertBiasRowParallelLinear)
+    experts = functools.partial(experts.func, *experts.args, **{**experts.keywords, "submodules": inner})
+    subs = dataclasses.replace(subs, experts=experts)
+    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
 
 
 def build_gpt_model(
@@ -434,7 +540,7 @@ def build_gpt_model(
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=True,  # logits stay vocab-sharded; learner.logprobs reduces over TP
             share_embeddings_and_output_weights=arch.tie_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if arch.rope_type == "yarn" and not arch.is_mla else "rope",
             rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
             rotary_percent=arch.rotary_percent,
             vp_stage=vp_stage,

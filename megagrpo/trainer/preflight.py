@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megagrpo.config.mesh_rules import stage_layer_counts
-from megagrpo.config.model import MODEL_TYPE_ALIASES
+from megagrpo.config.model import MODEL_TYPE_ALIASES, NOT_TRAINABLE
 from megagrpo.config.schema import Config
 from megagrpo.errors import MegagrpoError
 
@@ -133,6 +133,11 @@ def check_stage_inputs(cfg: Config, stage: str, resume: str | None) -> None:
 
     field, model = model_field(cfg, stage)
     arch = arch_from_hf(model)  # raises naming config.json for a model family megagrpo cannot build
+    if arch.family in NOT_TRAINABLE:
+        raise MegagrpoError(
+            f"{field}={model!r}: model family {arch.family!r} cannot be trained yet: "
+            f"{NOT_TRAINABLE[arch.family]}; choose a model of another family"
+        )
     check_remote_code(cfg, stage)
     m = cfg.mesh
     # the pipeline stages' layer counts must add up to this model's layers (mesh.first/last_stage_layers)

@@ -66,6 +66,29 @@ TINY_DEEPSEEK_V3_5L = dataclasses.replace(TINY_DEEPSEEK_V3, num_layers=5, moe_la
 TINY_GLM4_MOE = dataclasses.replace(
     TINY_MOE, family="glm4_moe", **{**_V3_ROUTER, "qk_norm": True}, qkv_bias=True, rotary_percent=0.5
 )
+# gpt-oss: sinks, a sliding window of 4 on layers 0 and 2 (the 24-token rows cross it), q/k/v/o biases,
+# YaRN unrounded, a biased router (softmax over the top-k), expert biases, clamped SwiGLU
+TINY_GPT_OSS = dataclasses.replace(
+    TINY_MOE,
+    family="gpt_oss",
+    qk_norm=False,
+    qkv_bias=True,
+    attn_out_bias=True,
+    attention_sinks=True,
+    layer_types=("sliding_attention", "full_attention") * 2,
+    sliding_window=4,
+    num_experts=8,
+    moe_ffn_hidden_size=64,
+    moe_router_bias=True,
+    moe_expert_bias=True,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    swiglu_up_offset=1.0,
+    rope_type="yarn",
+    rope_scaling_factor=4.0,
+    rope_original_max_position_embeddings=64,
+    rope_truncate=False,
+)
 
 
 def without_q_latent(src: Path, dst: Path) -> Path:
@@ -115,6 +138,21 @@ def randomise_expert_bias(chunks: list[Any], seed: int = 0) -> None:
         for n, b in unwrap(c).named_buffers():
             if n.endswith("router.expert_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def randomise_sinks_and_biases(chunks: list[Any], seed: int = 0) -> None:
+    """Random attention sinks and linear biases of a model that has sinks (gpt-oss): megatron's zero biases
+    and 0.02-wide sinks would leave them out of every number."""
+    g = torch.Generator().manual_seed(seed)
+    for c in chunks:
+        if not any(n.endswith("softmax_offset") for n, _ in unwrap(c).named_parameters()):
+            continue
+        with torch.no_grad():
+            for n, p in unwrap(c).named_parameters():
+                if n.endswith(".bias"):
+                    p.copy_(0.05 * torch.randn(p.shape, generator=g))
+                elif n.endswith("softmax_offset"):
+                    p.copy_(torch.randn(p.shape, generator=g))
 
 
 def make_batch(B: int = 8, T: int = 24, seed: int = 0, vocab: int = 1000) -> dict[str, torch.Tensor]:

@@ -52,6 +52,10 @@ MODELS = {
     # 5 layers divide by no PP size (issue 37 section 4): uneven PP2, 2 layers (dense + MoE) then 3 MoE
     "deepseek_v3_5l": dict(arch="deepseek_v3", experts=8, topk=2, layers=5),
     REGROUPED: dict(arch="deepseek_v3", experts=8, topk=2, layers=4),
+    # learned sinks, sliding window 4 on layers 0 and 2 (the 16-token batch crosses it), q/k/v/o biases,
+    # YaRN without truncation, a biased router, expert biases, clamped SwiGLU; PP2 puts a sliding and a
+    # full layer on each stage (layer numbers are global)
+    "gpt_oss": dict(arch="gpt_oss", experts=8, topk=2, layers=4),
 }
 UNEVEN = {"deepseek_v3_5l": ("pp2_first2",)}  # models checked on uneven pipeline stages only
 DENSE_MESHES = ("tp2", "pp2", "tp2_pp2")
@@ -79,6 +83,7 @@ EXPORTS = {
     (NO_Q_LATENT, "tp2_ep2"),
     ("glm4_moe", "pp2"),
     ("deepseek_v3_5l", "pp2_first2"),
+    ("gpt_oss", "tp2_ep2"),  # stacked HF experts gathered over EP and stacked back
 }
 BUCKETS = (1, 3000, 70000, 1 << 40)
 SEQ, BATCH = 16, 2
@@ -89,7 +94,7 @@ def cases() -> list[tuple[str, str]]:
     for model, spec in MODELS.items():
         if model in UNEVEN:
             meshes = UNEVEN[model]
-        elif spec["arch"] in ("deepseek_v3", "glm4_moe"):
+        elif spec["arch"] in ("deepseek_v3", "glm4_moe", "gpt_oss"):
             meshes = V3_MESHES
         else:
             meshes = MOE_MESHES if spec["arch"] in ("qwen3_moe", "mixtral") else DENSE_MESHES

@@ -2,7 +2,8 @@
 
 One 4-process launch runs every mesh in sequence (re-initialising megatron's parallel_state); see
 workers_meshes.py for what each number means. fp32 throughout. The DeepSeek-V3 and GLM-4.5 shapes run in
-the same launch on TP2, EP2, PP2 (dense layer on stage 0, unequal MoE layers per stage) and TP2xEP2; a
+the same launch on TP2, EP2, PP2 (dense layer on stage 0, unequal MoE layers per stage) and TP2xEP2, and
+so does gpt-oss (sinks, alternating sliding windows, biases everywhere, clamped SwiGLU, YaRN); a
 5-layer DeepSeek-V3 shape on uneven PP2 stages (2 + 3 layers: mesh.first_stage_layers).
 """
 
@@ -48,7 +49,8 @@ def test_mesh_matches_single_model(results, mesh):
                 assert v == 1.0, f"{key} {ctx}"
         assert r["param_err"] <= 1e-5, ctx
         assert r["grad_norm_rel_err"] <= 1e-5, ctx
-        if "/" in mesh:  # a sigmoid router's correction bias: loaded, and frozen by the training step
+        if "/" in mesh and not mesh.startswith("gpt_oss/"):
+            # a sigmoid router's correction bias: loaded, and frozen by the training step
             assert r["expert_bias_abs_min"] > 0 and r["expert_bias_moved"] == 0.0, ctx
 
 

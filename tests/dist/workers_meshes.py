@@ -29,12 +29,14 @@ from tests.dist._common import (
     TINY_DEEPSEEK_V3,
     TINY_DEEPSEEK_V3_5L,
     TINY_GLM4_MOE,
+    TINY_GPT_OSS,
     TINY_MOE,
     load_params,
     local_values,
     make_batch,
     max_abs_diff,
     randomise_expert_bias,
+    randomise_sinks_and_biases,
     read_as_local,
     save_params,
     write_json,
@@ -63,7 +65,7 @@ BUILD = {"tp2_ep2_recompute": {"recompute": "full"}}  # full activation recomput
 # The DeepSeek-V3-shaped families (sigmoid router with correction bias, group-limited top-k, shared
 # experts, dense first layer; MLA + YaRN / partial rotary + qkv bias) on the meshes the issue names,
 # after the Qwen3-MoE meshes in the same launch; results under "{family}/{mesh}".
-FAMILY_ARCHS = {"deepseek_v3": TINY_DEEPSEEK_V3, "glm4_moe": TINY_GLM4_MOE}
+FAMILY_ARCHS = {"deepseek_v3": TINY_DEEPSEEK_V3, "glm4_moe": TINY_GLM4_MOE, "gpt_oss": TINY_GPT_OSS}
 FAMILY_MESHES = ("tp2_sp", "ep2", "pp2", "tp2_ep2")
 # Uneven pipeline stages (issue 37 section 4): a 5-layer DeepSeek-V3 shape that no PP size divides, PP2
 # with 2 layers (the dense one and one MoE) on stage 0 and 3 MoE layers on stage 1; "{arch}/{mesh}".
@@ -124,6 +126,7 @@ def reference(
     init_mesh(MeshConfig(), env, seed=11)
     [model] = build_gpt_model(arch, MeshConfig())
     randomise_expert_bias([model])
+    randomise_sinks_and_biases([model])
     save_params([model], outdir / "w0")
     batch = make_batch(B=8, T=24, seed=5)
     # Mostly positive advantages keep the losses away from zero, so a relative tolerance means something.

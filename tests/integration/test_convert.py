@@ -36,7 +36,12 @@ MODELS = {
     "deepseek_v3": dict(arch="deepseek_v3", experts=8, topk=2),
     "deepseek_v3_no_q_latent": dict(arch="deepseek_v3", experts=8, topk=2),  # `without_q_latent`
     "glm4_moe": dict(arch="glm4_moe", experts=8, topk=2),
+    # issue 44: sinks, sliding windows, biases, stacked HF experts (`ParamMap.stacked`)
+    "gpt_oss": dict(arch="gpt_oss", experts=8, topk=2, layers=4),
 }
+# gpt-oss as released: a bf16 body and MXFP4 experts (`_as_released_mxfp4`), converted (read dequantised)
+# and exported back both as bf16 and with --mxfp4
+MXFP4 = "gpt_oss_mxfp4"
 WITH_MTP = "deepseek_v3"
 # as DeepSeek-V3, Kimi-K2 and GLM-4.5 ship: a bf16 body and the routers' correction bias in fp32
 # (`_with_released_dtypes`), converted without --dtype and with --dtype bfloat16
@@ -55,7 +60,7 @@ def worker(rank: int, world: int, outdir: Path, *, models: dict, refs: str) -> N
     reference = torch.load(refs)
     results = {}
     for name, hf_dir in models.items():
-        if name == MIXED:
+        if name in (MIXED, MXFP4):
             continue
         summary = convert(hf_dir, outdir / f"ckpt_{name}", progress=False)
         arch = ModelArch.from_dict(summary["arch"])
@@ -88,6 +93,9 @@ def worker(rank: int, world: int, outdir: Path, *, models: dict, refs: str) -> N
             models[MIXED], outdir / f"ckpt_mixed_{tag}", dtype=dt, progress=False
         )["dtype"]
         export(outdir / f"ckpt_mixed_{tag}", outdir / f"hf_mixed_{tag}")
+    convert(models[MXFP4], outdir / f"ckpt_{MXFP4}", progress=False)
+    export(outdir / f"ckpt_{MXFP4}", outdir / f"hf_{MXFP4}")
+    export(outdir / f"ckpt_{MXFP4}", outdir / f"hf_{MXFP4}_out", mxfp4=True)
     # --dtype: a bf16 checkpoint, exported back as bf16
     convert(models["qwen3_moe"], outdir / "ckpt_bf16", dtype="bfloat16", progress=False)
     export(outdir / "ckpt_bf16", outdir / "hf_bf16")
@@ -112,6 +120,7 @@ def converted(tiny_model, tmp_path_factory):
             refs[name] = hf(refs["ids"]).logits
     torch.save(refs, out / "refs.pt")
     dirs[MIXED] = str(_with_released_dtypes(Path(tiny_model(**MODELS["deepseek_v3"])), out / f"src_{MIXED}"))
+    dirs[MXFP4] = str(_as_released_mxfp4(Path(tiny_model(**MODELS["gpt_oss"])), out / f"src_{MXFP4}"))
     launch(
         "tests.integration.test_convert:worker", 1, out, timeout=900, models=dirs, refs=str(out / "refs.pt")
     )
@@ -155,6 +164,27 @@ def _with_released_dtypes(src: Path, dst: Path) -> Path:
     save_file(sd, str(dst / "model.safetensors"))
     cfg = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}, indent=2))
+    return dst
+
+
+def _as_released_mxfp4(src: Path, dst: Path) -> Path:
+    """A copy of the tiny gpt-oss as OpenAI released gpt-oss: a bf16 body, the stacked expert weights as
+    MXFP4 `_blocks` / `_scales` (its random weights quantised) and `quantization_config` mxfp4."""
+    from megagrpo.bridge.mxfp4 import QUANTIZATION_CONFIG, quantize_mxfp4
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    out = {}
+    for k, t in sd.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[k + "_blocks"], out[k + "_scales"] = quantize_mxfp4(t)
+        else:
+            out[k] = t.to(torch.bfloat16)
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(torch_dtype="bfloat16", quantization_config=QUANTIZATION_CONFIG)
+    cfg.pop("dtype", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
 
 
@@ -202,7 +232,30 @@ def test_mtp_layers_are_carried_unchanged(converted):
     assert json.loads((out / "hf_mtp_bare" / "config.json").read_text())["num_nextn_predict_layers"] == 0
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe"])
+def test_released_mxfp4_converts_and_exports_back_exactly(converted):
+    """gpt-oss's MXFP4 experts read dequantised (exact) convert to megatron and export back bit for bit:
+    with --mxfp4 as the same blocks and scales, without it as their bf16 values, which is what transformers'
+    own dequantisation gives; the bf16 export's config carries no quantization_config."""
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    out, dirs, _, _ = converted
+    src = load_file(str(Path(dirs[MXFP4]) / "model.safetensors"))
+    same = _load_dir(out / f"hf_{MXFP4}_out")
+    assert set(same) == set(src) and all(torch.equal(same[k], src[k]) for k in src)
+    cfg = json.loads((out / f"hf_{MXFP4}_out" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    plain = _load_dir(out / f"hf_{MXFP4}")
+    for k, t in src.items():
+        if k.endswith("_blocks"):
+            name = k.removesuffix("_blocks")
+            want = _convert_moe_packed_tensors(t, src[name + "_scales"], dtype=torch.bfloat16)
+            assert plain[name].dtype == torch.bfloat16 and torch.equal(plain[name], want), name
+        elif not k.endswith("_scales"):
+            assert torch.equal(plain[k], t), k
+    assert "quantization_config" not in json.loads((out / f"hf_{MXFP4}" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_exported_directory_loads_in_transformers(converted, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

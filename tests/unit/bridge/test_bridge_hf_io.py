@@ -76,9 +76,9 @@ def test_missing_and_extra_tensors_named(tiny_model, tmp_path):
 def test_unsupported_model_type_named(tiny_model, tmp_path):
     d = shutil.copytree(tiny_model("llama"), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "gpt_oss"
+    cfg["model_type"] = "gemma3_text"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(MegagrpoError, match="model_type='gpt_oss'"):
+    with pytest.raises(MegagrpoError, match="model_type='gemma3_text'"):
         HFCheckpoint(d)
 
 

@@ -22,7 +22,22 @@ CASES = {
     "deepseek_v3": dict(arch="deepseek_v3", layers=3),
     "deepseek_v3_q_full": dict(arch="deepseek_v3", layers=3, q_lora=None),  # Moonlight's q_proj
     "glm4_moe": dict(arch="glm4_moe", layers=3),
+    "gpt_oss": dict(arch="gpt_oss", experts=4),
 }
+
+
+def _sources(pm, hf):
+    """`pm`'s HF tensors; a stacked expert map (gpt-oss) takes its expert's slice."""
+    return [hf[n][pm.expert] if pm.stacked else hf[n] for n in pm.hf]
+
+
+def _put(out, pm, tensors, arch):
+    """Store `to_hf`'s tensors under their HF names; stacked experts' slices go to their row."""
+    for name, t in zip(pm.hf, tensors, strict=True):
+        if pm.stacked:
+            out.setdefault(name, t.new_zeros((arch.num_experts, *t.shape)))[pm.expert] = t
+        else:
+            out[name] = t
 
 
 def _model(tiny_model, case):
@@ -52,11 +67,11 @@ def test_round_trip_bit_identical(tiny_model, case, tp):
     assert set(hf_names(arch)) == set(hf)
     out = {}
     for pm in param_maps(arch):
-        full = to_megatron(pm, [hf[n] for n in pm.hf], arch, padded_vocab=1152)
+        full = to_megatron(pm, _sources(pm, hf), arch, padded_vocab=1152)
         shards = [tp_shard(pm, full, r, tp) for r in range(tp)]
         if pm.tp_axis is not None and tp > 1:
             assert all(s.shape[pm.tp_axis] * tp == full.shape[pm.tp_axis] for s in shards)
-        out.update(zip(pm.hf, to_hf(pm, tp_unshard(pm, shards), arch), strict=True))
+        _put(out, pm, to_hf(pm, tp_unshard(pm, shards), arch), arch)
     assert set(out) == set(hf)
     for name, t in hf.items():
         assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
@@ -184,11 +199,11 @@ def test_export_keeps_the_correction_bias_fp32(tiny_model):
     assert got["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("case", ["llama_tied", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("case", ["llama_tied", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"])
 @pytest.mark.parametrize("bucket_bytes", [1, 5000, 1 << 30])
 def test_single_process_export_buckets(tiny_model, case, bucket_bytes):
     arch, hf = _model(tiny_model, case)
-    params = {pm.mcore: to_megatron(pm, [hf[n] for n in pm.hf], arch, 1152) for pm in param_maps(arch)}
+    params = {pm.mcore: to_megatron(pm, _sources(pm, hf), arch, 1152) for pm in param_maps(arch)}
     got = {}
     buckets = list(iter_hf_buckets(params, arch, bucket_bytes=bucket_bytes))
     for b in buckets:
@@ -208,11 +223,13 @@ def test_export_refuses_unknown_parameter(tiny_model):
         list(iter_hf_buckets(params, arch, bucket_bytes=1 << 20))
 
 
-def test_local_shards_of_a_tp2_ep2_pp2_mesh_reassemble(tiny_model):
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_local_shards_of_a_tp2_ep2_pp2_mesh_reassemble(tiny_model, case):
     """Every rank's shards, gathered back (TP, then EP, then PP), give exactly the HF state dict."""
     from megagrpo.bridge.load import iter_local_shards
 
-    arch, hf = _model(tiny_model, "qwen3_moe")
+    arch, hf = _model(tiny_model, case)
+    n_local = arch.num_experts // 2
     params: dict[tuple, torch.Tensor] = {}
     for pp in range(2):
         for ep in range(2):
@@ -235,15 +252,17 @@ def test_local_shards_of_a_tp2_ep2_pp2_mesh_reassemble(tiny_model):
     out = {}
     for pm in param_maps(arch):
         pp = 0 if pm.mcore.startswith("embedding.") else (1 if pm.layer is None else pm.layer)
-        place = Placement(layer_offset=pp, ep_rank=pm.expert // 4 if pm.is_expert else 0, ep_size=2)
+        ep_rank = pm.expert // n_local if pm.is_expert else 0
+        place = Placement(layer_offset=pp, ep_rank=ep_rank, ep_size=2)
         name = megatron_name(pm, arch, place)
         shards = [params[(pp, place.ep_rank, tp, name)] for tp in range(2)]
         if pm.tp_axis is None:
             assert torch.equal(shards[0], shards[1])
-        out.update(zip(pm.hf, to_hf(pm, tp_unshard(pm, shards), arch), strict=True))
+        _put(out, pm, to_hf(pm, tp_unshard(pm, shards), arch), arch)
     assert set(out) == set(hf) and all(torch.equal(out[n], hf[n]) for n in hf)
-    # layer 1's expert 6 lives on EP rank 1 as local expert 2, named with the stage-local layer 0
-    assert (1, 1, 0, "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight") in params
+    # layer 1's last expert lives on EP rank 1 as its last local expert, named with the stage-local layer 0
+    last = f"decoder.layers.0.mlp.experts.local_experts.{n_local - 1}.linear_fc1.weight"
+    assert (1, 1, 0, last) in params
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -19,6 +19,7 @@ from megagrpo.learner.model import transformer_config_from_arch
 from megagrpo.moe import stats
 from megagrpo.moe.routers import RouterSlot
 from tests.dist._common import TINY_DEEPSEEK_V3, TINY_GLM4_MOE
+from tests.unit.moe._routers import megatron_router, sets
 
 # DeepSeek-V3's own shape in small: 4 groups of 4, the best 2 kept, top-4 (a group scored by its top 2)
 WIDE_V3 = dataclasses.replace(
@@ -74,29 +75,14 @@ def _hf_gate(arch, seed: int):
 
 
 def _megatron_router(arch, bias: torch.Tensor, replay=None):
-    """An object on which megatron's `TopKRouter.routing` runs unchanged, configured as the learner is."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from megagrpo.moe.group_topk import GroupScoredRouter
-
-    cfg = transformer_config_from_arch(arch, MeshConfig(), routing_replay=True)
-    cls = GroupScoredRouter if arch.moe_router_num_groups > 1 else TopKRouter  # as learner.model builds it
-    r = cls.__new__(cls)
-    torch.nn.Module.__init__(r)
-    r.config, r.topk, r.score_function = cfg, cfg.moe_router_topk, cfg.moe_router_score_function
-    r.routing_type, r.router_replay = cfg.moe_router_load_balancing_type, replay
-    r.enable_expert_bias, r.expert_bias = cfg.moe_router_enable_expert_bias, bias
-    r.local_tokens_per_expert = torch.zeros(arch.num_experts)
-    r.eval()
-    return r
+    return megatron_router(arch, bias, replay)
 
 
 def _hidden(arch, seed: int) -> torch.Tensor:
     return torch.randn(N, arch.hidden_size, generator=torch.Generator().manual_seed(seed))
 
 
-def _sets(idx: torch.Tensor) -> list[list[int]]:
-    return idx.sort(-1).values.tolist()
+_sets = sets
 
 
 def _reference_weights(scores: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:

@@ -106,8 +106,22 @@ class SamplerMixin:
         )
         with engine_cores(placement) if placement else contextlib.nullcontext():
             engine = RolloutEngine(rc, name=name).start()
+        ft = self.cfg.rollout.fault_tolerance
+        engine.start_watch(
+            probe_interval_s=ft.probe_interval_s, probe_deadline_s=ft.probe_deadline_s, hang_s=ft.hang_s
+        )
         print(name, flush=True)  # one line per engine, so a job's log says where its samplers run
         return engine
+
+    def inject_planned_fault(self) -> None:
+        """The test seam `MEGAGRPO_FAULT_INJECT` (`rollout.engines.faults`): at its step's first round, this
+        owner's colocated engine gets its signal once the round's requests are in flight."""
+        from megagrpo.rollout.engines import faults
+
+        fault = faults.planned()
+        if fault is None or fault.step != self.step or self.engine is None or self.disaggregated:
+            return
+        faults.inject_when_busy(self.engine, fault)
 
     def connect_engine(self, index: int):
         """This owner's disaggregated engine: its URL from the launch's store, once its server is up."""

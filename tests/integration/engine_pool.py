@@ -45,17 +45,18 @@ class EnginePool:
             settings["trust_remote_code"] = None
         return (arch, json.dumps(settings, sort_keys=True, default=str))
 
-    def __call__(self, cfg):
+    def __call__(self, cfg, *, name: str | None = None):
         key = self.key(cfg)
         eng = self.engines.get(key)
         if eng is None:
             if self.one_live:
                 self.drop_all()
-            eng = self.cls(cfg)  # started by the trainer's own start() call
+            eng = self.cls(cfg, name=name)  # started by the trainer's own start() call
             eng.shutdown = lambda: None
             self.engines[key] = eng
             self.starts += 1
             return eng
+        eng.name = name or eng.name  # this run's placement, in its errors
         eng.resume()
         ok, message, *_ = eng.engine.update_weights_from_disk(cfg.model_path)
         if not ok:

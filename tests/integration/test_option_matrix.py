@@ -72,6 +72,7 @@ class Case:
     family: str  # tiny model family standing in for the config's model
     options: tuple[str, ...] = ()  # dotted overrides that select options (beyond the size overrides)
     doc: DocCommand | None = None  # a command of the docs: its own overrides and options, after the sizes
+    fault: str | None = None  # MEGAGRPO_FAULT_INJECT of the run (`rollout.engines.faults`): it ends early
 
 
 # SGLang's FP8 kernels need CUDA: the engine refuses rollout.fp8 on the CPU (`RolloutEngine`).
@@ -205,6 +206,20 @@ CASES = (
             "replay=R3",
         ),
     ),
+    # Issue 45, detection: the dense config again, its engine's scheduler SIGSTOPped by pid in the middle of
+    # step 2's round. The owner's watch must find it stopped within probe_deadline_s, end the engine, and the
+    # run exit ENGINE_LOST_EXIT_CODE with step 1 checkpointed: never a hang. Last of its engine's cases
+    # (`RUN_ORDER`): the stopped engine is the one the pool ends, and no case pays for a new one.
+    Case(
+        "fault_engine_stopped",
+        "grpo_math_dense.yaml",
+        "qwen3",
+        (
+            "schedule.save_every=1",
+            "rollout.fault_tolerance={probe_interval_s: 0.5, probe_deadline_s: 3.0}",
+        ),
+        fault="stop@step1",
+    ),
 )
 
 
@@ -259,9 +274,10 @@ def engine_of(case: Case) -> str:
     return {"qwen3_moe_think": "qwen3_moe"}.get(case.family, case.family)
 
 
-# The cases grouped by engine, otherwise in CASES' order: the pool keeps one engine alive (`pool`).
+# The cases grouped by engine, otherwise in CASES' order: the pool keeps one engine alive (`pool`). A fault
+# case ends its engine, so it runs last of its group.
 _ENGINES = list(dict.fromkeys(engine_of(c) for c in CASES))
-RUN_ORDER = sorted(CASES, key=lambda c: _ENGINES.index(engine_of(c)))
+RUN_ORDER = sorted(CASES, key=lambda c: (_ENGINES.index(engine_of(c)), c.fault is not None))
 
 # Shipped configs whose RL stage starts from the model of their own SFT stage (`megagrpo sft` on the file,
 # from the tiny model of the case's family).
@@ -766,13 +782,16 @@ def test_sft_stage_of_a_shipped_config(config, sft_stages, models):
 
 
 @pytest.mark.parametrize("case", RUN_ORDER, ids=[c.name for c in RUN_ORDER])
-def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sft_stages):
+def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sft_stages, monkeypatch, capfd):
     model = models[case.family]
     if case.config in SFT_CONFIGS:  # the RL stage starts from its SFT stage's model
         _, sft_out, sft_rc = sft_stages(case.config)
         assert sft_rc == 0, "the SFT stage this case starts from failed"
         model = sft_out
     cfg = load_config(CONFIGS / case.config, case_overrides(case, tmp_path, model))
+    if case.fault:
+        _assert_engine_loss_detected(case, cfg, tmp_path, model, pool, monkeypatch, capfd)
+        return
     rc = run_cli(pool, *case_argv(case, tmp_path, model))
     assert rc == 0
     problems = (doc_problems if case.doc else run_problems)(cfg, records(tmp_path / "run"))
@@ -782,6 +801,30 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
     assert (ckpt / "meta.json").is_file()
     if mtp_layer_prefixes(str(model)):  # carried beside it unchanged, for `convert megatron-to-hf`
         _assert_mtp_carried(model, load_file(str(next(ckpt.glob("mtp-*.safetensors")))))
+
+
+def _assert_engine_loss_detected(case, cfg, tmp_path, model, pool, monkeypatch, capfd) -> None:
+    """A fault case (`Case.fault`): the run ends with ENGINE_LOST_EXIT_CODE and a line naming the engine and
+    the cause, within the watch's deadline of the fault, with the steps before it logged and checkpointed."""
+    import re
+
+    from megagrpo.rollout.engines.faults import FAULT_ENV, planned
+    from megagrpo.trainer.signals import ENGINE_LOST_EXIT_CODE
+
+    monkeypatch.setenv(FAULT_ENV, case.fault)
+    fault = planned()
+    rc = run_cli(pool, *case_argv(case, tmp_path, model))
+    err = capfd.readouterr()
+    assert rc == ENGINE_LOST_EXIT_CODE, err.err[-3000:]
+    assert "sent SIGSTOP to engine 0 of 1" in err.out, err.out[-3000:]
+    line = next(ln for ln in err.err.splitlines() if ln.startswith("rollout engine lost"))
+    assert f"at step {fault.step} of {STEPS}" in line and "engine 0 of 1" in line
+    assert "probe_deadline_s=3" in line and "--resume auto" in line
+    # found within one look (probe_interval_s) of the deadline
+    assert 3 <= int(re.search(r"has been stopped for (\d+) s", line).group(1)) <= 4, line
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, fault.step + 1))
+    assert (tmp_path / "ckpt" / f"step_{fault.step:08d}" / "meta.json").is_file()
+    assert cfg.rollout.fault_tolerance.probe_deadline_s == 3.0
 
 
 def test_each_family_started_one_engine(pool):

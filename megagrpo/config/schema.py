@@ -446,8 +446,18 @@ class MultiTurnConfig(Section):
 
 
 class FaultToleranceConfig(Section):
-    """How an engine owner watches its colocated engine (docs/reliability.md)."""
+    """How an engine owner watches its colocated engine, and replaces it (docs/reliability.md)."""
 
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="Replacements each engine may have in a run: a failed engine is ended, a new one "
+        "started in its place, given the learner's current weights (checksummed) and the round's "
+        "requests again with their seeds, so the completions are the ones the lost engine would have "
+        "made. 0 = none: an engine loss ends the run with exit 69, to resume from the last "
+        "checkpoint. Default 0: a replacement costs an engine start (minutes at scale) and would hide "
+        "a recurring fault; and it covers only colocated, synchronous, single-turn rounds so far.",
+    )
     probe_interval_s: float = Field(
         default=1.0,
         gt=0.0,
@@ -608,8 +618,30 @@ class RolloutConfig(Section):
     fault_tolerance: FaultToleranceConfig = Field(
         default_factory=FaultToleranceConfig,
         description="Colocated engines: the owner's watch, which fails a dead, stopped or hung engine "
-        "with an error naming it (exit 69) instead of waiting on it (docs/reliability.md).",
+        "with an error naming it instead of waiting on it, and the engine's replacement, or the run's "
+        "end with exit 69 (docs/reliability.md).",
     )
+
+    @model_validator(mode="after")
+    def _check_fault_tolerance(self) -> RolloutConfig:
+        if self.fault_tolerance.max_restarts > 0:
+            other = (
+                "rollout.multi_turn.enabled=true"
+                if self.multi_turn.enabled
+                else "rollout.mode=async"
+                if self.mode == "async"
+                else "rollout.placement.kind=disaggregated"
+                if self.placement.disaggregated
+                else None
+            )
+            if other is not None:
+                raise invalid(
+                    "fault_tolerance.max_restarts",
+                    f"{self.fault_tolerance.max_restarts} with {other}: engines are replaced only in "
+                    "colocated, synchronous, single-turn rollouts so far (docs/reliability.md); set "
+                    "rollout.fault_tolerance.max_restarts=0",
+                )
+        return self
 
     @property
     def response_tokens(self) -> int:

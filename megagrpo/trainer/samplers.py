@@ -113,6 +113,81 @@ class SamplerMixin:
         print(name, flush=True)  # one line per engine, so a job's log says where its samplers run
         return engine
 
+    # -- fault tolerance (docs/reliability.md) ---------------------------------------------------------
+
+    def generate_recovering(self, prompts, sampling, group_size: int, index_offset: int) -> list:
+        """`generate_with`, with engines replaced (`rollout.fault_tolerance.max_restarts` > 0): after the
+        round every rank agrees on whether an engine failed; if one did, it is replaced (`replace_engine`,
+        collective: the weight sync) and its owner sends its share of the round again, with the same
+        seeds (`sampling.seed`, `index_offset`), so the completions are those of a run without the fault.
+        Per-rank cost: one all-reduce of one int64 per round, and on a failure an engine start and a
+        weight sync. Colocated, synchronous, single-turn only (the schema refuses the rest)."""
+        from megagrpo.dist.agree import failed_rank
+        from megagrpo.rollout.engines.engine import EngineFailed
+
+        if self.cfg.rollout.fault_tolerance.max_restarts == 0:
+            return self.generate_with(prompts, sampling, group_size, index_offset)
+        groups = None
+        while True:
+            lost = None
+            if groups is None:
+                try:
+                    groups = self.generate_with(prompts, sampling, group_size, index_offset)
+                except EngineFailed as e:
+                    lost = e
+            if failed_rank(lost is not None) is None:
+                return groups
+            self.replace_engine(lost, requests=len(prompts) * group_size)
+
+    def replace_engine(self, lost: Exception | None, *, requests: int) -> None:
+        """Collective. The owner of the failed engine (`lost`) ends it and starts another in its place,
+        within its budget (`max_restarts` per engine; past it `lost` ends the run, exit 69); then every
+        rank syncs the learner's weights into every engine (checksummed), as after a step. One line and
+        the counters `rollout/engine_restarts`, `rollout/regenerated_requests`, `perf/recovery_seconds`."""
+        import time
+
+        from megagrpo.dist.agree import agreed
+        from megagrpo.rollout.engines.engine import EngineFailed
+
+        budget = self.cfg.rollout.fault_tolerance.max_restarts
+        t0 = time.perf_counter()
+        with agreed("an engine's replacement (its restart budget is spent, or its start failed)"):
+            if lost is not None:
+                if self.engine_restarts >= budget:
+                    raise EngineFailed(
+                        f"{lost}; its restart budget is spent (rollout.fault_tolerance.max_restarts={budget})"
+                    ) from lost
+                self.engine.shutdown()
+                self.engine = self.start_local_engine(self.placement)
+                self.engine_restarts += 1
+        self.learner_phase()
+        self.checksums_done = 0  # the replacement's first sync is checksummed (`checksum_due`)
+        self.sync_weights()
+        seconds = time.perf_counter() - t0
+        if lost is not None:
+            self.recovery["rollout/engine_restarts"] += 1
+            self.recovery["rollout/regenerated_requests"] += requests
+            self.recovery["perf/recovery_seconds"] += seconds
+            print(
+                f"{self.engine.name}: replaced in {seconds:.1f} s after {lost} (restart {self.engine_restarts} "
+                f"of {budget}); {requests} requests sent again",
+                flush=True,
+            )
+
+    def recovery_metrics(self) -> dict[str, float]:
+        """The replacements of this step, summed over the engine owners (one all-reduce of 3 floats), and
+        reset; {} when engines are not replaced (`max_restarts` 0)."""
+        if not self.needs_engine or self.cfg.rollout.fault_tolerance.max_restarts == 0:
+            return {}
+        keys = ("rollout/engine_restarts", "rollout/regenerated_requests", "perf/recovery_seconds")
+        t = torch.tensor(
+            [self.recovery[k] for k in keys], dtype=torch.float64, device=self.learner.mesh.device
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        self.recovery = dict.fromkeys(keys, 0.0)
+        return dict(zip(keys, t.tolist(), strict=True))
+
     def inject_planned_fault(self) -> None:
         """The test seam `MEGAGRPO_FAULT_INJECT` (`rollout.engines.faults`): at its step's first round, this
         owner's colocated engine gets its signal once the round's requests are in flight."""

@@ -99,6 +99,12 @@ class Session(SamplerMixin):
         self.placement = None  # CPU cores of the engines and the learner (rollout.placement)
         self.engine = None
         self.engine_store = None  # disaggregated owners: the launch's store, where the engines are found
+        self.engine_restarts = (
+            0  # replacements of this owner's engine (`rollout.fault_tolerance.max_restarts`)
+        )
+        self.recovery = dict.fromkeys(
+            ("rollout/engine_restarts", "rollout/regenerated_requests", "perf/recovery_seconds"), 0.0
+        )
         self.weights_transport = None  # disaggregated owners: the engine's weights broadcast group
         self.stage_routes: list = []  # disaggregated, PP > 1: (route, transport) of this rank's stage
         self.rewards = None  # the reward functions run where the completions are: on engine owners
@@ -226,7 +232,7 @@ class Session(SamplerMixin):
         if self._calls == 0:
             self.inject_planned_fault()
         self._calls += 1
-        return self.generate_with(prompts, sampling, group_size, index_offset)
+        return self.generate_recovering(prompts, sampling, group_size, index_offset)
 
     def request_seed(self, step: int, call: int) -> int:
         return request_seed_base(self.cfg.schedule.seed, step, call)
@@ -440,6 +446,7 @@ class Session(SamplerMixin):
                     self._calls = 0
                     self.reward_counts = {}
                     metrics = step_fn()
+                    metrics.update(self.recovery_metrics())
                     self.step += 1
                     if (
                         self.needs_engine

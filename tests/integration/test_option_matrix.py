@@ -39,6 +39,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -205,6 +206,17 @@ CASES = (
             "algo.kl={coef: 0.05, estimator: k3, placement: reward}",
             "replay=R3",
         ),
+    ),
+    # Issue 45, recovery: the dense config twice, without and with its engine's scheduler SIGKILLed by pid in
+    # the middle of step 2's round; the engine is replaced, given the learner's weights and the round again:
+    # the same completions (ids, sampler logprobs, finish reasons), rewards and lengths, the other metrics
+    # equal within the last bits (`_assert_engine_replaced`).
+    Case(
+        "fault_engine_killed",
+        "grpo_math_dense.yaml",
+        "qwen3",
+        ("rollout.fault_tolerance={max_restarts: 1, probe_interval_s: 0.5, probe_deadline_s: 3.0}",),
+        fault="kill@step1",
     ),
     # Issue 45, detection: the dense config again, its engine's scheduler SIGSTOPped by pid in the middle of
     # step 2's round. The owner's watch must find it stopped within probe_deadline_s, end the engine, and the
@@ -789,6 +801,9 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
         assert sft_rc == 0, "the SFT stage this case starts from failed"
         model = sft_out
     cfg = load_config(CONFIGS / case.config, case_overrides(case, tmp_path, model))
+    if case.fault and cfg.rollout.fault_tolerance.max_restarts:
+        _assert_engine_replaced(case, tmp_path, model, pool, monkeypatch, capfd)
+        return
     if case.fault:
         _assert_engine_loss_detected(case, cfg, tmp_path, model, pool, monkeypatch, capfd)
         return
@@ -803,11 +818,62 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
         _assert_mtp_carried(model, load_file(str(next(ckpt.glob("mtp-*.safetensors")))))
 
 
+# Metrics of the clock, and the recovery's own counters: the only ones a fault may change.
+_TIMING = ("perf/", "seconds", "gbps", "rollout/engine_restarts", "rollout/regenerated_requests")
+
+
+def _assert_engine_replaced(case, tmp_path, model, pool, monkeypatch, capfd) -> None:
+    """A fault case with a restart budget: the run without the fault and the run with it (the engine
+    replaced mid-round) make the same completions and log the same metrics but for the clock's."""
+    from megagrpo.rollout.engines.faults import FAULT_ENV, planned
+    from megagrpo.trainer.session import Session
+
+    made: list = []
+    generate_with = Session.generate_with
+
+    def recording(self, prompts, sampling, group_size, index_offset, version=None):
+        groups = generate_with(self, prompts, sampling, group_size, index_offset, version)
+        made.append(
+            (self.step, sampling.seed, index_offset)
+            + tuple((c.output_ids.tolist(), c.logprobs.tolist(), c.finish_reason) for g in groups for c in g)
+        )
+        return groups
+
+    monkeypatch.setattr(Session, "generate_with", recording)
+    runs = {}
+    for faulty in (False, True):
+        if faulty:
+            monkeypatch.setenv(FAULT_ENV, case.fault)
+        made.clear()
+        tmp = tmp_path / ("fault" if faulty else "clean")
+        tmp.mkdir()
+        assert run_cli(pool, *case_argv(case, tmp, model)) == 0
+        runs[faulty] = (list(made), records(tmp / "run"))
+    out = capfd.readouterr().out
+    fault = planned()
+    assert "sent SIGKILL to engine 0 of 1" in out, out[-3000:]
+    assert re.search(r"engine 0 of 1: .*replaced in [\d.]+ s after .*\(restart 1 of 1\); \d+ requests", out)
+    assert pool.replacements == 1
+    (clean_made, clean), (fault_made, faulted) = runs[False], runs[True]
+    assert fault_made == clean_made and len(clean_made) >= STEPS
+    first_call = next(m for m in fault_made if m[0] == fault.step)  # (step, seed, offset, *completions)
+    assert [r["step"] for r in faulted] == [r["step"] for r in clean] == list(range(1, STEPS + 1))
+    assert [r["rollout/engine_restarts"] for r in faulted] == [float(s == fault.step + 1) for s in (1, 2)]
+    assert [r["rollout/regenerated_requests"] for r in faulted] == [0.0, len(first_call) - 3]
+    for a, b in zip(clean, faulted, strict=True):
+        assert set(a) == set(b)
+        for k in a:
+            if any(t in k for t in _TIMING):
+                continue
+            if "reward" in k or "len" in k:
+                assert a[k] == b[k], (a["step"], k, a[k], b[k])
+            else:
+                assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-9), (a["step"], k, a[k], b[k])
+
+
 def _assert_engine_loss_detected(case, cfg, tmp_path, model, pool, monkeypatch, capfd) -> None:
     """A fault case (`Case.fault`): the run ends with ENGINE_LOST_EXIT_CODE and a line naming the engine and
     the cause, within the watch's deadline of the fault, with the steps before it logged and checkpointed."""
-    import re
-
     from megagrpo.rollout.engines.faults import FAULT_ENV, planned
     from megagrpo.trainer.signals import ENGINE_LOST_EXIT_CODE
 

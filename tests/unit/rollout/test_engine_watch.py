@@ -234,3 +234,85 @@ def test_the_knobs_default_and_refuse_a_deadline_shorter_than_a_look():
             ["rollout.fault_tolerance={probe_interval_s: 5, probe_deadline_s: 2}"],
             check_paths=False,
         )
+
+
+# -- the replacement (owner side), on stand-ins -------------------------------------------------------
+
+
+def owner(max_restarts: int, fails: list[bool]):
+    """A Session with only what `generate_recovering` touches: each round fails while `fails` says so;
+    the engine's start and the weight sync are recorded."""
+    from megagrpo.trainer.session import Session
+
+    s = object.__new__(Session)
+    s.cfg = SimpleNamespace(
+        rollout=SimpleNamespace(fault_tolerance=SimpleNamespace(max_restarts=max_restarts))
+    )
+    s.engine_restarts, s.placement, s.needs_engine = 0, None, True
+    s.recovery = dict.fromkeys(
+        ("rollout/engine_restarts", "rollout/regenerated_requests", "perf/recovery_seconds"), 0.0
+    )
+    s.learner = SimpleNamespace(mesh=SimpleNamespace(device="cpu"))
+    s.events = []
+
+    def generate_with(prompts, sampling, group_size, index_offset):
+        s.events.append(("generate", sampling, index_offset))
+        if fails.pop(0):
+            raise EngineFailed("engine 0 of 1: its process 7 (sglang::scheduler) exited")
+        return [["done"] * group_size for _ in prompts]
+
+    s.generate_with = generate_with
+    s.engine = SimpleNamespace(name="engine 0 of 1", shutdown=lambda: s.events.append(("shutdown",)))
+
+    def start_local_engine(placement):
+        s.events.append(("start",))
+        return SimpleNamespace(name="engine 0 of 1", shutdown=lambda: None)
+
+    s.start_local_engine = start_local_engine
+    s.learner_phase = lambda: s.events.append(("learner_phase",))
+    s.sync_weights = lambda: s.events.append(("sync", s.checksums_done))
+    s.checksums_done = 3
+    return s
+
+
+def test_a_failed_round_is_sent_again_to_a_replacement_with_the_current_weights(capsys):
+    s = owner(max_restarts=1, fails=[True, False])
+    groups = s.generate_recovering(["p0", "p1"], "sampling(seed=41)", 4, 8)
+    assert groups == [["done"] * 4] * 2
+    assert s.events == [
+        ("generate", "sampling(seed=41)", 8),
+        ("shutdown",),
+        ("start",),
+        ("learner_phase",),
+        ("sync", 0),  # checksummed: the replacement's first sync
+        ("generate", "sampling(seed=41)", 8),  # the same seeds, the same global indices
+    ]
+    m = s.recovery_metrics()
+    assert m["rollout/engine_restarts"] == 1.0 and m["rollout/regenerated_requests"] == 8.0
+    assert m["perf/recovery_seconds"] >= 0.0 and s.recovery_metrics()["rollout/engine_restarts"] == 0.0
+    assert "engine 0 of 1: replaced in" in capsys.readouterr().out
+
+
+def test_a_spent_budget_ends_the_run_with_the_engine_named():
+    s = owner(max_restarts=1, fails=[True, True])
+    with pytest.raises(EngineFailed, match="exited; its restart budget is spent .*max_restarts=1"):
+        s.generate_recovering(["p0"], "sampling", 2, 0)
+    assert [e[0] for e in s.events].count("start") == 1
+
+
+def test_no_budget_is_todays_clear_error():
+    """max_restarts=0 (the default): the round's EngineFailed goes up as it is, nothing is replaced."""
+    s = owner(max_restarts=0, fails=[True])
+    with pytest.raises(EngineFailed, match="engine 0 of 1: its process 7 .* exited$"):
+        s.generate_recovering(["p0"], "sampling", 2, 0)
+    assert s.events == [("generate", "sampling", 0)] and s.recovery_metrics() == {}
+
+
+def test_replacement_is_refused_where_it_is_not_built():
+    from megagrpo.config.loader import load_config
+
+    reference = Path(__file__).resolve().parents[3] / "configs" / "reference.yaml"
+    with pytest.raises(MegagrpoError, match="max_restarts.*rollout.mode=async.*max_restarts=0"):
+        load_config(
+            reference, ["rollout.fault_tolerance.max_restarts=1", "rollout.mode=async"], check_paths=False
+        )

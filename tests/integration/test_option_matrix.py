@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import types
 import typing
@@ -207,10 +208,14 @@ CASES = (
             "replay=R3",
         ),
     ),
-    # Issue 45, recovery: the dense config twice, without and with its engine's scheduler SIGKILLed by pid in
-    # the middle of step 2's round; the engine is replaced, given the learner's weights and the round again:
-    # the same completions (ids, sampler logprobs, finish reasons), rewards and lengths, the other metrics
-    # equal within the last bits (`_assert_engine_replaced`).
+    # Issue 45: the dense config through `megagrpo train` with its engine's scheduler signalled by pid in the
+    # middle of step 2's round (`rollout.engines.faults`). With a restart budget, SIGKILL and SIGSTOP: the
+    # watch finds it (a stop within probe_deadline_s), the engine is replaced, given the learner's weights
+    # and the round again: the completions (ids, sampler logprobs, finish reasons), rewards and lengths of
+    # the run without the fault (run once, first), the other metrics within the last bits
+    # (`_assert_engine_replaced`). Without one: exit ENGINE_LOST_EXIT_CODE with step 1 checkpointed, never a
+    # hang (`_assert_engine_loss_detected`). Last of their engine's cases (`RUN_ORDER`): the lost engine is
+    # the one the pool ends, and only the replacements cost a start.
     Case(
         "fault_engine_killed",
         "grpo_math_dense.yaml",
@@ -218,17 +223,20 @@ CASES = (
         ("rollout.fault_tolerance={max_restarts: 1, probe_interval_s: 0.5, probe_deadline_s: 3.0}",),
         fault="kill@step1",
     ),
-    # Issue 45, detection: the dense config again, its engine's scheduler SIGSTOPped by pid in the middle of
-    # step 2's round. The owner's watch must find it stopped within probe_deadline_s, end the engine, and the
-    # run exit ENGINE_LOST_EXIT_CODE with step 1 checkpointed: never a hang. Last of its engine's cases
-    # (`RUN_ORDER`): the stopped engine is the one the pool ends, and no case pays for a new one.
     Case(
         "fault_engine_stopped",
         "grpo_math_dense.yaml",
         "qwen3",
+        ("rollout.fault_tolerance={max_restarts: 1, probe_interval_s: 0.5, probe_deadline_s: 3.0}",),
+        fault="stop@step1",
+    ),
+    Case(
+        "fault_engine_lost",
+        "grpo_math_dense.yaml",
+        "qwen3",
         (
             "schedule.save_every=1",
-            "rollout.fault_tolerance={probe_interval_s: 0.5, probe_deadline_s: 3.0}",
+            "rollout.fault_tolerance={max_restarts: 0, probe_interval_s: 0.5, probe_deadline_s: 3.0}",
         ),
         fault="stop@step1",
     ),
@@ -822,9 +830,13 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
 _TIMING = ("perf/", "seconds", "gbps", "rollout/engine_restarts", "rollout/regenerated_requests")
 
 
+_CLEAN_RUNS: dict[str, tuple[list, list[dict]]] = {}  # config -> (completions, records) without a fault
+
+
 def _assert_engine_replaced(case, tmp_path, model, pool, monkeypatch, capfd) -> None:
-    """A fault case with a restart budget: the run without the fault and the run with it (the engine
-    replaced mid-round) make the same completions and log the same metrics but for the clock's."""
+    """A fault case with a restart budget: the run with the fault (the engine replaced mid-round) makes
+    the completions of the run without it (run once per config) and logs the same metrics but for the
+    clock's."""
     from megagrpo.rollout.engines.faults import FAULT_ENV, planned
     from megagrpo.trainer.session import Session
 
@@ -840,23 +852,25 @@ def _assert_engine_replaced(case, tmp_path, model, pool, monkeypatch, capfd) -> 
         return groups
 
     monkeypatch.setattr(Session, "generate_with", recording)
-    runs = {}
-    for faulty in (False, True):
-        if faulty:
-            monkeypatch.setenv(FAULT_ENV, case.fault)
-        made.clear()
-        tmp = tmp_path / ("fault" if faulty else "clean")
-        tmp.mkdir()
-        assert run_cli(pool, *case_argv(case, tmp, model)) == 0
-        runs[faulty] = (list(made), records(tmp / "run"))
-    out = capfd.readouterr().out
+    if case.config not in _CLEAN_RUNS:
+        (tmp_path / "clean").mkdir()
+        assert run_cli(pool, *case_argv(case, tmp_path / "clean", model)) == 0
+        _CLEAN_RUNS[case.config] = (list(made), records(tmp_path / "clean" / "run"))
+    made.clear()
+    monkeypatch.setenv(FAULT_ENV, case.fault)
     fault = planned()
-    assert "sent SIGKILL to engine 0 of 1" in out, out[-3000:]
-    assert re.search(r"engine 0 of 1: .*replaced in [\d.]+ s after .*\(restart 1 of 1\); \d+ requests", out)
-    assert pool.replacements == 1
-    (clean_made, clean), (fault_made, faulted) = runs[False], runs[True]
-    assert fault_made == clean_made and len(clean_made) >= STEPS
-    first_call = next(m for m in fault_made if m[0] == fault.step)  # (step, seed, offset, *completions)
+    replacements = pool.replacements
+    assert run_cli(pool, *case_argv(case, tmp_path, model)) == 0
+    out = capfd.readouterr().out
+    assert f"sent {signal.Signals(fault.signal).name} to engine 0 of 1" in out, out[-3000:]
+    line = next(ln for ln in out.splitlines() if "replaced in" in ln)
+    assert re.search(r"^engine 0 of 1: .*replaced in [\d.]+ s after .*\(restart 1 of 1\); \d+ requests", line)
+    if fault.kind == "stop":  # found within one look (probe_interval_s) of the deadline
+        assert 3 <= int(re.search(r"has been stopped for (\d+) s", line).group(1)) <= 4, line
+    assert pool.replacements == replacements + 1
+    (clean_made, clean), faulted = _CLEAN_RUNS[case.config], records(tmp_path / "run")
+    assert made == clean_made and len(clean_made) >= STEPS
+    first_call = next(m for m in made if m[0] == fault.step)  # (step, seed, offset, *completions)
     assert [r["step"] for r in faulted] == [r["step"] for r in clean] == list(range(1, STEPS + 1))
     assert [r["rollout/engine_restarts"] for r in faulted] == [float(s == fault.step + 1) for s in (1, 2)]
     assert [r["rollout/regenerated_requests"] for r in faulted] == [0.0, len(first_call) - 3]

@@ -452,7 +452,7 @@ class FaultToleranceConfig(Section):
         default=0,
         ge=0,
         description="Replacements each engine may have in a run: a failed engine is ended, a new one "
-        "started in its place, given the learner's current weights (checksummed) and the round's "
+        "started in its place, given the learner's current weights (checksummed with engine_tp 1) and the round's "
         "requests again with their seeds, so the completions are the ones the lost engine would have "
         "made. 0 = none: an engine loss ends the run with exit 69, to resume from the last "
         "checkpoint. Default 0: a replacement costs an engine start (minutes at scale) and would hide "

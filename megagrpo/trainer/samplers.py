@@ -161,8 +161,15 @@ class SamplerMixin:
                 self.engine = self.start_local_engine(self.placement)
                 self.engine_restarts += 1
         self.learner_phase()
-        self.checksums_done = 0  # the replacement's first sync is checksummed (`checksum_due`)
-        self.sync_weights()
+        # The replacement's sync is checksummed whatever sync.checksum says (a hash of the model, once per
+        # replacement: small next to an engine start), where the check exists: rollout.engine_tp 1.
+        self.checksum_forced = self.cfg.rollout.engine_tp == 1
+        synced = self.sync_weights()  # the same verdict on every rank (merged over the engines)
+        if synced.get("sync/checksum_ok", 1.0) != 1.0:
+            raise EngineFailed(
+                f"{lost or 'an engine failed'}; the weights synced into the replacement engines failed their "
+                "checksum (sync.checksum), so the round is not sent again"
+            )
         seconds = time.perf_counter() - t0
         if lost is not None:
             self.recovery["rollout/engine_restarts"] += 1
@@ -418,10 +425,12 @@ class SamplerMixin:
 
     def checksum_due(self) -> bool:
         """`sync.checksum` on this sync: the first of the process (after the start or a resume) and then
-        every `sync.checksum_every`-th step's."""
+        every `sync.checksum_every`-th step's; and the sync into a replaced engine (`replace_engine`)."""
         s = self.cfg.sync
         done = getattr(self, "checksums_done", 0)
         due = s.checksum and (done == 0 or self.step % s.checksum_every == 0)
+        if getattr(self, "checksum_forced", False):  # an engine's replacement (`replace_engine`)
+            due, self.checksum_forced = True, False
         self.checksums_done = done + due
         return due
 

@@ -239,14 +239,14 @@ def test_the_knobs_default_and_refuse_a_deadline_shorter_than_a_look():
 # -- the replacement (owner side), on stand-ins -------------------------------------------------------
 
 
-def owner(max_restarts: int, fails: list[bool]):
+def owner(max_restarts: int, fails: list[bool], checksum_ok: float = 1.0):
     """A Session with only what `generate_recovering` touches: each round fails while `fails` says so;
     the engine's start and the weight sync are recorded."""
     from megagrpo.trainer.session import Session
 
     s = object.__new__(Session)
     s.cfg = SimpleNamespace(
-        rollout=SimpleNamespace(fault_tolerance=SimpleNamespace(max_restarts=max_restarts))
+        rollout=SimpleNamespace(engine_tp=1, fault_tolerance=SimpleNamespace(max_restarts=max_restarts))
     )
     s.engine_restarts, s.placement, s.needs_engine = 0, None, True
     s.recovery = dict.fromkeys(
@@ -270,8 +270,7 @@ def owner(max_restarts: int, fails: list[bool]):
 
     s.start_local_engine = start_local_engine
     s.learner_phase = lambda: s.events.append(("learner_phase",))
-    s.sync_weights = lambda: s.events.append(("sync", s.checksums_done))
-    s.checksums_done = 3
+    s.sync_weights = lambda: s.events.append(("sync", s.checksum_forced)) or {"sync/checksum_ok": checksum_ok}
     return s
 
 
@@ -284,7 +283,7 @@ def test_a_failed_round_is_sent_again_to_a_replacement_with_the_current_weights(
         ("shutdown",),
         ("start",),
         ("learner_phase",),
-        ("sync", 0),  # checksummed: the replacement's first sync
+        ("sync", True),  # checksummed, whatever sync.checksum says
         ("generate", "sampling(seed=41)", 8),  # the same seeds, the same global indices
     ]
     m = s.recovery_metrics()
@@ -298,6 +297,13 @@ def test_a_spent_budget_ends_the_run_with_the_engine_named():
     with pytest.raises(EngineFailed, match="exited; its restart budget is spent .*max_restarts=1"):
         s.generate_recovering(["p0"], "sampling", 2, 0)
     assert [e[0] for e in s.events].count("start") == 1
+
+
+def test_a_replacement_whose_weights_fail_their_checksum_is_not_used():
+    s = owner(max_restarts=1, fails=[True, False], checksum_ok=0.0)
+    with pytest.raises(EngineFailed, match="exited; the weights synced into the replacement .* checksum"):
+        s.generate_recovering(["p0"], "sampling", 2, 0)
+    assert [e[0] for e in s.events] == ["generate", "shutdown", "start", "learner_phase", "sync"]
 
 
 def test_no_budget_is_todays_clear_error():

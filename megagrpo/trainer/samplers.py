@@ -171,13 +171,14 @@ class SamplerMixin:
                 "checksum (sync.checksum), so the round is not sent again"
             )
         seconds = time.perf_counter() - t0
+        checked = "checksummed" if "sync/checksum_ok" in synced else "not checksummed (rollout.engine_tp > 1)"
         if lost is not None:
             self.recovery["rollout/engine_restarts"] += 1
             self.recovery["rollout/regenerated_requests"] += requests
             self.recovery["perf/recovery_seconds"] += seconds
             print(
                 f"{self.engine.name}: replaced in {seconds:.1f} s after {lost} (restart {self.engine_restarts} "
-                f"of {budget}); {requests} requests sent again",
+                f"of {budget}); its weights {checked}; {requests} requests sent again",
                 flush=True,
             )
 

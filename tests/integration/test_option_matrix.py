@@ -864,7 +864,10 @@ def _assert_engine_replaced(case, tmp_path, model, pool, monkeypatch, capfd) -> 
     out = capfd.readouterr().out
     assert f"sent {signal.Signals(fault.signal).name} to engine 0 of 1" in out, out[-3000:]
     line = next(ln for ln in out.splitlines() if "replaced in" in ln)
-    assert re.search(r"^engine 0 of 1: .*replaced in [\d.]+ s after .*\(restart 1 of 1\); \d+ requests", line)
+    assert re.search(
+        r"^engine 0 of 1: .*replaced in [\d.]+ s after .*\(restart 1 of 1\); its weights checksummed; \d+ requests",
+        line,
+    )
     if fault.kind == "stop":  # found within one look (probe_interval_s) of the deadline
         assert 3 <= int(re.search(r"has been stopped for (\d+) s", line).group(1)) <= 4, line
     assert pool.replacements == replacements + 1

@@ -289,7 +289,7 @@ def test_a_failed_round_is_sent_again_to_a_replacement_with_the_current_weights(
     m = s.recovery_metrics()
     assert m["rollout/engine_restarts"] == 1.0 and m["rollout/regenerated_requests"] == 8.0
     assert m["perf/recovery_seconds"] >= 0.0 and s.recovery_metrics()["rollout/engine_restarts"] == 0.0
-    assert "engine 0 of 1: replaced in" in capsys.readouterr().out
+    assert "; its weights checksummed; 8 requests sent again" in capsys.readouterr().out
 
 
 def test_a_spent_budget_ends_the_run_with_the_engine_named():

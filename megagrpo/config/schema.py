@@ -445,6 +445,54 @@ class MultiTurnConfig(Section):
         return self
 
 
+class FaultToleranceConfig(Section):
+    """How an engine owner watches its colocated engine, and replaces it (docs/reliability.md)."""
+
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="Replacements each engine may have in a run: a failed engine is ended, a new one "
+        "started in its place, given the learner's current weights (checksummed with engine_tp 1) and the round's "
+        "requests again with their seeds, so the completions are the ones the lost engine would have "
+        "made. 0 = none: an engine loss ends the run with exit 69, to resume from the last "
+        "checkpoint. Default 0: a replacement costs an engine start (minutes at scale) and would hide "
+        "a recurring fault; and it covers only colocated, synchronous, single-turn rounds so far.",
+    )
+    probe_interval_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        description="Seconds between two looks of the owner's watch at its engine's processes and requests "
+        "(a few /proc reads each: free next to a round).",
+    )
+    probe_deadline_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="Liveness: a process of the engine (a scheduler, the detokenizer) that has exited, or "
+        "has been stopped (SIGSTOP, a frozen cgroup) for this long, fails the engine. A dead process "
+        "fails it at the next look; a stop gets this grace because a debugger or a job-control stop "
+        "may be brief.",
+    )
+    hang_s: float = Field(
+        default=1800.0,
+        gt=0.0,
+        description="Hang detector: requests in flight and no answer from the engine for this long fail "
+        "it, whatever its processes look like (a scheduler alive but stuck). SGLang answers a "
+        "non-streamed request only when it finishes, so a round whose requests all run to "
+        "max_new_tokens is silent to its end: the default matches dist.timeout_minutes and "
+        "placement.engine_timeout_s, longer than any round of long generations.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> FaultToleranceConfig:
+        if self.probe_deadline_s < self.probe_interval_s:
+            raise invalid(
+                "probe_deadline_s",
+                f"{self.probe_deadline_s} is below probe_interval_s={self.probe_interval_s}; the watch "
+                "looks only every probe_interval_s, so raise probe_deadline_s or lower probe_interval_s",
+            )
+        return self
+
+
 class RolloutConfig(Section):
     engine_tp: int = Field(
         default=1,
@@ -567,6 +615,33 @@ class RolloutConfig(Section):
     multi_turn: MultiTurnConfig = Field(
         default_factory=MultiTurnConfig, description="Agentic multi-turn trajectories with tools."
     )
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig,
+        description="Colocated engines: the owner's watch, which fails a dead, stopped or hung engine "
+        "with an error naming it instead of waiting on it, and the engine's replacement, or the run's "
+        "end with exit 69 (docs/reliability.md).",
+    )
+
+    @model_validator(mode="after")
+    def _check_fault_tolerance(self) -> RolloutConfig:
+        if self.fault_tolerance.max_restarts > 0:
+            other = (
+                "rollout.multi_turn.enabled=true"
+                if self.multi_turn.enabled
+                else "rollout.mode=async"
+                if self.mode == "async"
+                else "rollout.placement.kind=disaggregated"
+                if self.placement.disaggregated
+                else None
+            )
+            if other is not None:
+                raise invalid(
+                    "fault_tolerance.max_restarts",
+                    f"{self.fault_tolerance.max_restarts} with {other}: engines are replaced only in "
+                    "colocated, synchronous, single-turn rollouts so far (docs/reliability.md); set "
+                    "rollout.fault_tolerance.max_restarts=0",
+                )
+        return self
 
     @property
     def response_tokens(self) -> int:

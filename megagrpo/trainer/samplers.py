@@ -106,8 +106,105 @@ class SamplerMixin:
         )
         with engine_cores(placement) if placement else contextlib.nullcontext():
             engine = RolloutEngine(rc, name=name).start()
+        ft = self.cfg.rollout.fault_tolerance
+        engine.start_watch(
+            probe_interval_s=ft.probe_interval_s, probe_deadline_s=ft.probe_deadline_s, hang_s=ft.hang_s
+        )
         print(name, flush=True)  # one line per engine, so a job's log says where its samplers run
         return engine
+
+    # -- fault tolerance (docs/reliability.md) ---------------------------------------------------------
+
+    def generate_recovering(self, prompts, sampling, group_size: int, index_offset: int) -> list:
+        """`generate_with`, with engines replaced (`rollout.fault_tolerance.max_restarts` > 0): after the
+        round every rank agrees on whether an engine failed; if one did, it is replaced (`replace_engine`,
+        collective: the weight sync) and its owner sends its share of the round again, with the same
+        seeds (`sampling.seed`, `index_offset`), so the completions are those of a run without the fault.
+        Per-rank cost: one all-reduce of one int64 per round, and on a failure an engine start and a
+        weight sync. Colocated, synchronous, single-turn only (the schema refuses the rest)."""
+        from megagrpo.dist.agree import failed_rank
+        from megagrpo.rollout.engines.engine import EngineFailed
+
+        if self.cfg.rollout.fault_tolerance.max_restarts == 0:
+            return self.generate_with(prompts, sampling, group_size, index_offset)
+        groups = None
+        while True:
+            lost = None
+            if groups is None:
+                try:
+                    groups = self.generate_with(prompts, sampling, group_size, index_offset)
+                except EngineFailed as e:
+                    lost = e
+            if failed_rank(lost is not None) is None:
+                return groups
+            self.replace_engine(lost, requests=len(prompts) * group_size)
+
+    def replace_engine(self, lost: Exception | None, *, requests: int) -> None:
+        """Collective. The owner of the failed engine (`lost`) ends it and starts another in its place,
+        within its budget (`max_restarts` per engine; past it `lost` ends the run, exit 69); then every
+        rank syncs the learner's weights into every engine (checksummed), as after a step. One line and
+        the counters `rollout/engine_restarts`, `rollout/regenerated_requests`, `perf/recovery_seconds`."""
+        import time
+
+        from megagrpo.dist.agree import agreed
+        from megagrpo.rollout.engines.engine import EngineFailed
+
+        budget = self.cfg.rollout.fault_tolerance.max_restarts
+        t0 = time.perf_counter()
+        with agreed("an engine's replacement (its restart budget is spent, or its start failed)"):
+            if lost is not None:
+                if self.engine_restarts >= budget:
+                    raise EngineFailed(
+                        f"{lost}; its restart budget is spent (rollout.fault_tolerance.max_restarts={budget})"
+                    ) from lost
+                self.engine.shutdown()
+                self.engine = self.start_local_engine(self.placement)
+                self.engine_restarts += 1
+        self.learner_phase()
+        # The replacement's sync is checksummed whatever sync.checksum says (a hash of the model, once per
+        # replacement: small next to an engine start), where the check exists: rollout.engine_tp 1.
+        self.checksum_forced = self.cfg.rollout.engine_tp == 1
+        synced = self.sync_weights()  # the same verdict on every rank (merged over the engines)
+        if synced.get("sync/checksum_ok", 1.0) != 1.0:
+            raise EngineFailed(
+                f"{lost or 'an engine failed'}; the weights synced into the replacement engines failed their "
+                "checksum (sync.checksum), so the round is not sent again"
+            )
+        seconds = time.perf_counter() - t0
+        checked = "checksummed" if "sync/checksum_ok" in synced else "not checksummed (rollout.engine_tp > 1)"
+        if lost is not None:
+            self.recovery["rollout/engine_restarts"] += 1
+            self.recovery["rollout/regenerated_requests"] += requests
+            self.recovery["perf/recovery_seconds"] += seconds
+            print(
+                f"{self.engine.name}: replaced in {seconds:.1f} s after {lost} (restart {self.engine_restarts} "
+                f"of {budget}); its weights {checked}; {requests} requests sent again",
+                flush=True,
+            )
+
+    def recovery_metrics(self) -> dict[str, float]:
+        """The replacements of this step, summed over the engine owners (one all-reduce of 3 floats), and
+        reset; {} when engines are not replaced (`max_restarts` 0)."""
+        if not self.needs_engine or self.cfg.rollout.fault_tolerance.max_restarts == 0:
+            return {}
+        keys = ("rollout/engine_restarts", "rollout/regenerated_requests", "perf/recovery_seconds")
+        t = torch.tensor(
+            [self.recovery[k] for k in keys], dtype=torch.float64, device=self.learner.mesh.device
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        self.recovery = dict.fromkeys(keys, 0.0)
+        return dict(zip(keys, t.tolist(), strict=True))
+
+    def inject_planned_fault(self) -> None:
+        """The test seam `MEGAGRPO_FAULT_INJECT` (`rollout.engines.faults`): at its step's first round, this
+        owner's colocated engine gets its signal once the round's requests are in flight."""
+        from megagrpo.rollout.engines import faults
+
+        fault = faults.planned()
+        if fault is None or fault.step != self.step or self.engine is None or self.disaggregated:
+            return
+        faults.inject_when_busy(self.engine, fault)
 
     def connect_engine(self, index: int):
         """This owner's disaggregated engine: its URL from the launch's store, once its server is up."""
@@ -329,10 +426,12 @@ class SamplerMixin:
 
     def checksum_due(self) -> bool:
         """`sync.checksum` on this sync: the first of the process (after the start or a resume) and then
-        every `sync.checksum_every`-th step's."""
+        every `sync.checksum_every`-th step's; and the sync into a replaced engine (`replace_engine`)."""
         s = self.cfg.sync
         done = getattr(self, "checksums_done", 0)
         due = s.checksum and (done == 0 or self.step % s.checksum_every == 0)
+        if getattr(self, "checksum_forced", False):  # an engine's replacement (`replace_engine`)
+            due, self.checksum_forced = True, False
         self.checksums_done = done + due
         return due
 

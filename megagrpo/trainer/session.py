@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -30,7 +31,7 @@ from megagrpo.trainer.health import HealthConfig, health_warnings
 from megagrpo.trainer.metrics import MetricsLogger, console_line
 from megagrpo.trainer.rows import route_slices
 from megagrpo.trainer.samplers import SamplerMixin, merge_engine_metrics
-from megagrpo.trainer.signals import REQUEUE_EXIT_CODE, StopRequest
+from megagrpo.trainer.signals import ENGINE_LOST_EXIT_CODE, REQUEUE_EXIT_CODE, StopRequest
 from megagrpo.trainer.weights import load_hf_into_learner
 
 
@@ -98,6 +99,12 @@ class Session(SamplerMixin):
         self.placement = None  # CPU cores of the engines and the learner (rollout.placement)
         self.engine = None
         self.engine_store = None  # disaggregated owners: the launch's store, where the engines are found
+        self.engine_restarts = (
+            0  # replacements of this owner's engine (`rollout.fault_tolerance.max_restarts`)
+        )
+        self.recovery = dict.fromkeys(
+            ("rollout/engine_restarts", "rollout/regenerated_requests", "perf/recovery_seconds"), 0.0
+        )
         self.weights_transport = None  # disaggregated owners: the engine's weights broadcast group
         self.stage_routes: list = []  # disaggregated, PP > 1: (route, transport) of this rank's stage
         self.rewards = None  # the reward functions run where the completions are: on engine owners
@@ -222,8 +229,10 @@ class Session(SamplerMixin):
         rank (an empty share on ranks without an engine), so every rank counts the same calls: a call's
         number is part of its requests' seeds."""
         sampling = replace(sampling, seed=self.request_seed(self.step, self._calls))
+        if self._calls == 0:
+            self.inject_planned_fault()
         self._calls += 1
-        return self.generate_with(prompts, sampling, group_size, index_offset)
+        return self.generate_recovering(prompts, sampling, group_size, index_offset)
 
     def request_seed(self, step: int, call: int) -> int:
         return request_seed_base(self.cfg.schedule.seed, step, call)
@@ -437,6 +446,7 @@ class Session(SamplerMixin):
                     self._calls = 0
                     self.reward_counts = {}
                     metrics = step_fn()
+                    metrics.update(self.recovery_metrics())
                     self.step += 1
                     if (
                         self.needs_engine
@@ -459,6 +469,19 @@ class Session(SamplerMixin):
                             flush=True,
                         )
                     exit_code = REQUEUE_EXIT_CODE
+        except MegagrpoError as e:
+            lost = engine_failure(e)
+            if lost is None:
+                raise
+            # Mid-step: the step's learner and data state are not a step boundary, so nothing is saved
+            # here; the last checkpoint (schedule.save_every) resumes the run bit for bit.
+            print(
+                f"rollout engine lost at step {self.step} of {total}: {lost}. Exit {ENGINE_LOST_EXIT_CODE}; "
+                f"resume from the last checkpoint with --resume auto (docs/reliability.md)",
+                file=sys.stderr,
+                flush=True,
+            )
+            exit_code = ENGINE_LOST_EXIT_CODE
         except SystemExit as e:
             if e.code not in (0, None):
                 raise
@@ -514,3 +537,17 @@ class Session(SamplerMixin):
 
 
 __all__ = ["Session", "json", "merge_engine_metrics", "os", "time"]
+
+
+def engine_failure(e: BaseException) -> str | None:
+    """The `EngineFailed` message behind `e` (itself, or an error that names its engine and wraps it, as
+    the weight sync's does), or None when no engine failed."""
+    from megagrpo.rollout.engines.engine import EngineFailed
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, EngineFailed):
+            return str(e)
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None

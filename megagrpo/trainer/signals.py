@@ -15,6 +15,10 @@ import signal
 from types import FrameType
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+# EX_UNAVAILABLE: a rollout engine failed (died, stopped or hung: `rollout.engines.watch`) and the run
+# cannot go on without it; distinct from a crash (1), a user error (2) and a preemption (75), so a launcher
+# can tell "resume once the engine's cause is fixed" from the rest (docs/reliability.md).
+ENGINE_LOST_EXIT_CODE = 69
 
 
 class StopRequest:

@@ -30,6 +30,7 @@ class EnginePool:
         self.cls = RolloutEngine
         self.engines: dict[tuple, RolloutEngine] = {}
         self.starts = 0
+        self.replacements = 0  # engines started in place of a failed one (`starts` counts the others)
         self.one_live = one_live
 
     @staticmethod
@@ -45,17 +46,25 @@ class EnginePool:
             settings["trust_remote_code"] = None
         return (arch, json.dumps(settings, sort_keys=True, default=str))
 
-    def __call__(self, cfg):
+    def __call__(self, cfg, *, name: str | None = None):
         key = self.key(cfg)
         eng = self.engines.get(key)
+        replacing = eng is not None and eng.failed is not None
+        if replacing:  # a fault case's replacement (issue 45): the failed engine goes, a new one comes
+            self.cls.shutdown(self.engines.pop(key))
+            eng = None
         if eng is None:
             if self.one_live:
                 self.drop_all()
-            eng = self.cls(cfg)  # started by the trainer's own start() call
+            eng = self.cls(cfg, name=name)  # started by the trainer's own start() call
             eng.shutdown = lambda: None
             self.engines[key] = eng
-            self.starts += 1
+            if replacing:
+                self.replacements += 1
+            else:
+                self.starts += 1
             return eng
+        eng.name = name or eng.name  # this run's placement, in its errors
         eng.resume()
         ok, message, *_ = eng.engine.update_weights_from_disk(cfg.model_path)
         if not ok:

@@ -39,6 +39,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import signal
 import sys
 import types
 import typing
@@ -72,6 +74,7 @@ class Case:
     family: str  # tiny model family standing in for the config's model
     options: tuple[str, ...] = ()  # dotted overrides that select options (beyond the size overrides)
     doc: DocCommand | None = None  # a command of the docs: its own overrides and options, after the sizes
+    fault: str | None = None  # MEGAGRPO_FAULT_INJECT of the run (`rollout.engines.faults`): it ends early
 
 
 # SGLang's FP8 kernels need CUDA: the engine refuses rollout.fp8 on the CPU (`RolloutEngine`).
@@ -205,6 +208,38 @@ CASES = (
             "replay=R3",
         ),
     ),
+    # Issue 45: the dense config through `megagrpo train` with its engine's scheduler signalled by pid in the
+    # middle of step 2's round (`rollout.engines.faults`). With a restart budget, SIGKILL and SIGSTOP: the
+    # watch finds it (a stop within probe_deadline_s), the engine is replaced, given the learner's weights
+    # and the round again: the completions (ids, sampler logprobs, finish reasons), rewards and lengths of
+    # the run without the fault (run once, first), the other metrics within the last bits
+    # (`_assert_engine_replaced`). Without one: exit ENGINE_LOST_EXIT_CODE with step 1 checkpointed, never a
+    # hang (`_assert_engine_loss_detected`). Last of their engine's cases (`RUN_ORDER`): the lost engine is
+    # the one the pool ends, and only the replacements cost a start.
+    Case(
+        "fault_engine_killed",
+        "grpo_math_dense.yaml",
+        "qwen3",
+        ("rollout.fault_tolerance={max_restarts: 1, probe_interval_s: 0.5, probe_deadline_s: 3.0}",),
+        fault="kill@step1",
+    ),
+    Case(
+        "fault_engine_stopped",
+        "grpo_math_dense.yaml",
+        "qwen3",
+        ("rollout.fault_tolerance={max_restarts: 1, probe_interval_s: 0.5, probe_deadline_s: 3.0}",),
+        fault="stop@step1",
+    ),
+    Case(
+        "fault_engine_lost",
+        "grpo_math_dense.yaml",
+        "qwen3",
+        (
+            "schedule.save_every=1",
+            "rollout.fault_tolerance={max_restarts: 0, probe_interval_s: 0.5, probe_deadline_s: 3.0}",
+        ),
+        fault="stop@step1",
+    ),
 )
 
 
@@ -259,9 +294,10 @@ def engine_of(case: Case) -> str:
     return {"qwen3_moe_think": "qwen3_moe"}.get(case.family, case.family)
 
 
-# The cases grouped by engine, otherwise in CASES' order: the pool keeps one engine alive (`pool`).
+# The cases grouped by engine, otherwise in CASES' order: the pool keeps one engine alive (`pool`). A fault
+# case ends its engine, so it runs last of its group.
 _ENGINES = list(dict.fromkeys(engine_of(c) for c in CASES))
-RUN_ORDER = sorted(CASES, key=lambda c: _ENGINES.index(engine_of(c)))
+RUN_ORDER = sorted(CASES, key=lambda c: (_ENGINES.index(engine_of(c)), c.fault is not None))
 
 # Shipped configs whose RL stage starts from the model of their own SFT stage (`megagrpo sft` on the file,
 # from the tiny model of the case's family).
@@ -766,13 +802,19 @@ def test_sft_stage_of_a_shipped_config(config, sft_stages, models):
 
 
 @pytest.mark.parametrize("case", RUN_ORDER, ids=[c.name for c in RUN_ORDER])
-def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sft_stages):
+def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sft_stages, monkeypatch, capfd):
     model = models[case.family]
     if case.config in SFT_CONFIGS:  # the RL stage starts from its SFT stage's model
         _, sft_out, sft_rc = sft_stages(case.config)
         assert sft_rc == 0, "the SFT stage this case starts from failed"
         model = sft_out
     cfg = load_config(CONFIGS / case.config, case_overrides(case, tmp_path, model))
+    if case.fault and cfg.rollout.fault_tolerance.max_restarts:
+        _assert_engine_replaced(case, tmp_path, model, pool, monkeypatch, capfd)
+        return
+    if case.fault:
+        _assert_engine_loss_detected(case, cfg, tmp_path, model, pool, monkeypatch, capfd)
+        return
     rc = run_cli(pool, *case_argv(case, tmp_path, model))
     assert rc == 0
     problems = (doc_problems if case.doc else run_problems)(cfg, records(tmp_path / "run"))
@@ -782,6 +824,90 @@ def test_case_trains_two_steps_with_its_options(case, tmp_path, models, pool, sf
     assert (ckpt / "meta.json").is_file()
     if mtp_layer_prefixes(str(model)):  # carried beside it unchanged, for `convert megatron-to-hf`
         _assert_mtp_carried(model, load_file(str(next(ckpt.glob("mtp-*.safetensors")))))
+
+
+# Metrics of the clock, and the recovery's own counters: the only ones a fault may change.
+_TIMING = ("perf/", "seconds", "gbps", "rollout/engine_restarts", "rollout/regenerated_requests")
+
+
+_CLEAN_RUNS: dict[str, tuple[list, list[dict]]] = {}  # config -> (completions, records) without a fault
+
+
+def _assert_engine_replaced(case, tmp_path, model, pool, monkeypatch, capfd) -> None:
+    """A fault case with a restart budget: the run with the fault (the engine replaced mid-round) makes
+    the completions of the run without it (run once per config) and logs the same metrics but for the
+    clock's."""
+    from megagrpo.rollout.engines.faults import FAULT_ENV, planned
+    from megagrpo.trainer.session import Session
+
+    made: list = []
+    generate_with = Session.generate_with
+
+    def recording(self, prompts, sampling, group_size, index_offset, version=None):
+        groups = generate_with(self, prompts, sampling, group_size, index_offset, version)
+        made.append(
+            (self.step, sampling.seed, index_offset)
+            + tuple((c.output_ids.tolist(), c.logprobs.tolist(), c.finish_reason) for g in groups for c in g)
+        )
+        return groups
+
+    monkeypatch.setattr(Session, "generate_with", recording)
+    if case.config not in _CLEAN_RUNS:
+        (tmp_path / "clean").mkdir()
+        assert run_cli(pool, *case_argv(case, tmp_path / "clean", model)) == 0
+        _CLEAN_RUNS[case.config] = (list(made), records(tmp_path / "clean" / "run"))
+    made.clear()
+    monkeypatch.setenv(FAULT_ENV, case.fault)
+    fault = planned()
+    replacements = pool.replacements
+    assert run_cli(pool, *case_argv(case, tmp_path, model)) == 0
+    out = capfd.readouterr().out
+    assert f"sent {signal.Signals(fault.signal).name} to engine 0 of 1" in out, out[-3000:]
+    line = next(ln for ln in out.splitlines() if "replaced in" in ln)
+    assert re.search(
+        r"^engine 0 of 1: .*replaced in [\d.]+ s after .*\(restart 1 of 1\); its weights checksummed; \d+ requests",
+        line,
+    )
+    if fault.kind == "stop":  # found within one look (probe_interval_s) of the deadline
+        assert 3 <= int(re.search(r"has been stopped for (\d+) s", line).group(1)) <= 4, line
+    assert pool.replacements == replacements + 1
+    (clean_made, clean), faulted = _CLEAN_RUNS[case.config], records(tmp_path / "run")
+    assert made == clean_made and len(clean_made) >= STEPS
+    first_call = next(m for m in made if m[0] == fault.step)  # (step, seed, offset, *completions)
+    assert [r["step"] for r in faulted] == [r["step"] for r in clean] == list(range(1, STEPS + 1))
+    assert [r["rollout/engine_restarts"] for r in faulted] == [float(s == fault.step + 1) for s in (1, 2)]
+    assert [r["rollout/regenerated_requests"] for r in faulted] == [0.0, len(first_call) - 3]
+    for a, b in zip(clean, faulted, strict=True):
+        assert set(a) == set(b)
+        for k in a:
+            if any(t in k for t in _TIMING):
+                continue
+            if "reward" in k or "len" in k:
+                assert a[k] == b[k], (a["step"], k, a[k], b[k])
+            else:
+                assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-9), (a["step"], k, a[k], b[k])
+
+
+def _assert_engine_loss_detected(case, cfg, tmp_path, model, pool, monkeypatch, capfd) -> None:
+    """A fault case (`Case.fault`): the run ends with ENGINE_LOST_EXIT_CODE and a line naming the engine and
+    the cause, within the watch's deadline of the fault, with the steps before it logged and checkpointed."""
+    from megagrpo.rollout.engines.faults import FAULT_ENV, planned
+    from megagrpo.trainer.signals import ENGINE_LOST_EXIT_CODE
+
+    monkeypatch.setenv(FAULT_ENV, case.fault)
+    fault = planned()
+    rc = run_cli(pool, *case_argv(case, tmp_path, model))
+    err = capfd.readouterr()
+    assert rc == ENGINE_LOST_EXIT_CODE, err.err[-3000:]
+    assert "sent SIGSTOP to engine 0 of 1" in err.out, err.out[-3000:]
+    line = next(ln for ln in err.err.splitlines() if ln.startswith("rollout engine lost"))
+    assert f"at step {fault.step} of {STEPS}" in line and "engine 0 of 1" in line
+    assert "probe_deadline_s=3" in line and "--resume auto" in line
+    # found within one look (probe_interval_s) of the deadline
+    assert 3 <= int(re.search(r"has been stopped for (\d+) s", line).group(1)) <= 4, line
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, fault.step + 1))
+    assert (tmp_path / "ckpt" / f"step_{fault.step:08d}" / "meta.json").is_file()
+    assert cfg.rollout.fault_tolerance.probe_deadline_s == 3.0
 
 
 def test_each_family_started_one_engine(pool):

@@ -444,6 +444,7 @@ class RolloutEngine(EngineRequests):
         self._engine: Any = None
         self._child_pids: list[int] = []
         self._failure_dir: str | None = None  # where its schedulers leave their cause of death
+        self._watch: Any = None  # the owner's `rollout.engines.watch.EngineWatch`, when started
         self.failed: str | None = (
             None  # why the engine stopped serving (module doc, "SIGQUIT"); None = it serves
         )
@@ -619,10 +620,26 @@ class RolloutEngine(EngineRequests):
         if self.failed is not None or self._engine is None:
             return
         cause = failure_cause(self._failure_dir)
-        self.failed = (
-            f"the SGLang engine serving {self.cfg.model_path} stopped: one of its processes failed"
+        if not self._stop_failed(
+            "one of its processes failed"
             + (f" with {cause}" if cause else " (SGLang logged its traceback above)")
-            + f"; the run cannot go on with {self.name}. Resume from the last checkpoint once the cause is fixed"
+        ):
+            raise EngineFailed(self.failed)
+
+    def fail(self, cause: str) -> None:
+        """The owner's watch found the engine dead, stopped or hung (`rollout.engines.watch`): the engine
+        fails as on SIGQUIT (module doc), from the watch's thread, so nothing is raised here: a request
+        waiting on the engine ends with `EngineFailed`, and so does every later use."""
+        if self.failed is None and self._engine is not None:
+            logger.error("%s: %s; the engine is stopped", self.name, cause)
+            self._stop_failed(cause)
+
+    def _stop_failed(self, cause: str) -> bool:
+        """Mark the engine failed with `cause`, stop its processes (a stopped one too: SIGKILL ends it) and
+        end a wait on its loop; whether a wait was ended (else the caller raises, if it may)."""
+        self.failed = (
+            f"the SGLang engine serving {self.cfg.model_path} stopped: {cause}; the run cannot go on with "
+            f"{self.name}. Resume from the last checkpoint once the cause is fixed"
         )
         watchdog = getattr(self._engine.tokenizer_manager, "_subprocess_watchdog", None)
         if watchdog is not None:
@@ -630,12 +647,32 @@ class RolloutEngine(EngineRequests):
         _kill_pids(self._child_pids, timeout=10)
         loop = self._engine.loop
         if loop.is_running():
-            # Waiting on the engine: uvloop runs this handler as a callback of its own and only logs what it
-            # raises. Stopped, the loop ends the wait with a RuntimeError, which `wait` and the weight sync
-            # turn into EngineFailed.
+            # Waiting on the engine: uvloop runs a signal handler as a callback of its own and only logs
+            # what it raises. Stopped, the loop ends the wait with a RuntimeError, which `wait` and the
+            # weight sync turn into EngineFailed.
             loop.call_soon_threadsafe(loop.stop)  # threadsafe: wakes a loop blocked in its selector
-            return
-        raise EngineFailed(self.failed)
+            return True
+        return False
+
+    def start_watch(self, *, probe_interval_s: float, probe_deadline_s: float, hang_s: float) -> None:
+        """The owner's watch over this engine (`rollout.engines.watch`), until `shutdown`; it replaces the
+        one a reused engine (a test's pool) may still have."""
+        from megagrpo.rollout.engines.watch import EngineWatch
+
+        if self._watch is not None:
+            self._watch.stop()
+        self._watch = EngineWatch(
+            self, probe_interval_s=probe_interval_s, probe_deadline_s=probe_deadline_s, hang_s=hang_s
+        ).start()
+
+    def request_progress(self) -> tuple[int, float]:
+        """(requests in flight, the time of the engine's last answer) from SGLang's tokenizer manager; read
+        from the watch's thread (a dict's length and a float: no lock needed). (0, 0.0) once shut down."""
+        engine = self._engine
+        if engine is None:
+            return 0, 0.0
+        tm = engine.tokenizer_manager
+        return len(tm.rid_to_state), float(getattr(tm, "last_receive_tstamp", 0.0))
 
     def wait(self, coro: Any) -> Any:
         """`coro` run on the engine's loop; EngineFailed when the engine died meanwhile (module doc)."""
@@ -673,6 +710,9 @@ class RolloutEngine(EngineRequests):
 
     def shutdown(self) -> None:
         """Stop the engine and every process it started; idempotent."""
+        if self._watch is not None:
+            self._watch.stop()  # the processes killed below are no failure
+            self._watch = None
         engine, self._engine = self._engine, None
         if engine is None:
             return

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megagrpo.config.schema import FaultToleranceConfig
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.groups import EngineGroups
 from megagrpo.trainer import samplers as samplers_module
@@ -43,6 +44,9 @@ class FakeEngine:
         self.log.append("engine.start")
         return self
 
+    def start_watch(self, **knobs) -> None:
+        self.log.append("engine.watch")
+
     def release(self, tags=None) -> None:
         for t in tags or ("kv_cache", "weights"):
             if t not in self.released:
@@ -73,7 +77,9 @@ def session(log, monkeypatch) -> Session:
         checkpoint=SimpleNamespace(keep_last=2),
         model=SimpleNamespace(hf_path="hf"),
         rollout=SimpleNamespace(
-            mode="colocated", placement=SimpleNamespace(engine_cores=None, disaggregated=False)
+            mode="colocated",
+            placement=SimpleNamespace(engine_cores=None, disaggregated=False),
+            fault_tolerance=FaultToleranceConfig(),
         ),
     )
     s.async_rollout, s.placement, s.sync_wait_seconds = None, None, 0.0
@@ -87,7 +93,7 @@ def session(log, monkeypatch) -> Session:
 
 def test_the_learner_reaches_its_steady_state_and_leaves_before_the_engine_starts(session, log):
     session.start_engine()
-    assert log == ["learner.init_optimizer_state", "learner.offload", "engine.start"]
+    assert log == ["learner.init_optimizer_state", "learner.offload", "engine.start", "engine.watch"]
 
 
 def test_without_an_engine_the_learner_stays(session, log):
@@ -169,7 +175,14 @@ def test_async_swaps_no_memory_and_syncs_at_a_request_boundary(session, log, mon
     session.learner_phase()
     session.sync_weights()
     session.sampler_phase()
-    assert log == ["learner.init_optimizer_state", "engine.start", "check", "drain", "sync.write"]
+    assert log == [
+        "learner.init_optimizer_state",
+        "engine.start",
+        "engine.watch",
+        "check",
+        "drain",
+        "sync.write",
+    ]
     assert session.sync_wait_seconds == 0.5
 
 

@@ -48,6 +48,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
@@ -78,6 +79,13 @@ logger = logging.getLogger(__name__)
 MEMORY_TAGS = ("weights", "kv_cache")
 
 Prompt = Sequence[int] | Sequence[dict]  # token ids, or chat messages [{"role": ..., "content": ...}]
+
+
+def open_zmq_contexts() -> list[Any]:
+    """The ZMQ contexts of this process that are not closed (SGLang's tokenizer manager makes its own)."""
+    import zmq
+
+    return [o for o in gc.get_objects() if isinstance(o, zmq.Context) and not o.closed]
 
 
 def _kill_pids(pids: Sequence[int], timeout: float | None = 30) -> None:
@@ -569,6 +577,7 @@ class RolloutEngine(EngineRequests):
         from sglang.srt.entrypoints.engine import Engine  # the class (`sglang.Engine` is a lazy stand-in)
 
         before = {p.pid for p in psutil.Process().children(recursive=True)}
+        contexts = {id(c) for c in open_zmq_contexts()}
         self.export_cpu_threads_bind()
         self._failure_dir = tempfile.mkdtemp(prefix="megagrpo-engine-")
         kw = self.engine_kwargs()
@@ -585,6 +594,12 @@ class RolloutEngine(EngineRequests):
             if self._engine is None:
                 _kill_pids(self._child_pids)
                 self._remove_failure_dir()
+                # The half-built engine's ZMQ contexts hold requests for schedulers that are gone; left to
+                # the garbage collector, their default linger (forever) blocks this process at some later
+                # allocation. Closed now, without linger.
+                for ctx in open_zmq_contexts():
+                    if id(ctx) not in contexts:
+                        ctx.destroy(linger=0)
         hf = self._engine.tokenizer_manager.model_config.hf_config
         self._read_dims(lambda key: getattr(hf, key, None))
         self.context_len = int(self._engine.tokenizer_manager.context_len)

@@ -2,7 +2,7 @@
 
 As a function (`tests.integration.command_agent:run`), the calculator agent. As a command (`python -m
 tests.integration.command_agent`), an agent that needs no SDK, as one in any language could be: one chat
-request with the row's prompt to its session's URL (MEGAGRPO_BASE_URL, MEGAGRPO_ROW), then `null` on the
+request with the row's prompt to its session's URL (MEGAGRPO_BASE_URL, MEGAGRPO_ROW_FILE, OPENAI_API_KEY), then `null` on the
 last line, which leaves the score to `rewards.functions`. Standard library only: the command starts once per
 trajectory, and the openai client's import alone costs about 1.7 s of CPU.
 """
@@ -21,15 +21,16 @@ def run(base_url: str, row: dict, **options) -> float:
     return calculator_agent(base_url, row, **options)
 
 
-def ask_once(base_url: str, row: dict) -> None:
+def ask_once(base_url: str, row: dict, key: str | None = None) -> None:
     body = json.dumps({"messages": [{"role": "user", "content": str(row["prompt"])}]}).encode()
-    request = urllib.request.Request(
-        f"{base_url}/chat/completions", data=body, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(f"{base_url}/chat/completions", data=body, headers=headers)
     with urllib.request.urlopen(request, timeout=300) as reply:
         json.load(reply)  # an answer, not an error page
 
 
 if __name__ == "__main__":
-    ask_once(os.environ["MEGAGRPO_BASE_URL"], json.loads(os.environ["MEGAGRPO_ROW"]))
+    with open(os.environ["MEGAGRPO_ROW_FILE"]) as f:
+        row = json.load(f)
+    ask_once(os.environ["MEGAGRPO_BASE_URL"], row, os.environ.get("OPENAI_API_KEY"))
     print("null")
